@@ -1,0 +1,200 @@
+"""Corpus, tokenizer and packed language-modelling datasets.
+
+The default input is the bundled Shakespeare corpus (`data/shakespeare`, 42 works, checked
+against `SHA256SUMS`), a byte-level BPE trained on it with `tokenizers`, and blocks of
+`block_size` tokens. `--dataset_name` / `--train_file` load anything `datasets` can, with the
+transformers `run_clm` conventions.
+
+Everything expensive is cached under `cache_dir`, keyed by a hash of its inputs, and written
+through a temporary directory plus an atomic rename, so concurrent jobs never see half a cache.
+Call the builders inside `accelerator.main_process_first()`: rank 0 builds, the others load.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import datasets
+from tokenizers import ByteLevelBPETokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CORPUS_DIR = REPO_ROOT / "data" / "shakespeare"
+DEFAULT_CACHE_DIR = os.environ.get("ACCELERATE_RECIPES_CACHE", str(Path.home() / ".cache" / "accelerate-recipes"))
+EOS = "<|endoftext|>"
+
+
+def load_shakespeare(corpus_dir: Path = CORPUS_DIR) -> datasets.Dataset:
+    """The bundled corpus as a `Dataset` with columns `text` (one whole work per row) and `work`.
+
+    Raises:
+        FileNotFoundError: the corpus directory or one of the files named in `SHA256SUMS` is missing.
+        ValueError: a file's SHA-256 does not match `SHA256SUMS` (names the file).
+    """
+    sums = Path(corpus_dir) / "SHA256SUMS"
+    if not sums.is_file():
+        raise FileNotFoundError(f"bundled corpus checksum list not found: {sums}")
+    texts, works = [], []
+    for line in sums.read_text().splitlines():
+        digest, name = line.split()
+        path = Path(corpus_dir) / f"{name}.gz"
+        if not path.is_file():
+            raise FileNotFoundError(f"bundled corpus file missing: {path}")
+        raw = gzip.decompress(path.read_bytes())
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise ValueError(f"bundled corpus file {path} does not match its SHA-256 in {sums}")
+        texts.append(raw.decode("ascii"))
+        works.append(name.removesuffix("_gut.txt"))
+    return datasets.Dataset.from_dict({"text": texts, "work": works})
+
+
+def load_text_dataset(
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    validation_split_percentage: int = 5,
+) -> datasets.DatasetDict:
+    """Raw text splits `train` and `validation`, as in transformers' `run_clm.py`.
+
+    Sources, first match wins: a hub or local `datasets` name; `train_file`/`validation_file`
+    (.txt, .json/.jsonl, .parquet; one sample per line for .txt); else the bundled corpus.
+    Without a validation split, the first `validation_split_percentage`% of training rows
+    are held out (at least one row).
+
+    Returns:
+        `DatasetDict` with a `text` column in both splits.
+
+    Raises:
+        FileNotFoundError: a data file does not exist (names it).
+        ValueError: unsupported extension, no `text` column, or a split left empty.
+    """
+    if dataset_name:
+        raw = datasets.load_dataset(dataset_name, dataset_config_name)
+    elif train_file:
+        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        for path in files.values():
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"data file not found: {path}")
+        ext = Path(train_file).suffix.lstrip(".")
+        builder = {"txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
+        if builder is None:
+            raise ValueError(f"--train_file {train_file}: extension .{ext} not supported (txt, json, jsonl, parquet)")
+        raw = datasets.load_dataset(builder, data_files=files)
+    else:
+        raw = datasets.DatasetDict({"train": load_shakespeare()})
+    if "validation" not in raw:
+        n_val = max(1, len(raw["train"]) * validation_split_percentage // 100)
+        if n_val >= len(raw["train"]):
+            raise ValueError(f"only {len(raw['train'])} training rows: too few to hold out a validation split")
+        raw = datasets.DatasetDict({
+            "train": raw["train"].select(range(n_val, len(raw["train"]))),
+            "validation": raw["train"].select(range(n_val)),
+        })
+    for split in ("train", "validation"):
+        if "text" not in raw[split].column_names:
+            raise ValueError(f"{split} split has no 'text' column (columns: {raw[split].column_names})")
+    return raw
+
+
+def _text_digest(*splits: datasets.Dataset) -> str:
+    """SHA-256 of the `text` columns: the same on every rank and every run (fingerprints of
+    in-memory datasets are random, so they cannot key a cache)."""
+    h = hashlib.sha256()
+    for split in splits:
+        for i in range(0, len(split), 10_000):
+            for text in split[i:i + 10_000]["text"]:
+                h.update(text.encode() + b"\0")
+        h.update(b"|split|")
+    return h.hexdigest()
+
+
+def _atomic_dir(final: Path, build) -> Path:
+    """Run `build(tmp_dir)` and rename the result to `final`, unless another job got there first."""
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        build(tmp)
+        os.replace(tmp, final)
+    except OSError:
+        if not final.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_size: int, cache_dir: str):
+    """Load `name_or_path` with `AutoTokenizer`, or train a byte-level BPE on `raw['train']`.
+
+    The trained tokenizer is deterministic for a given corpus and vocabulary (`tokenizers` BPE
+    breaks ties by pair order), saved as `tokenizer.json` and loadable by `AutoTokenizer`. Its
+    single special token `<|endoftext|>` serves as bos, eos, pad and unk.
+
+    Returns:
+        A `PreTrainedTokenizerFast` with `eos_token_id` set.
+    """
+    if name_or_path:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        if tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer_name_or_path {name_or_path}: tokenizer has no eos token")
+        return tok
+    digest = _text_digest(raw["train"])[:16]
+
+    def build(tmp: Path):
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(raw["train"]["text"], vocab_size=vocab_size, min_frequency=2,
+                                special_tokens=[EOS], show_progress=False)
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS,
+                                      unk_token=EOS, pad_token=EOS)
+        tok.save_pretrained(tmp)
+
+    path = _atomic_dir(Path(cache_dir) / f"tokenizer-bpe{vocab_size}-{digest}", build)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str) -> datasets.DatasetDict:
+    """Tokenize every row, append eos, concatenate and cut into `block_size`-token blocks.
+
+    The remainder shorter than a block is dropped (`run_clm`'s `group_texts`). Cached on disk
+    by a hash of the raw data, the tokenizer and `block_size`.
+
+    Returns:
+        `DatasetDict` (`train`, `validation`) with `input_ids` and `labels`: int64 lists of
+        length `block_size`; `labels` equals `input_ids` (the model shifts them).
+
+    Raises:
+        ValueError: a split holds fewer tokens than one block (states both numbers).
+    """
+    key = json.dumps([_text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(), block_size])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        return {"ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
+
+    def group(batch):
+        flat = [t for ids in batch["ids"] for t in ids]
+        n = len(flat) // block_size * block_size
+        blocks = [flat[i:i + block_size] for i in range(0, n, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    def build(tmp: Path):
+        tokens = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
+        for split in ("train", "validation"):
+            n_tokens = sum(len(ids) for ids in tokens[split]["ids"])
+            if n_tokens < block_size:
+                raise ValueError(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size {block_size})")
+        # one batch of 1,000 rows: blocks may span rows, never batches
+        tokens.map(group, batched=True, batch_size=1000, remove_columns=["ids"]).save_to_disk(str(tmp))
+
+    path = _atomic_dir(Path(cache_dir) / f"packed-{block_size}-{digest}", build)
+    return datasets.load_from_disk(str(path))

@@ -1,0 +1,120 @@
+"""Real multi-process training on a machine with no accelerator: the one place that handles it.
+
+`accelerate launch --num_processes 2` on a CPU-only host starts 2 processes through torchrun,
+but inside them Accelerate 1.x finds no device and quietly builds a *single*, non-distributed
+state per process: two independent runs that only look distributed. `cpu_process_group_kwargs`
+switches each strategy back to its real code path over gloo, and `check_distributed` refuses to
+train if that did not work, so an Accelerate upgrade that changes the internals fails loudly.
+
+What each strategy needs (checked with accelerate 1.15, deepspeed 0.19.8, torch 2.13 CPU):
+
+| strategy (set by `accelerate launch`)  | what we do on CPU                                          |
+|----------------------------------------|------------------------------------------------------------|
+| DDP / MULTI_CPU                        | `ACCELERATE_USE_CPU=true`: Accelerate's own MULTI_CPU path |
+| DeepSpeed (`ACCELERATE_USE_DEEPSPEED`)  | process-group backend `gloo` instead of `nccl`             |
+| FSDP1 / FSDP2 (`ACCELERATE_USE_FSDP`)   | gloo process group, then the state's distributed type set  |
+|                                        | to MULTI_GPU so that `AcceleratorState` picks FSDP (it     |
+|                                        | only does from a multi-device type); the device stays CPU. |
+
+On a host with CUDA (or any device Accelerate knows) nothing here changes anything: the only
+effect is the collective timeout, which every run gets.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
+    """Process-group settings for `Accelerator(kwargs_handlers=[...])`, fixing up CPU-only launches.
+
+    Call it before building the `Accelerator`. With no accelerator and a torchrun launch
+    (`LOCAL_RANK` set), it makes the strategy chosen by the accelerate config run for real over
+    gloo (see the module docstring). Elsewhere it only sets the timeout.
+
+    Args:
+        timeout_s: collective timeout in seconds (`--ddp_timeout`, as in `TrainingArguments`). A
+            rank stuck in a collective longer than this raises, so one dead rank ends the job.
+
+    Returns:
+        `InitProcessGroupKwargs` with `timeout` set, and `backend="gloo"` on CPU-only launches.
+
+    Raises:
+        ValueError: if `timeout_s` is not positive.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
+    timeout = timedelta(seconds=timeout_s)
+    if _has_accelerator() or "LOCAL_RANK" not in os.environ:
+        return InitProcessGroupKwargs(timeout=timeout)
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # FSDP is only chosen from a multi-device state. Initialise the process group ourselves
+        # (gloo), then relabel the state; PartialState is a shared singleton, so the
+        # Accelerator built next reuses it.
+        state = PartialState(cpu=True, backend="gloo", timeout=timeout)
+        state.distributed_type = DistributedType.MULTI_GPU
+        state.device = torch.device("cpu")  # not "cpu:0": FSDP1 rejects an indexed CPU device_id
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # DDP: Accelerate's MULTI_CPU path over gloo
+    return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+
+
+def check_distributed(accelerator: Accelerator) -> None:
+    """Refuse to train if Accelerate silently fell back to independent single processes.
+
+    Compares Accelerate's view with what the launcher set (`WORLD_SIZE`, and the strategy chosen
+    by `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`).
+
+    Raises:
+        RuntimeError: if `accelerator.num_processes` differs from `WORLD_SIZE`, or the
+            distributed type is not the one the accelerate config asked for.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != world_size:
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={world_size} but Accelerate built a state with "
+            f"{accelerator.num_processes} process(es) ({accelerator.distributed_type}); "
+            "common/launch.py no longer matches this Accelerate version"
+        )
+    wanted = None
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        wanted = DistributedType.FSDP
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        wanted = DistributedType.DEEPSPEED
+    if wanted is not None and accelerator.distributed_type != wanted:
+        raise RuntimeError(
+            f"the accelerate config asks for {wanted} but Accelerate chose "
+            f"{accelerator.distributed_type}; common/launch.py no longer matches this Accelerate version"
+        )
+
+
+def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
+    """The full (unsharded) model state dict for export. Call on every rank: it is a collective.
+
+    `accelerator.get_state_dict` everywhere, except FSDP1 on a CPU-only host: there its
+    FULL_STATE_DICT gather with `offload_to_cpu=True` crashed (SIGSEGV, torch 2.13), and
+    offloading to the CPU is meaningless when the tensors already live there, so we gather
+    without it.
+
+    Returns:
+        name -> full-size tensor on rank 0 (FSDP1 leaves other ranks' dicts empty).
+    """
+    if (accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
+            and accelerator.device.type == "cpu"):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+            return model.state_dict()
+    return accelerator.get_state_dict(model)
