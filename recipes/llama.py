@@ -293,6 +293,8 @@ progress.close()
 final_dir = os.path.join(args.output_dir, "final")
 state_dict = launch.full_state_dict(accelerator, model)
 unwrapped = accelerator.unwrap_model(model)
+if state_dict and unwrapped.config.tie_word_embeddings:  # (non-zero ranks may hold none)
+    state_dict.pop("lm_head.weight", None)  # gathered copies no longer share storage: store the tie once, as HF does
 unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
                           save_function=accelerator.save, state_dict=state_dict)
 if accelerator.is_main_process:
@@ -310,6 +312,9 @@ if accelerator.is_main_process:
                "peak_memory_bytes": metrics.peak_memory_bytes(device)}
     metrics.append_jsonl(metrics_path, summary)
     # Reload with plain transformers (no project code) and sample, proving the export works.
+    if is_deepspeed:
+        from transformers.integrations import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()  # else from_pretrained would build a ZeRO-3-partitioned model
     reloaded = AutoModelForCausalLM.from_pretrained(final_dir)
     prompt = tokenizer("ROMEO:", return_tensors="pt")
     sample = reloaded.generate(**prompt, max_new_tokens=40, do_sample=True, top_k=50, pad_token_id=tokenizer.eos_token_id)

@@ -1,0 +1,48 @@
+"""Shared fixtures: launch a recipe for real with `accelerate launch`, read what it wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ["single", "ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
+# Small and fast, but the real corpus, tokenizer and model: 4 blocks of 128 tokens per rank.
+FAST = ["--per_device_train_batch_size", "4", "--block_size", "128", "--max_eval_samples", "32",
+        "--report_to", "none", "--ddp_timeout", "120"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One tokenizer/packing cache for the whole session (built by the first run)."""
+    path = os.environ.get("ACCELERATE_RECIPES_CACHE") or str(tmp_path_factory.mktemp("cache"))
+    return path
+
+
+def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True):
+    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {script} {args}`.
+
+    Returns the CompletedProcess; with check=True, fails the test with the output tail on error.
+    """
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml")]
+    if num_processes is not None:
+        cmd += ["--num_processes", str(num_processes)]
+    if mixed_precision is not None:
+        cmd += ["--mixed_precision", mixed_precision]
+    cmd += [str(REPO / script), *map(str, args)]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr ---\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_metrics(output_dir):
+    """(per-step records, summary record) from metrics.jsonl."""
+    lines = [json.loads(line) for line in open(Path(output_dir) / "metrics.jsonl")]
+    return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
