@@ -161,22 +161,28 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
     return AutoTokenizer.from_pretrained(path)
 
 
-def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str) -> datasets.DatasetDict:
-    """Tokenize every row, append eos, concatenate and cut into `block_size`-token blocks.
+def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,
+                 packing: bool = True) -> datasets.DatasetDict:
+    """Tokenize every row (eos appended) into fixed `block_size`-token training examples.
 
-    The remainder shorter than a block is dropped (`run_clm`'s `group_texts`). Cached on disk
-    by a hash of the raw data, the tokenizer and `block_size`.
+    packing=True (pretraining): concatenate all rows and cut into blocks; the remainder shorter
+    than a block is dropped (`run_clm`'s `group_texts`). packing=False (one example per row, as
+    in fine-tuning): truncate each row to `block_size` and right-pad it with the pad token;
+    padded positions get label -100 and attention_mask 0, so they carry no loss.
+    Cached on disk by a hash of the raw data, the tokenizer, `block_size` and `packing`.
 
     Returns:
-        `DatasetDict` (`train`, `validation`) with `input_ids` and `labels`: int64 lists of
-        length `block_size`; `labels` equals `input_ids` (the model shifts them).
+        `DatasetDict` (`train`, `validation`) with `input_ids`, `labels` (and, unpacked,
+        `attention_mask`): int64 lists of length `block_size`. Labels are not shifted: the
+        model shifts them.
 
     Raises:
-        ValueError: a split holds fewer tokens than one block (states both numbers).
+        ValueError: packed, a split holds fewer tokens than one block (states both numbers).
     """
-    key = json.dumps([_text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(), block_size])
+    key = json.dumps([_text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
+                      block_size, packing])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    eos = tokenizer.eos_token_id
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def tokenize(batch):
         return {"ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
@@ -187,8 +193,18 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         blocks = [flat[i:i + block_size] for i in range(0, n, block_size)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
+    def pad_rows(batch):
+        rows = [ids[:block_size] for ids in batch["ids"]]
+        fill = [block_size - len(r) for r in rows]
+        return {"input_ids": [r + [pad] * k for r, k in zip(rows, fill)],
+                "labels": [r + [-100] * k for r, k in zip(rows, fill)],
+                "attention_mask": [[1] * len(r) + [0] * k for r, k in zip(rows, fill)]}
+
     def build(tmp: Path):
         tokens = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
+        if not packing:
+            tokens.map(pad_rows, batched=True, remove_columns=["ids"]).save_to_disk(str(tmp))
+            return
         for split in ("train", "validation"):
             n_tokens = sum(len(ids) for ids in tokens[split]["ids"])
             if n_tokens < block_size:
@@ -196,5 +212,6 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         # one batch of 1,000 rows: blocks may span rows, never batches
         tokens.map(group, batched=True, batch_size=1000, remove_columns=["ids"]).save_to_disk(str(tmp))
 
-    path = _atomic_dir(Path(cache_dir) / f"packed-{block_size}-{digest}", build)
+    kind = "packed" if packing else "padded"
+    path = _atomic_dir(Path(cache_dir) / f"{kind}-{block_size}-{digest}", build)
     return datasets.load_from_disk(str(path))

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, data, launch, metrics, models  # noqa: E402
+from common import checkpoint, data, launch, metrics, models, schedule  # noqa: E402
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Args:
     validation_file: str = None
     validation_split_percentage: int = 5
     block_size: int = 256
+    packing: bool = field(default=True, metadata={"help": "concatenate rows into blocks; false: one padded row each"})
     max_eval_samples: int = field(default=None, metadata={"help": "cap on validation blocks per evaluation"})
     cache_dir: str = data.DEFAULT_CACHE_DIR
     # optimisation (transformers.TrainingArguments names)
@@ -60,6 +61,8 @@ class Args:
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     learning_rate: float = 3e-3
+    scale_lr: bool = field(default=False, metadata={"help": "linear scaling rule vs --reference_global_batch"})
+    reference_global_batch: int = field(default=16, metadata={"help": "global batch --learning_rate was tuned at"})
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -127,7 +130,7 @@ with accelerator.main_process_first():
                  if args.model_name_or_path else models.PRESETS[args.model_config]["max_position_embeddings"])
     if args.block_size > model_max:
         raise ValueError(f"--block_size {args.block_size} exceeds the model's max_position_embeddings {model_max}")
-    lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
+    lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir, args.packing).with_format("torch")
 train_set, eval_set = lm_data["train"], lm_data["validation"]
 if args.max_eval_samples:
     eval_set = eval_set.select(range(min(args.max_eval_samples, len(eval_set))))
@@ -160,10 +163,20 @@ model.config.use_cache = False
 n_params = sum(p.numel() for p in model.parameters())
 flops_per_token = metrics.flops_per_token(model.config, args.block_size)
 
+# A bigger global batch averages away gradient noise, so it tolerates a bigger LR (linear
+# scaling rule), but only after a warmup. Without either, a large batch just trains slower.
+peak_lr = schedule.scaled_learning_rate(args.learning_rate, global_batch, args.reference_global_batch) \
+    if args.scale_lr else args.learning_rate
+accelerator.print(f"LR: base {args.learning_rate:g} (tuned at global batch {args.reference_global_batch}), "
+                  f"effective {peak_lr:g} at global batch {global_batch}, {args.warmup_steps} warmup steps")
+if global_batch > args.reference_global_batch and (not args.scale_lr or args.warmup_steps == 0):
+    accelerator.print(f"warning: global batch {global_batch} > {args.reference_global_batch} without "
+                      f"{'--scale_lr' if not args.scale_lr else '--warmup_steps'}: expect slower or unstable training")
+
 # AdamW without weight decay on norms (1-D tensors), as in most LLM recipes.
 groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
           {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+optimizer = torch.optim.AdamW(groups, lr=peak_lr, betas=(args.adam_beta1, args.adam_beta2),
                               eps=args.adam_epsilon)
 updates_per_epoch = len(train_set) // global_batch
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
@@ -208,7 +221,7 @@ def evaluate():
     model.eval()
     loss_sum, n_tokens = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"]).logits.float()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits.float()
         targets = batch["labels"][:, 1:]
         per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
         per_sample = per_token.view(targets.shape).sum(1)  # nats per block
@@ -234,6 +247,7 @@ while step < max_steps:
     loader = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
     batches = iter(loader)
     for _ in range(done_in_epoch, updates_per_epoch):
+        lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
         t0 = time.perf_counter()
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         data_wait += time.perf_counter() - t0
@@ -264,7 +278,7 @@ while step < max_steps:
             record = {
                 "step": step, "epoch": epoch,
                 "loss": accelerator.reduce(loss_total, reduction="sum").item(),  # mean nats/token of the window
-                "lr": lr_scheduler.get_last_lr()[0],
+                "lr": lr,
                 "grad_norm": float(getattr(grad_norm, "full_tensor", lambda: grad_norm)()),  # before clipping
                 "tokens_per_second": window_tokens / elapsed,  # per device
                 "data_wait_share": data_wait / elapsed,

@@ -1,0 +1,30 @@
+"""Learning-rate helpers for large global batches."""
+
+from __future__ import annotations
+
+
+def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_batch: int) -> float:
+    """The linear scaling rule: multiply the LR by global_batch / reference_global_batch.
+
+    Source: Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
+    (arXiv 1706.02677), section 2.1, which pairs it with a gradual warmup (section 2.2): a large
+    scaled LR from step 0 diverges. For Adam-type optimizers a square-root rule is also used
+    (Malladi et al. 2022, arXiv 2205.10287); linear is the conservative, common default here.
+
+    Args:
+        base_lr: LR tuned at `reference_global_batch` (sequences per optimizer step).
+        global_batch: this run's sequences per optimizer step.
+        reference_global_batch: the batch `base_lr` was tuned for.
+
+    Returns:
+        The effective LR.
+
+    Raises:
+        ValueError: a non-positive LR or batch (names it).
+    """
+    if base_lr <= 0:
+        raise ValueError(f"--learning_rate must be positive, got {base_lr}")
+    if global_batch <= 0 or reference_global_batch <= 0:
+        raise ValueError(f"batches must be positive, got global batch {global_batch}, "
+                         f"--reference_global_batch {reference_global_batch}")
+    return base_lr * global_batch / reference_global_batch

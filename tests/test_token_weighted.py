@@ -1,0 +1,57 @@
+"""Token-weighted gradient accumulation: with padding and very unequal lengths (11 and 101
+target tokens), the loss is the sum of token losses over the target tokens of the whole window on
+all ranks, so 2 ranks x 1 sequence and 1 rank x 1 sequence x 2 accumulation steps train exactly
+like 1 rank x 2 sequences. A per-micro-batch mean would weight the 11 tokens like the 101."""
+
+import json
+
+import pytest
+
+from common import data
+from conftest import grad_norm_rtol, launch, read_metrics
+
+SHORT = "Now is the winter of our discontent made glorious summer."
+LONG = " ".join(["But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."] * 6)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("tw")
+    tok = data.get_tokenizer(None, data.load_text_dataset(), 4096, cache_dir)
+    tok.save_pretrained(root / "tokenizer")
+    lengths = [len(tok(t)["input_ids"]) + 1 for t in (SHORT, LONG)]  # + eos; the model predicts n - 1 of them
+    short = tok.decode(tok(SHORT)["input_ids"])
+    rows = {"train.jsonl": [short, tok.decode(tok(LONG)["input_ids"][:100])], "valid.jsonl": [short, LONG[:200], LONG[:50]]}
+    for name, texts in rows.items():
+        (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root, lengths
+
+
+def run(root, tmp_path, cache_dir, config, per_device, accum):
+    out = tmp_path / f"{config}-{per_device}x{accum}"
+    launch(config, "recipes/llama.py", "--output_dir", out, "--train_file", root / "train.jsonl",
+           "--validation_file", root / "valid.jsonl", "--tokenizer_name_or_path", root / "tokenizer",
+           "--packing", "false", "--block_size", 128, "--per_device_train_batch_size", per_device,
+           "--gradient_accumulation_steps", accum, "--max_steps", 4, "--warmup_steps", 0, "--learning_rate", 1e-3,
+           "--logging_steps", 1, "--eval_steps", 4, "--report_to", "none", "--ddp_timeout", 120,
+           cache_dir=cache_dir, mixed_precision="no")
+    return read_metrics(out)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory, cache_dir):
+    """1 rank, both sequences in one micro batch: the full-batch gradient."""
+    return run(files[0], tmp_path_factory.mktemp("ref"), cache_dir, "single", 2, 1)
+
+
+@pytest.mark.parametrize("config,per_device,accum", [
+    ("single", 1, 2), ("ddp", 1, 1), ("fsdp", 1, 1), ("deepspeed_zero2", 1, 1)])
+def test_token_weighted_accumulation(files, reference, config, per_device, accum, tmp_path, cache_dir):
+    root, lengths = files
+    assert lengths[0] < 20 and lengths[1] > 90  # very unequal, both shorter than the 128-token block (padding)
+    ref_steps = reference
+    steps = run(root, tmp_path, cache_dir, config, per_device, accum)
+    for r, q in zip(steps, ref_steps):
+        assert r["loss"] == pytest.approx(q["loss"], rel=1e-5), (config, r["step"])
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=grad_norm_rtol(config)), (config, r["step"])
+    assert steps[-1]["eval_loss"] == pytest.approx(ref_steps[-1]["eval_loss"], rel=1e-5)
