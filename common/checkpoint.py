@@ -26,12 +26,16 @@ def _manifest(directory: Path) -> dict[str, int]:
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: int | None = None) -> Path:
+def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: int | None = None,
+                    run_state: dict | None = None, hf_files: tuple = ()) -> Path:
     """Save the full training state as `checkpoint-{step}`, atomically. Call on every rank.
 
     Every rank runs `save_state` (it holds collectives and per-rank shard writes); then, after a
-    barrier, rank 0 writes the marker and renames `checkpoint-{step}.tmp` into place, and
-    deletes the oldest complete checkpoints beyond `save_total_limit` (never the new one).
+    barrier, rank 0 writes `hf_files` (objects with `save_pretrained`, e.g. the model config and
+    tokenizer, so `common/consolidate.py` can rebuild an HF model offline), the marker (with
+    `run_state`: world size, global batch, ... for checks on resume), renames
+    `checkpoint-{step}.tmp` into place, and deletes the oldest complete checkpoints beyond
+    `save_total_limit` (never the new one).
 
     Returns:
         The path of the finished checkpoint (the same on every rank, after a final barrier).
@@ -44,7 +48,10 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every shard is on disk before the marker says so
     if accelerator.is_main_process:
-        (tmp / MARKER).write_text(json.dumps({"step": step, "files": _manifest(tmp)}, indent=1))
+        for obj in hf_files:
+            obj.save_pretrained(tmp / "hf")
+        marker = {"step": step, **(run_state or {}), "files": _manifest(tmp)}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -55,11 +62,11 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     return final
 
 
-def verify_checkpoint(path: Path) -> int:
+def verify_checkpoint(path: Path) -> dict:
     """Check a checkpoint against its marker.
 
     Returns:
-        The optimizer step it was saved at.
+        The marker: `step` (optimizer steps done) plus the `run_state` given at save time.
 
     Raises:
         FileNotFoundError / ValueError: naming the missing marker, missing file or the file whose
@@ -75,7 +82,7 @@ def verify_checkpoint(path: Path) -> int:
             raise FileNotFoundError(f"checkpoint file missing: {f}")
         if f.stat().st_size != size:
             raise ValueError(f"checkpoint file {f} is {f.stat().st_size} bytes, {size} were written: truncated or altered")
-    return int(info["step"])
+    return info
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -84,20 +91,20 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_CKPT.match(p.name).group(1)))
 
 
-def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> tuple[Path | None, int]:
+def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> tuple[Path | None, dict]:
     """Turn `--resume_from_checkpoint {PATH|latest}` into a verified checkpoint.
 
     `latest` takes the newest complete checkpoint under `output_dir`, skipping (with a warning)
     any that fail verification; none at all means a fresh start. An explicit PATH must verify.
 
     Returns:
-        (path, step), or (None, 0) for a fresh start.
+        (path, marker) as `verify_checkpoint` gives it, or (None, {"step": 0}) for a fresh start.
 
     Raises:
         FileNotFoundError / ValueError: an explicit PATH that is missing, incomplete or damaged.
     """
     if not resume_from_checkpoint:
-        return None, 0
+        return None, {"step": 0}
     if resume_from_checkpoint != "latest":
         if not Path(resume_from_checkpoint).is_dir():
             raise FileNotFoundError(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
@@ -107,4 +114,22 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> t
             return path, verify_checkpoint(path)
         except (FileNotFoundError, ValueError) as err:
             warnings.warn(f"skipping damaged checkpoint: {err}")
-    return None, 0
+    return None, {"step": 0}
+
+
+def load_checkpoint(accelerator, path: Path, model, optimizer) -> None:
+    """`accelerator.load_state(path)` on every rank, with one fix for FSDP1.
+
+    Accelerate loads FSDP1's SHARDED_STATE_DICT optimizer state with torch.distributed.checkpoint,
+    which fills the *existing* state dict in place. In a fresh process Adam has no state yet, so
+    nothing was loaded, silently: the run resumed with zeroed moments (found by
+    tests/test_checkpoint.py, accelerate 1.15 / torch 2.13). `get_optimizer_state_dict`
+    initialises the states first (torch's own `_init_optim_state`), so the load fills them.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        get_optimizer_state_dict(model, optimizer.optimizer)
+    accelerator.load_state(str(path))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, data, launch, metrics, models, schedule  # noqa: E402
@@ -113,24 +113,28 @@ if is_fsdp and accelerator.mixed_precision != "no":
 if is_deepspeed:
     ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
     if ds_clip not in (None, "auto") and float(ds_clip) != args.max_grad_norm:
-        raise ValueError(f"--max_grad_norm {args.max_grad_norm} differs from the DeepSpeed JSON's "
-                         f"gradient_clipping {ds_clip}; DeepSpeed clips, so make them equal")
+        sys.exit(f"error: --max_grad_norm {args.max_grad_norm} differs from the DeepSpeed JSON's "
+                 f"gradient_clipping {ds_clip}; DeepSpeed does the clipping, so make them equal")
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
 os.makedirs(args.output_dir, exist_ok=True)
 
 # ---------------------------------------------------------------------------------------------
 # Data: tokenize and pack once (rank 0 first, the others read its cache), then shard by rank.
 # ---------------------------------------------------------------------------------------------
-with accelerator.main_process_first():
-    raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
-                                 args.validation_file, args.validation_split_percentage)
-    tokenizer = data.get_tokenizer(args.tokenizer_name_or_path or args.model_name_or_path, raw,
-                                   args.vocab_size, args.cache_dir)
-    model_max = (AutoModelForCausalLM.config_class.from_pretrained(args.model_name_or_path).max_position_embeddings
-                 if args.model_name_or_path else models.PRESETS[args.model_config]["max_position_embeddings"])
-    if args.block_size > model_max:
-        raise ValueError(f"--block_size {args.block_size} exceeds the model's max_position_embeddings {model_max}")
-    lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir, args.packing).with_format("torch")
+# Bad input (missing file, tiny corpus, oversized block) exits with one clear line on every rank.
+try:
+    with accelerator.main_process_first():
+        raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
+                                     args.validation_file, args.validation_split_percentage)
+        tokenizer = data.get_tokenizer(args.tokenizer_name_or_path or args.model_name_or_path, raw,
+                                       args.vocab_size, args.cache_dir)
+        model_max = (AutoConfig.from_pretrained(args.model_name_or_path).max_position_embeddings
+                     if args.model_name_or_path else models.PRESETS[args.model_config]["max_position_embeddings"])
+        if args.block_size > model_max:
+            raise ValueError(f"--block_size {args.block_size} exceeds the model's max_position_embeddings {model_max}")
+        lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir, args.packing).with_format("torch")
+except (ValueError, FileNotFoundError, OSError) as err:
+    sys.exit(f"error: {err}")
 train_set, eval_set = lm_data["train"], lm_data["validation"]
 if args.max_eval_samples:
     eval_set = eval_set.select(range(min(args.max_eval_samples, len(eval_set))))
@@ -138,7 +142,7 @@ if args.max_eval_samples:
 world_size = accelerator.num_processes
 global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
 if len(train_set) < global_batch:
-    raise ValueError(f"the training split has {len(train_set)} blocks of {args.block_size} tokens, fewer than one "
+    sys.exit(f"error: the training split has {len(train_set)} blocks of {args.block_size} tokens, fewer than one "
                      f"global batch of {global_batch} (= {args.per_device_train_batch_size} per device x "
                      f"{args.gradient_accumulation_steps} accumulation x {world_size} ranks)")
 # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
@@ -199,11 +203,28 @@ run_info = {
 accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
                   f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps")
 
-resume_path, step = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
-metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+# Resume: a verified, complete checkpoint; the data position follows from the step count, so the
+# global batch must be unchanged, and sharded states (FSDP, ZeRO) need the same world size.
+try:
+    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+except (ValueError, FileNotFoundError) as err:
+    sys.exit(f"error: cannot resume: {err}")
+step = saved["step"]
+run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": run_info["distributed_type"]}
 if resume_path:
-    accelerator.load_state(str(resume_path))  # model, optimizer, scheduler, scaler, per-rank RNG
+    if saved["global_batch"] != global_batch:
+        sys.exit(f"error: {resume_path} was trained with global batch {saved['global_batch']}, this run has "
+                 f"{global_batch}; keep per_device_train_batch_size x gradient_accumulation_steps x world size equal")
+    replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # full model state on every rank: any world size
+    if not ({saved["distributed_type"], run_state["distributed_type"]} <= replicated) and (
+            saved["distributed_type"] != run_state["distributed_type"] or saved["world_size"] != world_size):
+        sys.exit(f"error: {resume_path} holds a {saved['distributed_type']} state of {saved['world_size']} rank(s); "
+                 f"this run is {run_state['distributed_type']} with {world_size}. Sharded (FSDP, ZeRO) checkpoints "
+                 "resume on the same strategy and world size; convert one with common/consolidate.py and pass "
+                 "--model_name_or_path to start over from its weights. DDP/single ones may change world size.")
+    checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer)  # + scheduler, scaler, per-rank RNG
     accelerator.print(f"resumed from {resume_path} at step {step}")
+metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:
     with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
         json.dump(run_info, f, indent=1)
@@ -295,7 +316,8 @@ while step < max_steps:
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
         if args.save_steps and step % args.save_steps == 0:
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run_state,
+                                       hf_files=(accelerator.unwrap_model(model).config, tokenizer))
         if step >= max_steps:
             break
     epoch += 1

@@ -61,3 +61,21 @@ def grad_norm_rtol(strategy):
 
     sharded = strategy in {"fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"}
     return 5e-4 if sharded and not torch.cuda.is_available() else 1e-4
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, cache_dir):
+    """A small slice of the real corpus for runs of several epochs, with the shared tokenizer.
+
+    Returns (train.txt, valid.txt, tokenizer dir): about 45 blocks of 64 tokens to train on.
+    """
+    from common import data
+
+    root = tmp_path_factory.mktemp("small")
+    raw = data.load_text_dataset()
+    tok = data.get_tokenizer(None, raw, 4096, cache_dir)
+    tok.save_pretrained(root / "tokenizer")
+    hamlet = next(t for t, w in zip(raw["train"]["text"], raw["train"]["work"]) if w == "hamlet")
+    (root / "train.txt").write_text(hamlet[20_000:31_000])
+    (root / "valid.txt").write_text(hamlet[40_000:43_000])
+    return root / "train.txt", root / "valid.txt", root / "tokenizer"

@@ -1,0 +1,154 @@
+"""Checkpoints: exact mid-epoch resume on every strategy, atomic saves, damaged checkpoints,
+a SIGKILLed rank, world-size changes, offline consolidation, and safe loading."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from common.checkpoint import verify_checkpoint
+from conftest import CONFIGS, REPO, launch, read_metrics
+
+STEPS, SAVE = 16, 10  # with 7 optimizer steps per epoch, step 10 is mid-way through epoch 2
+
+
+def args(out, corpus, *extra):
+    train, valid, tok = corpus
+    return ["--output_dir", out, "--train_file", train, "--validation_file", valid, "--tokenizer_name_or_path", tok,
+            "--block_size", 64, "--max_steps", STEPS, "--save_steps", SAVE, "--warmup_steps", 4,
+            "--logging_steps", 1, "--eval_steps", STEPS, "--report_to", "none", "--ddp_timeout", 60, *extra]
+
+
+def batch_args(config):
+    """Global batch 8 with accumulation 2, on 1 or 2 ranks."""
+    return ["--per_device_train_batch_size", 4 if config == "single" else 2, "--gradient_accumulation_steps", 2]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(config, "recipes/llama.py", *args(straight, small_corpus, *batch_args(config)),
+           cache_dir=cache_dir, mixed_precision="no")
+    info = json.loads((straight / "run_info.json").read_text())
+    assert info["updates_per_epoch"] == 7 and SAVE // 7 == 1 and SAVE % 7  # mid-epoch 2, shuffled
+    # New processes, resuming from the step-10 checkpoint into another directory.
+    launch(config, "recipes/llama.py", *args(resumed, small_corpus, *batch_args(config),
+           "--resume_from_checkpoint", straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="no")
+    want = {r["step"]: r for r in read_metrics(straight)[0]}
+    got = read_metrics(resumed)[0]
+    assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
+    assert got[0]["epoch"] == 1
+    for r in got:
+        for key in ("loss", "grad_norm", "lr"):
+            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6, abs=1e-12), (config, r["step"], key)
+    assert got[-1]["eval_loss"] == pytest.approx(want[STEPS]["eval_loss"], rel=1e-6)
+
+
+def test_rotation_latest_and_damaged_checkpoints(tmp_path, cache_dir, small_corpus):
+    out = tmp_path / "run"
+    launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--save_steps", 4, "--save_total_limit", 2),
+           cache_dir=cache_dir)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
+    assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
+
+    # A truncated file: an explicit resume names it and exits non-zero...
+    victim = out / "checkpoint-16" / "optimizer.bin"
+    victim.write_bytes(victim.read_bytes()[:100])
+    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", out / "checkpoint-16"),
+                  cache_dir=cache_dir, check=False)
+    assert proc.returncode != 0
+    assert f"checkpoint file {victim}" in proc.stderr and "truncated" in proc.stderr
+    # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12.
+    (out / "checkpoint-20.tmp").mkdir()
+    (out / "checkpoint-24").mkdir()
+    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", "latest"),
+                  cache_dir=cache_dir)
+    assert "skipping damaged checkpoint" in proc.stderr
+    assert "resumed from" in proc.stdout and "checkpoint-12 at step 12" in proc.stdout
+    assert [r["step"] for r in read_metrics(out)[0]] == list(range(1, STEPS + 1))  # 13-16 replaced, no duplicates
+
+
+def test_sigkilled_rank_ends_job_and_resume_matches(tmp_path, cache_dir, small_corpus):
+    long = ["--max_steps", 60, "--save_steps", 5]
+    reference = tmp_path / "reference"
+    launch("ddp", "recipes/llama.py", *args(reference, small_corpus, *long), cache_dir=cache_dir)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+           str(REPO / "recipes/llama.py"), *map(str, args(out, small_corpus, *long))]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-5" / "COMPLETE.json").exists():
+        assert job.poll() is None and time.time() < deadline, "the job ended before its first checkpoint"
+        time.sleep(0.2)
+    ranks = [p for p in psutil.Process(job.pid).children(recursive=True) if "llama.py" in " ".join(p.cmdline())]
+    rank1 = next(p for p in ranks if p.environ().get("RANK") == "1")
+    rank1.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        job.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the job did not end within 2 minutes of a rank's death")
+    assert job.returncode != 0 and time.time() - killed_at < 120
+    assert not (out / "final").exists()
+    assert verify_checkpoint(out / "checkpoint-5")["step"] == 5  # the previous checkpoint is intact
+
+    launch("ddp", "recipes/llama.py", *args(out, small_corpus, *long, "--resume_from_checkpoint", "latest"),
+           cache_dir=cache_dir)
+    final, want = read_metrics(out)[0][-1], read_metrics(reference)[0][-1]
+    assert final["step"] == want["step"] == 60
+    assert final["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+def test_world_size_change(tmp_path, cache_dir, small_corpus):
+    # A 1-process checkpoint resumes on 2 DDP ranks (same global batch 8) and continues the run.
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    launch("single", "recipes/llama.py", *args(single, small_corpus, *batch_args("single")), cache_dir=cache_dir)
+    launch("ddp", "recipes/llama.py", *args(ddp, small_corpus, *batch_args("ddp"), "--resume_from_checkpoint",
+           single / f"checkpoint-{SAVE}"), cache_dir=cache_dir)
+    want = {r["step"]: r["loss"] for r in read_metrics(single)[0]}
+    for r in read_metrics(ddp)[0]:
+        assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-5)
+    # A 2-rank FSDP2 checkpoint refuses 1 rank, at once and saying what is supported.
+    fsdp = tmp_path / "fsdp"
+    launch("fsdp", "recipes/llama.py", *args(fsdp, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir)
+    proc = launch("fsdp", "recipes/llama.py", *args(tmp_path / "fsdp1rank", small_corpus, "--per_device_train_batch_size",
+                  16, "--resume_from_checkpoint", fsdp / f"checkpoint-{SAVE}"), num_processes=1,
+                  cache_dir=cache_dir, check=False)
+    assert proc.returncode != 0
+    assert "FSDP state of 2 rank(s)" in proc.stderr and "same strategy and world size" in proc.stderr
+
+
+@pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
+def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpus):
+    out = tmp_path / "run"
+    launch(config, "recipes/llama.py", *args(out, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir)
+    subprocess.run([sys.executable, REPO / "common/consolidate.py", out / f"checkpoint-{SAVE}", tmp_path / "hf"],
+                   check=True, capture_output=True)
+    merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
+    assert merged.keys() == exported.keys()
+    for name, tensor in exported.items():
+        assert tuple(merged[name].shape) == tuple(tensor.shape)  # full size, not a shard
+        assert (merged[name].float() - tensor.float()).abs().max() == 0, name
+
+
+def test_save_then_load_in_the_same_job(tmp_path, cache_dir):
+    for config in ("fsdp", "deepspeed_zero3"):
+        launch(config, "tests/scripts/save_load.py", tmp_path / config, cache_dir=cache_dir)
+        assert (tmp_path / config / "ok").read_text() == "2"
+
+
+def test_every_torch_load_is_weights_only():
+    calls = [(p, line) for p in REPO.rglob("*.py") if ".venv" not in p.parts
+             for line in p.read_text().splitlines() if re.search(r"torch\.load\(", line) and "re.search" not in line]
+    assert all("weights_only=True" in line for _, line in calls), calls
