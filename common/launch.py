@@ -118,3 +118,20 @@ def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
                                   FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
             return model.state_dict()
     return accelerator.get_state_dict(model)
+
+
+if __name__ == "__main__":
+    # Shorthand that checks the config name first: python common/launch.py fsdp recipes/llama.py [ARGS]
+    # runs `accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py [ARGS]`.
+    import sys
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
+    if len(sys.argv) < 3:
+        sys.exit("usage: python common/launch.py CONFIG RECIPE [ARGS...]")
+    name = sys.argv[1]
+    path = Path(name) if name.endswith(".yaml") else configs / f"{name}.yaml"
+    if not path.is_file():
+        sys.exit(f"error: accelerate config {path} not found; available: "
+                 f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}")
+    os.execvp(sys.executable, [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), *sys.argv[2:]])

@@ -91,7 +91,10 @@ if args.model_name_or_path is None and args.model_config not in models.PRESETS:
 # Accelerator. Everything about the strategy comes from the accelerate config; the recipe only
 # says how to accumulate and keeps the data order seeded and identical on every rank.
 # ---------------------------------------------------------------------------------------------
-pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+try:
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+except ValueError as err:
+    sys.exit(f"error: {err}")
 accelerator = Accelerator(
     # we prefetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,

@@ -1,0 +1,62 @@
+"""Bad input: one clear line naming the culprit, a non-zero exit, and no hang."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, REPO, launch
+
+
+def fails_with(proc, *fragments):
+    assert proc.returncode != 0
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr[-3000:]
+
+
+def test_missing_config_file(tmp_path):
+    # accelerate's own check names the file ...
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/nope.yaml",
+                           "recipes/llama.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    fails_with(proc, "accelerate_configs/nope.yaml", "does not exist")
+    # ... and our shorthand also lists the configs there are.
+    proc = subprocess.run([sys.executable, "common/launch.py", "nope", "recipes/llama.py"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    fails_with(proc, "nope.yaml not found", "available: ddp, deepspeed_zero2, deepspeed_zero3", "fsdp, fsdp1", "single")
+
+
+def test_unknown_model_config(tmp_path, cache_dir):
+    proc = launch("single", "recipes/llama.py", "--model_config", "llama-9000", "--output_dir", tmp_path,
+                  cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, "unknown --model_config 'llama-9000'", "'debug'", "'llama-3-8b'")
+
+
+def test_missing_data_file_ends_both_ranks(tmp_path, cache_dir):
+    proc = launch("ddp", "recipes/llama.py", "--train_file", tmp_path / "absent.txt", "--output_dir", tmp_path,
+                  *FAST, cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, f"error: data file not found: {tmp_path / 'absent.txt'}")
+
+
+def test_corpus_smaller_than_one_global_batch(tmp_path, cache_dir, small_corpus):
+    train, valid, tok = small_corpus
+    (tmp_path / "tiny.txt").write_text(train.read_text()[:2000])  # about 9 blocks of 64 tokens
+    proc = launch("single", "recipes/llama.py", "--train_file", tmp_path / "tiny.txt", "--validation_file", valid,
+                  "--tokenizer_name_or_path", tok, "--block_size", 64, "--per_device_train_batch_size", 16,
+                  "--output_dir", tmp_path / "out", "--report_to", "none", cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, "blocks of 64 tokens, fewer than one global batch of 16 (= 16 per device x 1 accumulation x 1 ranks)")
+
+
+def test_block_size_above_max_positions(tmp_path, cache_dir):
+    proc = launch("single", "recipes/llama.py", "--block_size", 2048, "--output_dir", tmp_path, "--report_to", "none",
+                  cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, "--block_size 2048 exceeds the model's max_position_embeddings 1024")
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--ddp_timeout", 0, "--ddp_timeout must be a positive number of seconds, got 0"),
+    ("--resume_from_checkpoint", "/nonexistent/ckpt", "--resume_from_checkpoint /nonexistent/ckpt: no such directory"),
+])
+def test_bad_flags(flag, value, message, tmp_path, cache_dir):
+    proc = launch("single", "recipes/llama.py", flag, value, "--output_dir", tmp_path, *FAST[:-2],
+                  cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, message)
