@@ -231,9 +231,9 @@ metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:
     with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
         json.dump(run_info, f, indent=1)
-    # tracker continuity: keep the lines up to the resumed step, drop what came after it
+    # tracker continuity: keep the step lines up to the resumed step, drop later ones and summaries
     kept = [] if not (resume_path and os.path.exists(metrics_path)) else [
-        line for line in open(metrics_path) if json.loads(line).get("step", math.inf) <= step]
+        line for line in open(metrics_path) if not json.loads(line).get("summary") and json.loads(line)["step"] <= step]
     with open(metrics_path, "w") as f:
         f.writelines(kept)
 accelerator.init_trackers("llama", config={k: v for k, v in asdict(args).items() if v is not None})
