@@ -1,0 +1,240 @@
+"""Per-rank bytes of parameters, gradients and optimizer state, measured from the live tensors.
+
+A companion of `benchmarks/compare_strategies.py`, launched under the same accelerate config as
+`recipes/llama.py`:
+
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --mixed_precision bf16 \
+        benchmarks/measure_model_states.py --output_file /tmp/states.json
+
+It builds the recipe's model and optimizer (same `common/` preset, tokenizer and AdamW groups),
+lets `accelerator.prepare` shard them, trains one step (optimizers create their state lazily),
+then runs a second forward/backward and, between backward and the optimizer step, counts what
+each rank holds:
+
+| category        | DDP / FSDP2 (torch optimizer)     | DeepSpeed ZeRO-1/2/3                                 |
+|-----------------|-----------------------------------|------------------------------------------------------|
+| params          | `p` (FSDP2: the DTensor's shard)  | `p.data` (ZeRO-3: `p.ds_tensor` + persistent params) |
+| grads           | `p.grad` (FSDP2: its shard)       | the rank's gradient partition (`averaged_gradients`, |
+|                 |                                   | or the fp32 master's `.grad` when offloaded)         |
+| fp32 master     | none: the fp32 params are it      | `single_partition_of_fp32_groups` (ZeRO-1/2),        |
+|                 |                                   | `fp32_partitioned_groups_flat` (ZeRO-3)              |
+| Adam moments    | `optimizer.state` tensors         | the inner optimizer's `state` (torch or CPU Adam)    |
+
+Each byte is counted once: tensors are reduced to byte ranges of their storage and a range
+already claimed by an earlier category is not counted again (ZeRO-3 in fp32, for instance,
+uses the parameter partition itself as the master copy). Not counted: activations,
+communication buckets (DDP's reducer buckets, DeepSpeed's `reduce_bucket_size` buffers) and
+FSDP's transient all-gather buffers. The DeepSpeed attribute names are those of deepspeed 0.19.8.
+
+Only the main process writes `--output_file` (JSON, per-rank lists gathered from all ranks).
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from transformers import HfArgumentParser, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
+from common import data, launch, models  # noqa: E402
+
+
+@dataclass
+class Args:
+    output_file: str = field(default=None, metadata={"help": "JSON written by the main process (required)"})
+    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    vocab_size: int = 4096
+    block_size: int = 256
+    per_device_train_batch_size: int = 8
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.1
+    cache_dir: str = data.DEFAULT_CACHE_DIR
+    seed: int = 42
+    ddp_timeout: int = 600
+
+
+class ByteLedger:
+    """Bytes per category, each storage byte counted once across all categories.
+
+    A tensor counts as the byte range [offset, offset + numel * element_size) of its storage
+    (the tensors measured here are contiguous: flat buffers and narrow views of them).
+    """
+
+    def __init__(self):
+        self.bytes: dict[str, int] = {}
+        self.devices: dict[str, set] = {}
+        self._claimed: dict[int, list[tuple[int, int]]] = {}  # storage address -> merged ranges
+
+    def add(self, category: str, tensor) -> None:
+        """Count `tensor` (a torch.Tensor, DTensor or None) under `category`, minus bytes already counted."""
+        self.bytes.setdefault(category, 0)
+        if tensor is None:
+            return
+        if hasattr(tensor, "to_local"):  # FSDP2 DTensor: this rank's shard only
+            tensor = tensor.to_local()
+        if tensor.numel() == 0:
+            return
+        start = tensor.storage_offset() * tensor.element_size()
+        end = start + tensor.numel() * tensor.element_size()
+        ranges = self._claimed.setdefault(tensor.untyped_storage().data_ptr(), [])
+        covered = sum(max(0, min(end, e) - max(start, s)) for s, e in ranges)
+        self.bytes[category] += end - start - covered
+        self.devices.setdefault(category, set()).add(tensor.device.type)
+        ranges.append((start, end))
+        ranges.sort()
+        merged = [ranges[0]]
+        for s, e in ranges[1:]:
+            if s <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        ranges[:] = merged
+
+
+def measure(model, optimizer, deepspeed: bool) -> ByteLedger:
+    """Count params, grads, fp32 master and Adam moments of this rank (call between backward and step)."""
+    ledger = ByteLedger()
+    params = list((model.module if deepspeed else model).parameters())
+    for p in params:
+        ledger.add("params", getattr(p, "ds_tensor", None))  # ZeRO-3 partition
+        ledger.add("params", p.data if not hasattr(p, "to_local") else p)  # ZeRO-3: empty unless persistent
+    if deepspeed:
+        zero = model.optimizer  # DeepSpeedZeroOptimizer(_Stage3)
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+        for grads in zero.averaged_gradients.values():
+            for g in grads or []:
+                ledger.add("grads", g)
+        for m in masters:
+            ledger.add("grads", m.grad)  # where offloaded ZeRO-3 keeps the gradient partition
+        for m in masters:
+            ledger.add("fp32_master", m)
+        inner = zero.optimizer
+    else:
+        for p in params:
+            ledger.add("grads", p.grad)
+        ledger.add("fp32_master", None)
+        inner = optimizer.optimizer  # AcceleratedOptimizer -> torch optimizer
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                ledger.add("adam_moments", value)
+    return ledger
+
+
+def communication_setup(accelerator, model, deepspeed: bool) -> dict:
+    """Which ZeRO communication pattern this run uses and the bytes per element it sends.
+
+    Returns {"comm_kind": "ddp" | "zero2" | "zero3", "grad_comm_bytes": element size of the
+    gradient reduction, "param_comm_bytes": element size of the parameter all-gathers (None
+    for DDP)}, read from the live run (DeepSpeed's communication dtype, FSDP's
+    mixed-precision policy, DDP's gradient dtype).
+    """
+    if deepspeed:
+        stage = accelerator.state.deepspeed_plugin.zero_stage
+        kind = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[stage]
+        grad_bytes = torch.empty((), dtype=model.communication_data_type).element_size()
+        lp = next(model.module.parameters())
+        param_bytes = getattr(lp, "ds_tensor", lp).element_size()
+        return {"comm_kind": kind, "grad_comm_bytes": grad_bytes, "param_comm_bytes": param_bytes}
+    if accelerator.distributed_type == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        reshard = plugin.reshard_after_forward
+        name = reshard.name if hasattr(reshard, "name") else ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
+        kind = {"FULL_SHARD": "zero3", "HYBRID_SHARD": "zero3", "SHARD_GRAD_OP": "zero2",
+                "_HYBRID_SHARD_ZERO2": "zero2", "NO_SHARD": "ddp"}[name]
+        fp32_bytes = next(model.parameters()).element_size()
+        policy = plugin.mixed_precision_policy
+        param_dtype = getattr(policy, "param_dtype", None)
+        reduce_dtype = getattr(policy, "reduce_dtype", None)
+        return {"comm_kind": kind,
+                "grad_comm_bytes": torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else fp32_bytes,
+                "param_comm_bytes": torch.empty((), dtype=param_dtype).element_size() if param_dtype else fp32_bytes}
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    return {"comm_kind": "ddp", "grad_comm_bytes": grad.element_size(), "param_comm_bytes": None}
+
+
+def main():
+    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    if not args.output_file:
+        sys.exit("error: --output_file is required")
+    accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
+    launch.check_distributed(accelerator)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.mixed_precision != "no":
+        # as recipes/llama.py does: bf16/fp16 compute, fp32 gradient reduction
+        plugin = accelerator.state.fsdp_plugin
+        plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
+    torch.manual_seed(args.seed)
+
+    with accelerator.main_process_first():  # the recipe's cached tokenizer and packed blocks
+        raw = data.load_text_dataset()
+        tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+        train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"].with_format("torch")
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                                         drop_last=True)
+
+    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    n_params = sum(p.numel() for p in model.parameters())
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    batches = iter(loader)
+    for step in range(2):
+        batch = next(batches)
+        loss = model(**batch).loss
+        if deepspeed:
+            model.backward(loss)  # what accelerator.backward does, minus its engine.step()
+        else:
+            accelerator.backward(loss)
+        if step == 1:  # gradients and optimizer state both exist now
+            ledger = measure(model, optimizer, deepspeed)
+            comm = communication_setup(accelerator, model, deepspeed)
+        if deepspeed:
+            model.step()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    categories = ["params", "grads", "fp32_master", "adam_moments"]
+    per_rank = accelerator.gather(torch.tensor([ledger.bytes[c] for c in categories], dtype=torch.float64)).view(
+        accelerator.num_processes, len(categories)).long().tolist()  # plain ints: no tensor outlives gloo
+    if accelerator.is_main_process:
+        inner = model.optimizer.optimizer if deepspeed else optimizer.optimizer
+        zero = model.optimizer if deepspeed else None
+        result = {
+            "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            "n_params": n_params, "loss": loss.item(),
+            **{f"{c}_bytes": [rank[i] for rank in per_rank] for i, c in enumerate(categories)},
+            "devices": {c: sorted(d) for c, d in ledger.devices.items()},  # of rank 0
+            "optimizer": type(inner).__name__,
+            "offload_optimizer": bool(zero and (getattr(zero, "offload_optimizer", False)
+                                                or getattr(zero, "cpu_offload", False))),
+            "offload_param": bool(zero and getattr(zero, "offload_param", False)),
+            **comm,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
+        with open(args.output_file, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result))
+    # Tear down in order. Left to the garbage collector, the DDP reducer's gloo group was once
+    # destroyed (joining its worker threads while holding the GIL) as a worker thread waited for
+    # the GIL to free a finished all-gather: a hang at exit (torch 2.13; pytorch issue #56297).
+    accelerator.wait_for_everyone()  # the last collective: a barrier, which holds no Python tensor
+    accelerator.free_memory()  # drop the Accelerator's references to the wrapped model/optimizer ...
+    del model, optimizer, loader, batches, batch, loss  # ... and ours, while the group is still alive
+    accelerator.end_training()  # then destroy the process group
+
+
+if __name__ == "__main__":
+    main()
