@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, data, launch, metrics, models, schedule  # noqa: E402
@@ -163,11 +163,12 @@ if args.model_name_or_path:
 else:
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    model = LlamaForCausalLM(config)  # fp32 master weights; the config picks the compute precision
+    # from_config (not LlamaForCausalLM(config)) lets ZeRO-3's zero3_init_flag build it pre-sharded
+    model = AutoModelForCausalLM.from_config(config)  # fp32 master weights; the launch config picks compute precision
 if args.gradient_checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model.config.use_cache = False
-n_params = sum(p.numel() for p in model.parameters())
+n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: ZeRO-3 pre-sharded
 flops_per_token = metrics.flops_per_token(model.config, args.block_size)
 
 # A bigger global batch averages away gradient noise, so it tolerates a bigger LR (linear
