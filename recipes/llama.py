@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, data, launch, metrics, models, schedule  # noqa: E402
@@ -163,8 +163,12 @@ if args.model_name_or_path:
 else:
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    # from_config (not LlamaForCausalLM(config)) lets ZeRO-3's zero3_init_flag build it pre-sharded
-    model = AutoModelForCausalLM.from_config(config)  # fp32 master weights; the launch config picks compute precision
+    if is_deepspeed and accelerator.state.deepspeed_plugin.zero3_init_flag:
+        # built already sharded (deepspeed.zero.Init), for models too big for one device; its
+        # random init differs from the plain one, so the strategies no longer start identical
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = LlamaForCausalLM(config)  # fp32 master weights; the launch config picks compute precision
 if args.gradient_checkpointing:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model.config.use_cache = False
@@ -181,9 +185,11 @@ if global_batch > args.reference_global_batch and (not args.scale_lr or args.war
     accelerator.print(f"warning: global batch {global_batch} > {args.reference_global_batch} without "
                       f"{'--scale_lr' if not args.scale_lr else '--warmup_steps'}: expect slower or unstable training")
 
-# AdamW without weight decay on norms (1-D tensors), as in most LLM recipes.
-groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
-          {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+# AdamW without weight decay on norms (1-D tensors), as in most LLM recipes. (Under ZeRO-3
+# transformers builds the model already partitioned, with empty tensors: ds_shape is the real one.)
+matrices = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
+vectors = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
+groups = [{"params": matrices, "weight_decay": args.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 optimizer = torch.optim.AdamW(groups, lr=peak_lr, betas=(args.adam_beta1, args.adam_beta2),
                               eps=args.adam_epsilon)
 updates_per_epoch = len(train_set) // global_batch
