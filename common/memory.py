@@ -1,0 +1,105 @@
+"""Exact byte counts of what training holds: tensors saved for backward, parameters, gradients.
+
+`SavedTensorBytes` counts what autograd keeps from the forward pass for the backward pass (the
+"activations" of the memory budget) with `torch.autograd.graph.saved_tensors_hooks`: it works on
+any device, CPU included, where no allocator statistics exist. Each underlying storage is
+counted once, so views (transposes, reshapes, slices of one buffer) are not double-counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a linear layer saves `weight.t()`, which shares its storage)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """A dtype cast of a parameter (or a view of one): what autocast feeds a matmul in bf16/fp16."""
+    fn = (t._base if t._base is not None else t).grad_fn
+    return fn is not None and type(fn).__name__ == "ToCopyBackward0" and any(
+        isinstance(getattr(nxt, "variable", None), torch.nn.Parameter) for nxt, _ in fn.next_functions)
+
+
+class SavedTensorBytes:
+    """Context manager: bytes of the unique storages autograd saves for backward inside it.
+
+    The count is taken on exit, i.e. what is held at the end of the forward pass, waiting for
+    backward. Parameters and views of parameters are skipped (they are counted as parameters and
+    live whether or not a backward follows), and so is any storage already freed by then (FSDP2
+    frees each block's gathered parameters after its forward). Under autocast the low-precision
+    *copies* of weights are saved tensors too, held until backward like activations: they are
+    counted in `bytes` and reported apart in `weight_copy_bytes`.
+
+    What is not seen: tensors kept alive by other means than autograd's saved-tensor mechanism,
+    e.g. keyword arguments captured by a non-reentrant `torch.utils.checkpoint` closure (for
+    Llama, the rotary cos and sin, (1, seq, head_dim) each, shared by all layers). Inside a
+    checkpointed region the checkpoint's own hooks take over, so only the region's positional
+    tensor inputs are counted: exactly what checkpointing keeps.
+
+    Set `tag` while it is open (e.g. from module forward hooks) to split the count: each storage
+    is attributed to the tag current when it was first saved.
+
+    Attributes (valid after exit):
+        bytes: total bytes of the unique saved storages (int, bytes).
+        weight_copy_bytes: the part of `bytes` that is low-precision copies of parameters.
+        count: number of unique storages.
+        by_tag: {tag: bytes}.
+
+    Example:
+        with SavedTensorBytes() as saved:
+            loss = model(**batch).loss
+        loss.backward()
+        saved.bytes
+    """
+
+    def __init__(self):
+        self._storages: dict[tuple, tuple] = {}  # storage key -> (tag, weight copy?, storage)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.tag, self.bytes, self.weight_copy_bytes, self.count, self.by_tag = "", 0, 0, 0, {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not _is_parameter(t):
+            try:
+                storage = t.untyped_storage()
+                key = (t.device.type, storage.data_ptr())
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+                storage, key = t, ("id", id(t))
+            self._storages.setdefault(key, (self.tag, _is_weight_copy(t), storage))
+        return t  # keep the tensor itself: the measurement changes nothing in the computation
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for tag, is_copy, s in self._storages.values():
+            n = s.nbytes() if isinstance(s, torch.UntypedStorage) else s.numel() * s.element_size()
+            self.by_tag[tag] = self.by_tag.get(tag, 0) + n
+            self.bytes += n
+            self.weight_copy_bytes += n if is_copy else 0
+            self.count += bool(n)
+        self._storages.clear()  # hold no reference past the forward: backward must be able to free them
+
+
+def local_tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes this rank holds for `tensors` (e.g. `model.parameters()` or their `.grad`s).
+
+    FSDP2 DTensors count their local shard only (`to_local()`); `None` entries (parameters
+    without a gradient) count zero.
+
+    Returns:
+        int, bytes (elements x element size of each tensor's own dtype).
+    """
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total

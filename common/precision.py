@@ -1,0 +1,153 @@
+"""Which mixed precision for which hardware, and fp16 with loss scaling on CPU ranks.
+
+| hardware                          | bf16 | fp16                         | `auto` picks |
+|-----------------------------------|------|------------------------------|--------------|
+| CUDA compute capability >= 8.0    | yes  | yes                          | bf16         |
+|   (Ampere A100/RTX 30xx, Ada, Hopper H100/H200, Blackwell)                |              |
+| CUDA 7.x (Volta V100, Turing T4)  | no   | yes (fp16 tensor cores)      | fp16         |
+| CUDA < 7.0 (Pascal and older)     | no   | storage only, no tensor cores| no (fp32)    |
+| CPU                               | yes  | yes, slow without AVX512-FP16| bf16         |
+
+bf16 has fp32's exponent range, so gradients neither underflow nor overflow and no loss
+scaling is needed; fp16 has 5 exponent bits (max 65504, smallest normal 6.1e-5), so small
+gradients underflow unless the loss is scaled up first (dynamic loss scaling, Micikevicius et
+al. 2018, "Mixed Precision Training"). Choosing fp16 where bf16 exists buys that fragility for
+nothing, which is why it is flagged for large models.
+
+fp16 on CPU: Accelerate 1.15 builds its GradScaler and fp16 autocast only for non-CPU devices
+(`Accelerator.__init__`: `mixed_precision == "fp16" and self.device.type != "cpu"`); on a CPU
+rank `mixed_precision="fp16"` silently trains in plain fp32. torch 2.13 does support both
+pieces on CPU (`torch.autocast("cpu", dtype=torch.float16)`, `torch.amp.GradScaler("cpu")`), so
+`install_cpu_grad_scaler` hands Accelerate the CPU scaler it did not build; from then on
+backward scaling, unscale-before-clip, step skipping and checkpointing are Accelerate's own code.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+LARGE_MODEL_PARAMS = 1_000_000_000  # above this, fp16 on bf16-capable hardware draws a warning
+MODES = ("auto", "no", "bf16", "fp16")
+
+
+def detect_device() -> tuple[str, tuple[int, int] | None]:
+    """The device this rank will train on and, for CUDA, its compute capability.
+
+    Returns:
+        ("cuda", (major, minor)) for the GPU of this rank (`LOCAL_RANK`), else ("cpu", None).
+    """
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)))
+    return "cpu", None
+
+
+def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None,
+                     n_params: int) -> tuple[str, str]:
+    """Pick the mixed precision for the hardware (a pure function: the device is an input).
+
+    Args:
+        requested: `--precision`, one of "auto", "no", "bf16", "fp16".
+        device_type: "cuda" or "cpu" (anything else is trusted for explicit requests; "auto"
+            then falls back to fp32).
+        capability: CUDA compute capability (major, minor); ignored off CUDA.
+        n_params: parameter count of the model (for the large-model fp16 warning).
+
+    Returns:
+        (mode, reason): mode is "no", "bf16" or "fp16" (Accelerate's names), reason one line
+        for the log.
+
+    Raises:
+        ValueError: unknown `requested`, or bf16 requested on a CUDA GPU below compute
+            capability 8.0 (no bf16 arithmetic there).
+
+    Warns:
+        UserWarning: fp16 requested on bf16-capable hardware for a model of at least
+            `LARGE_MODEL_PARAMS` parameters.
+    """
+    if requested not in MODES:
+        raise ValueError(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
+    cc = f"compute capability {capability[0]}.{capability[1]}" if device_type == "cuda" and capability else device_type
+    bf16_ok = device_type == "cpu" or (device_type == "cuda" and capability is not None and capability >= (8, 0))
+    fp16_tensor_cores = device_type == "cuda" and capability is not None and capability >= (7, 0)
+
+    if requested == "bf16" and device_type == "cuda" and not bf16_ok:
+        raise ValueError(f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute capability "
+                         "8.0+ (Ampere or newer); use --precision fp16 (loss-scaled) or --precision auto")
+    if requested == "fp16" and bf16_ok and n_params >= LARGE_MODEL_PARAMS:
+        warnings.warn(f"--precision fp16 on bf16-capable hardware ({cc}) for a {n_params / 1e9:.1f}B-parameter "
+                      "model: fp16's narrow range needs loss scaling and can still overflow in large models; "
+                      "bf16 needs neither and is at least as fast there. Use --precision bf16 unless you must match "
+                      "an fp16 reference.", UserWarning, stacklevel=2)
+    if requested != "auto":
+        return requested, f"--precision {requested} as requested ({cc})"
+    if bf16_ok:
+        why = "bf16 autocast is supported on CPU" if device_type == "cpu" else "Ampere or newer has bf16 tensor cores"
+        return "bf16", f"auto: {cc}: {why}; bf16 keeps fp32's range, so no loss scaling"
+    if fp16_tensor_cores:
+        return "fp16", f"auto: {cc} (Volta/Turing) has fp16 tensor cores but no bf16; fp16 with dynamic loss scaling"
+    if device_type == "cuda":
+        return "no", f"auto: {cc}: no bf16 and no fp16 tensor cores, so fp32"
+    return "no", f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly"
+
+
+def install_cpu_grad_scaler(accelerator) -> bool:
+    """Make `mixed_precision="fp16"` real on CPU ranks (see the module docstring). Call before `prepare`.
+
+    Gives Accelerate a `torch.amp.GradScaler("cpu")` (FSDP1: `ShardedGradScaler("cpu")`, which
+    agrees on overflow across shards) built from the Accelerator's `GradScalerKwargs`, and turns
+    on its native-AMP path so that `prepare` wraps the forward in fp16 autocast and the
+    optimizer steps through the scaler. Does nothing on GPUs, under DeepSpeed (its engine does
+    its own loss scaling) and for other precisions.
+
+    Returns:
+        True when a scaler was installed.
+
+    Raises:
+        ValueError: fp16 under DeepSpeed on a CPU without fp16 kernels: DeepSpeed 0.19.8 refuses
+            it at `prepare` ("Type fp16 is not supported on your device", from its CPU
+            accelerator's `is_fp16_supported`, which asks oneDNN).
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu" or accelerator.scaler is not None:
+        return False  # (under DeepSpeed, `mixed_precision` reads the JSON's fp16/bf16 blocks)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
+                             "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
+                             "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler")
+        return False  # the DeepSpeed engine scales the loss itself
+    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        accelerator.scaler = ShardedGradScaler("cpu", **kwargs)
+    else:  # FSDP2 gradients are DTensors, whose overflow check is already reduced across ranks
+        accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
+    accelerator.native_amp = True
+    return True
+
+
+def keep_fp32_reduction(accelerator) -> None:
+    """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in fp32.
+
+    Accelerate's FSDP mixed-precision policy reduces gradients in the compute dtype, where most
+    of the precision of a sum over ranks is lost, and (FSDP2) casts every wrapped module's output
+    to it, which rounds the fp32 loss the model computes to bf16 (steps of 0.03 at a loss of 8);
+    under fp16 the backward then starts by casting the loss scale itself (by default 65536, above
+    fp16's max 65504) to fp16, so the first step overflows and is skipped (measured: it was).
+    Call after building the Accelerator and before `prepare`; a no-op for other strategies.
+    """
+    from dataclasses import replace
+
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
+        return
+    plugin = accelerator.state.fsdp_plugin
+    plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32,
+                                            **({"output_dtype": None} if accelerator.is_fsdp2 else {}))

@@ -1,0 +1,268 @@
+"""Activation (gradient) checkpointing, measured: memory traded for compute on the debug Llama.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/gradient_checkpointing.py
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/gradient_checkpointing.py
+    accelerate launch --config_file accelerate_configs/ddp.yaml --mixed_precision no \
+        recipes/gradient_checkpointing.py --num_layers 4,8,24 --max_steps 4
+
+Checkpointing keeps only the input of each checkpointed block from the forward pass and
+recomputes the block's activations during backward. Variants, all non-reentrant
+(`use_reentrant=False`; the reentrant form runs a nested backward per block, which under DDP with
+`find_unused_parameters=True` fails with "Expected to mark a variable ready only once ... marked
+as ready twice", and it takes no keyword arguments):
+
+    none    everything autograd saves stays until backward
+    hf      `model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})`
+            (transformers >= 5 name; `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`
+            is its deprecated alias)
+    manual  `torch.utils.checkpoint.checkpoint(layer.forward, ..., use_reentrant=False)` per decoder block
+    fsdp    (FSDP launches) Accelerate's own option, `fsdp_activation_checkpointing: true` in the
+            config / `FullyShardedDataParallelPlugin(activation_checkpointing=True)`: a
+            `checkpoint_wrapper` around every `fsdp_transformer_layer_cls_to_wrap` block
+
+For each depth L (the debug preset with num_hidden_layers=L) every variant trains the same
+seeded model on the same batches, one variant after the other in the same run, in
+--timing_rounds rounds of alternating order. Step 1 is measured exactly: the bytes autograd saves for backward
+(`torch.autograd.graph.saved_tensors_hooks`, unique storages, split into decoder blocks and the
+rest: embedding, final norm, LM head and loss), the gradients (compared with `none`), and the
+peak CUDA memory on GPUs. The later steps are timed; the fastest counts (the least disturbed
+by other processes).
+
+The rule of thumb (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"):
+checkpointing every block stores L block inputs instead of L blocks' activations, cutting
+activation memory about L-fold, for one extra forward pass, about +33% compute (a backward
+costs about two forwards). The table states the measured figures next to it.
+
+Outputs in --output_dir: results.json (every measured figure) and table.md.
+"""
+
+import functools
+import itertools
+import json
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType, set_seed
+from torch.utils.checkpoint import checkpoint
+from transformers import HfArgumentParser, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
+from common import data, launch, models, precision  # noqa: E402
+from common.memory import SavedTensorBytes  # noqa: E402
+
+MIB = 2 ** 20
+
+
+@dataclass
+class Args:
+    num_layers: str = field(default="4,8,24", metadata={"help": "comma-separated depths L to measure"})
+    variants: str = field(default="auto", metadata={"help": "comma-separated subset of none,hf,manual,fsdp; "
+                                                            "auto = none,hf,manual (+ fsdp under FSDP)"})
+    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    vocab_size: int = 4096
+    block_size: int = 256
+    cache_dir: str = data.DEFAULT_CACHE_DIR
+    output_dir: str = "runs/gradient_checkpointing"
+    seed: int = 42
+    per_device_train_batch_size: int = 2
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    max_steps: int = field(default=4, metadata={"help": "steps per variant, depth and round (the first untimed)"})
+    timing_rounds: int = field(default=2, metadata={"help": "rounds over the variants, in alternating order"})
+    ddp_find_unused_parameters: bool = field(default=False, metadata={
+        "help": "DDP: search the graph for unused parameters each step (with reentrant checkpointing this is "
+                "what raises 'marked ready twice'; the non-reentrant variants here work either way)"})
+    ddp_timeout: int = 1800
+
+
+args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+try:
+    depths = [int(n) for n in args.num_layers.split(",")]
+except ValueError:
+    sys.exit(f"error: --num_layers {args.num_layers!r}: expected comma-separated integers such as 4,8,24")
+if min(depths) < 1 or args.max_steps < 2 or args.timing_rounds < 1:
+    sys.exit(f"error: need --num_layers >= 1 (got {args.num_layers}), --max_steps >= 2 (got {args.max_steps}) "
+             f"and --timing_rounds >= 1 (got {args.timing_rounds})")
+if args.model_config not in models.PRESETS:
+    sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+
+# ---------------------------------------------------------------------------------------------
+# Accelerator: strategy and precision come from the accelerate config, as in every recipe.
+# ---------------------------------------------------------------------------------------------
+pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
+accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+                          kwargs_handlers=[pg_kwargs, ddp_kwargs])
+launch.check_distributed(accelerator)
+try:
+    precision.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
+except ValueError as err:
+    sys.exit(f"error: {err}")
+precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
+is_fsdp = accelerator.distributed_type == DistributedType.FSDP
+variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])) if args.variants == "auto" \
+    else args.variants.split(",")
+if not set(variants) <= {"none", "hf", "manual", "fsdp"} or variants[0] != "none":
+    sys.exit(f"error: --variants {args.variants!r}: a comma-separated list starting with none, "
+             "drawn from none,hf,manual,fsdp (the reference for gradients and ratios comes first)")
+if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
+    sys.exit("error: --variants fsdp needs an FSDP2 launch (accelerate_configs/fsdp.yaml); "
+             f"this one is {accelerator.distributed_type}")
+device = accelerator.device
+
+# ---------------------------------------------------------------------------------------------
+# Data: the first max_steps batches of the seeded epoch, reused by every variant and depth.
+# ---------------------------------------------------------------------------------------------
+with accelerator.main_process_first():
+    raw = data.load_text_dataset()
+    tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+    train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"].with_format("torch")
+train_loader = accelerator.prepare(torch.utils.data.DataLoader(
+    train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True))
+train_loader.set_epoch(0)
+batches = list(itertools.islice(train_loader, args.max_steps))  # this rank's share of each global batch
+if len(batches) < args.max_steps:
+    raise ValueError(f"--max_steps {args.max_steps}: the corpus gives only {len(batches)} batches per rank")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: one per variant, the same seeded weights; the variant decides what is checkpointed.
+# ---------------------------------------------------------------------------------------------
+def build(num_layers: int, variant: str):
+    """The model and optimizer for one variant, prepared (wrapped in DDP or sharded by FSDP2)."""
+    set_seed(args.seed)
+    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), num_hidden_layers=num_layers,
+                                 use_cache=False, bos_token_id=tokenizer.eos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    if variant == "hf":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif variant == "manual":
+        # Wrap forward, not the module: module hooks (DDP's, FSDP2's all-gathers) stay outside the
+        # checkpoint and do not run again when backward recomputes the block.
+        for layer in model.model.layers:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    if is_fsdp:  # Accelerate applies its activation checkpointing inside prepare(), per plugin
+        accelerator.state.fsdp_plugin.activation_checkpointing = variant == "fsdp"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    return accelerator.prepare(model, optimizer)
+
+
+def local_grads(model) -> torch.Tensor:
+    """This rank's gradients (FSDP2: its shards), flattened to one fp32 vector on the CPU."""
+    return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().float().flatten().cpu()
+                      for p in model.parameters() if p.grad is not None])
+
+
+results = []
+for num_layers in depths:
+    runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_cuda_bytes": None} for v in variants}
+    # Rounds in alternating order (none,hf,manual then manual,hf,none, ...) so that a drift in the
+    # machine's load does not favour one variant; one variant alive at a time (Accelerate's FSDP
+    # clip_grad_norm_ cannot tell two prepared models of the same shape apart).
+    for rnd in range(args.timing_rounds):
+        for variant in (variants if rnd % 2 == 0 else variants[::-1]):
+            model, optimizer = build(num_layers, variant)
+            run = runs[variant]
+            run["saved"].tag = "rest"  # split the count: what the decoder blocks save, whatever wraps them, the rest
+            for layer in accelerator.unwrap_model(model).model.layers:
+                layer.register_forward_pre_hook(lambda *_, m=run["saved"]: setattr(m, "tag", "blocks"))
+                layer.register_forward_hook(lambda *_, m=run["saved"]: setattr(m, "tag", "rest"))
+
+            # ---------------------------------------------------------------------------------
+            # Training loop. Round 0, step 0 is measured (the saved-tensor hooks cost time); the
+            # steps after each round's first (optimizer-state allocation) are timed.
+            # ---------------------------------------------------------------------------------
+            model.train()
+            for step, batch in enumerate(batches):
+                accelerator.wait_for_everyone()  # every rank starts the timed step together
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats(device)
+                    start_bytes = torch.cuda.memory_allocated(device)
+                t0 = time.perf_counter()
+                with run["saved"] if rnd == 0 and step == 0 else nullcontext():
+                    loss = model(**batch).loss
+                accelerator.backward(loss)
+                if rnd == 0 and step == 0:
+                    run["grads"] = local_grads(model)  # after the all-reduce / reduce-scatter, before clipping
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # peak above what the step started with: activations + gradients
+                    run["peak_cuda_bytes"] = max(run["peak_cuda_bytes"] or 0,
+                                                 torch.cuda.max_memory_allocated(device) - start_bytes)
+                if step > 0:
+                    run["times"].append(time.perf_counter() - t0)
+                if rnd == 0:  # later rounds repeat the same steps from the same seed
+                    run["losses"].append(accelerator.reduce(loss.detach(), reduction="mean").item())
+            accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
+                              f"{run['saved'].bytes / MIB:.2f} MiB, fastest step {min(run['times']):.3f} s, "
+                              f"loss {run['losses'][-1]:.4f}")
+            del model, optimizer
+            accelerator.free_memory()  # drop Accelerate's references before the next model is built
+
+    # -----------------------------------------------------------------------------------------
+    # Evaluation: what each variant saved, cost and computed, against `none`.
+    # -----------------------------------------------------------------------------------------
+    ref = runs["none"]
+    for variant, run in runs.items():
+        diff = accelerator.gather((run["grads"] - ref["grads"]).abs().max().reshape(1).to(device)).max().item()
+        scale = accelerator.gather(ref["grads"].abs().max().reshape(1).to(device)).max().item()
+        results.append({
+            "num_layers": num_layers, "variant": variant, "saved_bytes": run["saved"].bytes,
+            "saved_block_bytes": run["saved"].by_tag.get("blocks", 0),
+            "saved_rest_bytes": run["saved"].by_tag.get("rest", 0),
+            "step_seconds": min(run["times"]), "time_ratio": min(run["times"]) / min(ref["times"]),
+            "max_abs_grad_diff": diff, "max_abs_grad": scale, "losses": run["losses"],
+            "max_abs_loss_diff": max(abs(x - y) for x, y in zip(run["losses"], ref["losses"])),
+            "peak_cuda_bytes": run["peak_cuda_bytes"],
+        })
+
+# ---------------------------------------------------------------------------------------------
+# The table, with the rule of thumb next to the measurement. A = one block's saved bytes
+# without checkpointing (measured: the blocks' bytes / L); with checkpointing a block keeps only
+# its input x (measured), and backward recomputes one block at a time, so the blocks' memory at
+# the backward peak is about L*x + A (derived from the two): L-fold less only while L*x << A.
+# ---------------------------------------------------------------------------------------------
+lines = [f"{str(accelerator.distributed_type).split('.')[-1]} x{accelerator.num_processes}, "
+         f"{accelerator.mixed_precision}, {args.model_config} Llama, per-device batch "
+         f"{args.per_device_train_batch_size} x {args.block_size} tokens, {device.type}", "",
+         "| L | variant | saved for backward MiB | blocks MiB | rest MiB | blocks at backward peak MiB (derived) "
+         "| blocks ÷ (rule: ÷L) | step s | time × (rule: ×1.33) | max abs grad diff | peak CUDA MiB |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+for r in results:
+    base = next(b for b in results if b["num_layers"] == r["num_layers"] and b["variant"] == "none")
+    per_block = base["saved_block_bytes"] / r["num_layers"]
+    r["blocks_peak_bytes"] = r["saved_block_bytes"] + (0 if r["variant"] == "none" else per_block)
+    r["blocks_reduction"] = base["saved_block_bytes"] / r["blocks_peak_bytes"]
+    peak = f"{r['peak_cuda_bytes'] / MIB:.1f}" if r["peak_cuda_bytes"] is not None else "n/a (CPU)"
+    lines.append(f"| {r['num_layers']} | {r['variant']} | {r['saved_bytes'] / MIB:.2f} | "
+                 f"{r['saved_block_bytes'] / MIB:.2f} | {r['saved_rest_bytes'] / MIB:.2f} | "
+                 f"{r['blocks_peak_bytes'] / MIB:.2f} | {r['blocks_reduction']:.1f} (÷{r['num_layers']}) | "
+                 f"{r['step_seconds']:.3f} | {r['time_ratio']:.2f} | {r['max_abs_grad_diff']:.2e} | {peak} |")
+ref = next(r for r in results if r["variant"] == "none")
+ckpt = next((r for r in results if r["num_layers"] == ref["num_layers"] and r["variant"] != "none"), None)
+if ckpt:
+    a, x = ref["saved_block_bytes"] / ref["num_layers"], ckpt["saved_block_bytes"] / ckpt["num_layers"]
+    lines += ["", f"Measured: one block saves A = {a / MIB:.2f} MiB without checkpointing and keeps x = {x / MIB:.2f} "
+              f"MiB (its input) with it, A/x = {a / x:.0f}: the blocks shrink L*A -> L*x + A, about L-fold only "
+              f"while L << A/x. 'rest' (embedding, final norm, LM head, loss) is never checkpointed. Step time: the "
+              "fastest timed step (the least disturbed by other processes) of this run; the +33% rule counts one "
+              "extra forward of the blocks, the LM head and loss are not recomputed."]
+table = "\n".join(lines)
+if accelerator.is_main_process:
+    print(table)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    Path(args.output_dir, "table.md").write_text(table + "\n")
+    Path(args.output_dir, "results.json").write_text(json.dumps(
+        {"distributed_type": str(accelerator.distributed_type).split(".")[-1], "world_size": accelerator.num_processes,
+         "mixed_precision": accelerator.mixed_precision, "device": device.type, "args": vars(args),
+         "results": results}, indent=1))
+accelerator.end_training()

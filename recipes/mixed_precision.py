@@ -1,0 +1,341 @@
+"""Mixed precision, measured: fp32 vs bf16 vs fp16 with dynamic loss scaling, on the debug Llama.
+
+    # one precision per launch (one Accelerator per process has exactly one mixed_precision)
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/mixed_precision.py --precision auto
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/mixed_precision.py --precision fp16
+    # the comparison: the same config launched once per precision, then one table
+    python recipes/mixed_precision.py --compare --config_file accelerate_configs/ddp.yaml --max_steps 30
+
+`--precision` decides the precision (it overrides the config's `mixed_precision`). `auto` picks
+it for the hardware (common/precision.py): bf16 on Ampere/Hopper (compute capability >= 8.0) and
+CPU, fp16 on Volta/Turing (7.x), fp32 below; the choice is explained in one log line. bf16
+requested on a GPU without bf16 is an error; fp16 requested on bf16 hardware for a model of
+1B+ parameters is a warning.
+
+fp16 keeps the loss scaled by a GradScaler: backward runs on `loss x scale` so that small
+gradients survive fp16's range, `accelerator.clip_grad_norm_` unscales them before clipping
+(Accelerator.unscale_gradients), a step whose gradients hold an inf/NaN is skipped and the
+scale halved, and the scale doubles after `--growth_interval` clean steps. Each logged step
+records the scale and the skipped steps; the scaler's state goes into every checkpoint
+(`accelerator.save_state` writes scaler.pt) and comes back on resume.
+
+`--inject_inf_grad_at_step N` is a drill: it puts an inf into step N's gradients on every rank,
+as an overflow would. Under fp16 the step is skipped and the scale halved; in fp32/bf16 nothing
+stops it, the weights turn NaN, and the recipe warns at the next logged loss.
+
+fp16 on CPU ranks: Accelerate 1.15 builds neither the GradScaler nor fp16 autocast for a CPU
+device, so `mixed_precision="fp16"` would silently train in fp32. torch 2.13 supports both on
+CPU, so we hand Accelerate a `GradScaler("cpu")` (precision.install_cpu_grad_scaler). It is
+real fp16 arithmetic, and slow: CPUs without AVX512-FP16/AMX-FP16 have no fp16 matmul units
+(on our 2-core test host fp16 ran ~20x slower than bf16). DeepSpeed on such a CPU refuses fp16
+outright; the recipe says so instead of failing inside the engine.
+
+The table (--compare): loss after N steps on identical batches, tokens/s per device (the
+steps after the first), and bytes measured on one rank at the first step: saved for backward
+(common/memory.py; autocast's low-precision weight copies apart), parameters, gradients. Under
+DeepSpeed the engine keeps gradients in its own buffers, so they read 0 there.
+
+Outputs in --output_dir: metrics.jsonl (one line per logging step), summary.json (the row of
+the comparison table), checkpoint-N/ (--save_steps); with --compare, one folder per precision
+and comparison.md.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
+from transformers import HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
+from common import checkpoint, data, launch, metrics, models, precision  # noqa: E402
+from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
+
+REMEDIES = ("usual remedies: lower --learning_rate or lengthen --warmup_steps; keep --max_grad_norm clipping on; "
+            "look for a bad batch; on hardware with bf16 use --precision bf16 (fp32's range, no loss scaling)")
+
+
+@dataclass
+class Args:
+    precision: str = field(default="auto", metadata={"help": "auto | no | bf16 | fp16 (overrides the config's)"})
+    compare: bool = field(default=False, metadata={"help": "launch no, bf16, fp16 with --config_file; print a table"})
+    config_file: str = field(default="accelerate_configs/ddp.yaml", metadata={"help": "--compare: accelerate config"})
+    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    vocab_size: int = 4096
+    block_size: int = 128
+    validation_split_percentage: int = 5
+    max_eval_samples: int = 64
+    cache_dir: str = data.DEFAULT_CACHE_DIR
+    output_dir: str = "runs/mixed_precision"
+    seed: int = 42
+    per_device_train_batch_size: int = 4
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 5
+    max_steps: int = 30
+    logging_steps: int = 5
+    save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 = never"})
+    resume_from_checkpoint: str = field(default=None, metadata={"help": "a checkpoint path, or 'latest'"})
+    # fp16 loss scaling (torch.amp.GradScaler arguments)
+    init_scale: float = 2.0 ** 16
+    growth_interval: int = field(default=2000, metadata={"help": "clean steps before the scale doubles"})
+    min_loss_scale: float = field(default=1.0, metadata={"help": "warn when the scale falls below this"})
+    inject_inf_grad_at_step: int = field(default=0, metadata={"help": "drill: put an inf in the gradients of step N"})
+    ddp_timeout: int = 1800
+
+
+args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+if args.precision not in precision.MODES:
+    sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
+if args.model_config not in models.PRESETS:
+    sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+
+# ---------------------------------------------------------------------------------------------
+# --compare: one launch per precision with the same config and arguments, then the table. Each
+# launch is a whole job, so each mode gets its own process group, Accelerator and autocast.
+# ---------------------------------------------------------------------------------------------
+if args.compare:
+    if "LOCAL_RANK" in os.environ:
+        sys.exit("error: run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
+    if not Path(args.config_file).is_file():
+        sys.exit(f"error: --config_file {args.config_file}: no such file")
+    driver_only = {"compare", "config_file", "precision", "output_dir"}
+    passed = [s for f in fields(Args) if f.name not in driver_only and getattr(args, f.name) != f.default
+              for s in (f"--{f.name}", str(getattr(args, f.name)))]
+    rows = []
+    for mode in ("no", "bf16", "fp16"):
+        out = Path(args.output_dir) / mode
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+               __file__, *passed, "--precision", mode, "--output_dir", str(out)]
+        print(f"=== {mode}: {' '.join(cmd)}", flush=True)
+        done = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
+        rows.append(json.loads((out / "summary.json").read_text()) if done else {"precision": mode, "failed": True})
+    done = [r for r in rows if not r.get("failed")] or [{}]
+    lines = [f"{args.config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
+             f"{done[0].get('device')}, {args.model_config} Llama, global batch {done[0].get('global_batch')} x "
+             f"{args.block_size} tokens, {args.max_steps} steps. Activations: bytes saved for backward by one micro "
+             "batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
+             "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
+             "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
+            continue
+        mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
+                                               "gradient_bytes")]
+        lines.append(f"| {r['precision']} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} | "
+                     f"{r['tokens_per_second']:.0f} | {' | '.join(mib)} | "
+                     f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.output_dir, "comparison.md").write_text(table + "\n")
+    sys.exit(0 if not any(r.get("failed") for r in rows) else 1)
+
+# ---------------------------------------------------------------------------------------------
+# Precision for this hardware, decided before the Accelerator exists (it fixes one per process).
+# The model is built on the meta device just to count its parameters.
+# ---------------------------------------------------------------------------------------------
+with torch.device("meta"):
+    n_params = sum(p.numel() for p in LlamaForCausalLM(models.llama_config(args.model_config, args.vocab_size))
+                   .parameters())
+device_type, capability = precision.detect_device()
+try:
+    mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
+except ValueError as err:
+    sys.exit(f"error: {err}")
+
+pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+accelerator = Accelerator(
+    mixed_precision=mode,
+    gradient_accumulation_steps=args.gradient_accumulation_steps,
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    step_scheduler_with_optimizer=False,  # we step the LR ourselves, and not after a skipped step
+    kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
+)
+launch.check_distributed(accelerator)
+try:
+    if precision.install_cpu_grad_scaler(accelerator):
+        reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
+except ValueError as err:
+    sys.exit(f"error: --precision fp16: {err}")
+config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
+accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
+                                                     if config_mp and config_mp != mode else ""))
+precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
+set_seed(args.seed)  # the same initial weights in every mode and on every rank
+os.makedirs(args.output_dir, exist_ok=True)
+
+# ---------------------------------------------------------------------------------------------
+# Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches.
+# ---------------------------------------------------------------------------------------------
+with accelerator.main_process_first():
+    raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
+    tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+    lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
+train_set = lm_data["train"]
+eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_data["validation"]))))
+world_size = accelerator.num_processes
+global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+updates_per_epoch = len(train_set) // global_batch
+if updates_per_epoch == 0:
+    raise ValueError(f"{len(train_set)} training blocks are fewer than one global batch of {global_batch}")
+train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                                           drop_last=True)
+eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
+
+# ---------------------------------------------------------------------------------------------
+# Model: fp32 master weights in every mode; the precision only changes the compute.
+# ---------------------------------------------------------------------------------------------
+config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, use_cache=False)
+model = LlamaForCausalLM(config)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+
+model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
+    model, optimizer, train_loader, eval_loader, lr_scheduler)
+scaler = accelerator.scaler  # a GradScaler under fp16 (DeepSpeed: None, its engine scales the loss)
+
+# Resume only into the same kind of run: the data position follows from the step count, and the
+# scaler state means nothing to another precision.
+run_state = {"precision": mode, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+             "world_size": world_size, "global_batch": global_batch}
+try:
+    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+except (ValueError, FileNotFoundError) as err:
+    sys.exit(f"error: cannot resume: {err}")
+step = saved["step"]
+if resume_path:
+    if changed := [f"{k} {saved.get(k)} there, {v} here" for k, v in run_state.items() if saved.get(k) != v]:
+        sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. Resume with the same --precision, "
+                 "batch sizes and accelerate config.")
+    accelerator.load_state(str(resume_path))  # model, optimizer, scheduler, RNG and the scaler's scale
+metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+if accelerator.is_main_process and not resume_path:
+    open(metrics_path, "w").close()
+accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {n_params / 1e6:.2f}M params | "
+                  f"global batch {global_batch} | steps {step}..{args.max_steps}"
+                  + (f" | loss scale {scaler.get_scale():.0f}" if scaler else "")
+                  + (f" | resumed from {resume_path}" if resume_path else ""))
+
+
+def poison_gradients():
+    """The drill: one inf in the first gradient on every rank (as an overflow leaves it after the all-reduce)."""
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    with torch.no_grad():
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+
+
+@torch.no_grad()
+def evaluate():
+    """Mean held-out loss in nats/token (every eval block counted once, blocks are full length)."""
+    model.eval()
+    losses = []
+    for batch in eval_loader:
+        logits = model(input_ids=batch["input_ids"]).logits.float()
+        per_block = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none").mean(1)
+        losses.append(accelerator.gather_for_metrics(per_block))
+    model.train()
+    return torch.cat(losses).mean().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop. The first micro batch of the launch is measured: bytes saved for backward
+# (activations), parameters and gradients on this rank. Tokens/s counts the steps after it.
+# ---------------------------------------------------------------------------------------------
+model.train()
+start_step, sizes, skipped_steps, nonfinite_losses, last_window_loss = step, {}, 0, 0, float("nan")
+window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
+epoch = step // updates_per_epoch
+while step < args.max_steps:
+    train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+    done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
+    batches = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
+    for batch in batches:
+        measure = not sizes
+        with accelerator.accumulate(model):
+            with SavedTensorBytes() if measure else nullcontext() as saved:
+                loss = model(**batch).loss
+            accelerator.backward(loss)  # under fp16: backward of loss x scale
+            window_loss += loss.detach()
+            window_batches += 1
+            if accelerator.sync_gradients:
+                if step + 1 == args.inject_inf_grad_at_step:
+                    poison_gradients()
+                # Under fp16 this unscales the gradients first, so the norm and the clip threshold
+                # are in true units; an inf/NaN norm means this step will be skipped.
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if measure:
+                sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,  # autocast's weight casts apart
+                         "weight_copy_bytes": saved.weight_copy_bytes,
+                         "parameter_bytes": local_tensor_bytes(model.parameters()),
+                         "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters())}
+            optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
+            if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+            optimizer.zero_grad()
+        tokens += batch["input_ids"].numel()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        step_skipped = accelerator.optimizer_step_was_skipped
+        skipped_steps += step_skipped
+        scale = scaler.get_scale() if scaler else None
+        if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
+            tokens, t0 = 0, time.perf_counter()
+
+        if step % args.logging_steps == 0 or step == args.max_steps:
+            loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
+            record = {"step": step, "loss": loss_mean, "lr": lr_scheduler.get_last_lr()[0],
+                      "grad_norm": None if grad_norm is None else float(getattr(grad_norm, "full_tensor",
+                                                                                lambda: grad_norm)()),
+                      "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
+            nonfinite_losses += not math.isfinite(loss_mean)
+            if not math.isfinite(loss_mean) and accelerator.is_main_process:
+                warnings.warn(f"step {step}: the training loss is {loss_mean} ({mode if mode != 'no' else 'fp32'}); "
+                              f"{REMEDIES}")
+            if scale is not None and scale < args.min_loss_scale and accelerator.is_main_process:
+                warnings.warn(f"step {step}: the fp16 loss scale collapsed to {scale:g} (< --min_loss_scale "
+                              f"{args.min_loss_scale:g}): gradients overflow even unscaled, and every such step is "
+                              f"skipped ({skipped_steps} so far); {REMEDIES}")
+            if accelerator.is_main_process:
+                metrics.append_jsonl(metrics_path, record)
+            accelerator.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in record.items()))
+            last_window_loss = loss_mean
+            window_loss.zero_()
+            window_batches = 0
+        if args.save_steps and step % args.save_steps == 0:
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state=run_state)  # + scaler.pt
+        if step >= args.max_steps:
+            break
+    epoch += 1
+
+# ---------------------------------------------------------------------------------------------
+# Summary: one row of the comparison table (the main process writes it).
+# ---------------------------------------------------------------------------------------------
+elapsed = time.perf_counter() - t0 if t0 else float("nan")
+eval_loss = evaluate()
+if accelerator.is_main_process:
+    summary = {**run_state, "reason": reason, "device": accelerator.device.type, "steps": step,
+               "train_loss": last_window_loss, "eval_loss": eval_loss,
+               "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
+               "loss_scale": scaler.get_scale() if scaler else None, "skipped_steps": skipped_steps,
+               "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes}
+    Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    accelerator.print(f"summary: {json.dumps(summary)}")
+accelerator.end_training()

@@ -1,0 +1,213 @@
+"""recipes/mixed_precision.py and common/precision.py: the precision choice per device, fp16 loss
+scaling with a real Accelerator and GradScaler, and real 2-rank launches under ddp and fsdp."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from conftest import REPO, launch, read_metrics
+
+sys.path.insert(0, str(REPO))
+from common import precision  # noqa: E402
+
+RECIPE = "recipes/mixed_precision.py"
+SMALL, LARGE = 4_212_992, 1_235_814_400  # the debug preset; Llama-3.2-1B
+# fp32 and bf16 train the same model on the same batches; after 12 steps their losses differed by
+# about 1e-4 nats/token in our runs (bf16 rounding). 0.02 nats/token (0.3% of the loss) is the
+# stated tolerance: far above that noise, far below the ~1.5 nats/token the 12 steps learn.
+LOSS_TOLERANCE = 0.02
+
+
+# --- the precision choice, with the device capability mocked (the function takes it as input) ----
+
+@pytest.mark.parametrize("device_type, capability, expected", [
+    ("cuda", (7, 0), "fp16"),  # V100
+    ("cuda", (7, 5), "fp16"),  # T4
+    ("cuda", (8, 0), "bf16"),  # A100
+    ("cuda", (9, 0), "bf16"),  # H100/H200
+    ("cpu", None, "bf16"),
+    ("cuda", (6, 1), "no"),    # Pascal: neither bf16 nor fp16 tensor cores
+])
+def test_auto_picks_precision_for_the_hardware(device_type, capability, expected):
+    mode, reason = precision.choose_precision("auto", device_type, capability, SMALL)
+    assert mode == expected
+    assert reason.startswith("auto:") and "\n" not in reason  # one log line that says why
+
+
+def test_bf16_requested_without_bf16_hardware_is_an_error():
+    with pytest.raises(ValueError, match=r"--precision bf16: this GPU \(compute capability 7\.0\) has no bf16 support"):
+        precision.choose_precision("bf16", "cuda", (7, 0), SMALL)
+    assert precision.choose_precision("bf16", "cuda", (8, 0), SMALL)[0] == "bf16"
+
+
+@pytest.mark.parametrize("device_type, capability", [("cuda", (8, 0)), ("cpu", None)])
+def test_fp16_on_bf16_hardware_warns_for_a_large_model_only(device_type, capability):
+    with pytest.warns(UserWarning, match="fp16 on bf16-capable hardware .* 1.2B-parameter"):
+        assert precision.choose_precision("fp16", device_type, capability, LARGE)[0] == "fp16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a small model, or hardware without bf16: no warning
+        assert precision.choose_precision("fp16", device_type, capability, SMALL)[0] == "fp16"
+        assert precision.choose_precision("fp16", "cuda", (7, 0), LARGE)[0] == "fp16"
+
+
+def test_unknown_precision_is_an_error():
+    with pytest.raises(ValueError, match="--precision 'fp8'"):
+        precision.choose_precision("fp8", "cpu", None, SMALL)
+
+
+# --- fp16 loss scaling with the real Accelerator and GradScaler, in this process -----------------
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate's state is a per-process singleton: start and leave this process without one."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_injected_inf_gradient_skips_the_step_and_halves_the_scale(fresh_accelerate_state, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    reference = copy.deepcopy(model)  # fp32, for the true gradient norm
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    assert accelerator.scaler is None  # what Accelerate 1.15 does on CPU: fp16 would silently be fp32
+    assert precision.install_cpu_grad_scaler(accelerator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = torch.randn(16, 32), torch.randn(16, 1)
+
+    # A clean step: the loss is computed in fp16, scaled for backward, unscaled before clipping.
+    dtypes = []
+    model[0].register_forward_hook(lambda mod, inp, out: dtypes.append(out.dtype))
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    assert dtypes == [torch.float16]  # autocast really is on
+    accelerator.backward(loss)
+    assert max(p.grad.abs().max() for p in model.parameters()) > 100  # the gradients hold loss x 65536
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    assert torch.isclose(norm, true_norm, rtol=1e-2), (norm, true_norm)  # unscaled before the clip
+    optimizer.step()
+    optimizer.zero_grad()
+    assert not accelerator.optimizer_step_was_skipped
+    assert accelerator.scaler.get_scale() == 65536.0
+
+    # The drill: an inf in one gradient. The step must not touch the weights or Adam's state.
+    before = [p.detach().clone() for p in model.parameters()]
+    adam_steps = [optimizer.state[p]["step"].item() for p in model.parameters()]
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    with torch.no_grad():
+        model[2].weight.grad[0, 0] = float("inf")
+    assert math.isinf(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+    optimizer.step()
+    optimizer.zero_grad()
+    assert accelerator.optimizer_step_was_skipped
+    assert accelerator.scaler.get_scale() == 32768.0  # halved (backoff_factor 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert [optimizer.state[p]["step"].item() for p in model.parameters()] == adam_steps
+
+    # The scale is part of the checkpoint, and comes back with it.
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "scaler.pt").is_file()
+    accelerator.scaler.update(new_scale=1024.0)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert accelerator.scaler.get_scale() == 32768.0
+
+
+# --- the recipe, launched for real: 2 gloo ranks under DDP and FSDP2 ------------------------------
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+def test_fp32_and_bf16_losses_agree(config, tmp_path, cache_dir):
+    summary = {}
+    for mode in ("no", "bf16"):
+        out = tmp_path / mode
+        proc = launch(config, RECIPE, "--precision", mode, "--output_dir", out, "--max_steps", 12,
+                      "--logging_steps", 4, "--max_eval_samples", 32, "--ddp_timeout", 120, cache_dir=cache_dir)
+        assert f"precision: {mode} (--precision {mode} as requested (cpu))" in proc.stdout
+        summary[mode] = json.loads((out / "summary.json").read_text())
+    fp32, bf16 = summary["no"], summary["bf16"]
+    for s in (fp32, bf16):
+        assert s["world_size"] == 2 and s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[config]
+        assert s["steps"] == 12 and s["train_loss"] < 7.3  # from ln(4096) = 8.3 nats/token
+    assert abs(fp32["train_loss"] - bf16["train_loss"]) < LOSS_TOLERANCE, (fp32, bf16)
+    assert abs(fp32["eval_loss"] - bf16["eval_loss"]) < LOSS_TOLERANCE, (fp32, bf16)
+    # fp32 master weights and gradients in both modes; bf16 only shrinks what is saved for backward
+    assert bf16["parameter_bytes"] == fp32["parameter_bytes"] == fp32["gradient_bytes"]
+    sharding = {"ddp": 1, "fsdp": 2}[config]
+    assert abs(fp32["parameter_bytes"] * sharding / (4 * fp32["n_params"]) - 1) < 0.01
+    assert bf16["activation_bytes"] < 0.8 * fp32["activation_bytes"]  # measured: 0.73 (ddp), 0.60 (fsdp)
+    assert fp32["weight_copy_bytes"] == 0
+    # DDP autocast saves a bf16 copy of every matmul weight (all but the 2L+1 norm vectors; the
+    # embedding is the tied LM head). FSDP2 gathers the weights in bf16 and frees them: no copies.
+    matmul_params = fp32["n_params"] - 256 * (2 * 4 + 1)
+    assert bf16["weight_copy_bytes"] == {"ddp": 2 * matmul_params, "fsdp": 0}[config]
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(config, tmp_path, cache_dir):
+    out = tmp_path / "fp16"
+    fast = ["--precision", "fp16", "--output_dir", out, "--logging_steps", 1, "--per_device_train_batch_size", 1,
+            "--max_eval_samples", 8, "--ddp_timeout", 120]  # fp16 matmuls are slow on this CPU: small batch
+    proc = launch(config, RECIPE, *fast, "--max_steps", 4, "--inject_inf_grad_at_step", 3, "--save_steps", 4,
+                  "--min_loss_scale", 65536, cache_dir=cache_dir)
+    assert "GradScaler('cpu') installed" in proc.stdout
+    steps, _ = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    before, hit = steps[1], steps[2]
+    assert not before["step_skipped"] and hit["step_skipped"]
+    assert hit["loss_scale"] == before["loss_scale"] / 2
+    assert not math.isfinite(hit["grad_norm"])
+    assert hit["lr"] == before["lr"]  # the LR schedule did not advance on the skipped step
+    finite = [r["grad_norm"] for r in steps if math.isfinite(r["grad_norm"])]
+    assert finite and max(finite) < 100  # unscaled norms (scaled ones would be ~1e4-1e5 times larger)
+    assert "the fp16 loss scale collapsed to 32768" in proc.stderr and "usual remedies" in proc.stderr
+
+    # Resume: the scale comes back from checkpoint-4/scaler.pt, not from --init_scale.
+    saved_scale = steps[-1]["loss_scale"]
+    assert (out / "checkpoint-4" / "scaler.pt").is_file() and saved_scale < 65536
+    proc = launch(config, RECIPE, *fast, "--max_steps", 6, "--resume_from_checkpoint", "latest", cache_dir=cache_dir)
+    assert f"loss scale {saved_scale:.0f} | resumed from" in proc.stdout
+    steps, _ = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss_scale"] == saved_scale for r in steps[4:])  # growth_interval 2000: no change
+
+
+def test_fp32_has_no_safety_net_and_a_nan_loss_is_flagged(tmp_path, cache_dir):
+    """The same inf gradient without a GradScaler: the step is taken, the weights turn NaN, and the
+    recipe warns (once: only the main process logs)."""
+    out = tmp_path / "fp32"
+    proc = launch("ddp", RECIPE, "--precision", "no", "--output_dir", out, "--max_steps", 3, "--logging_steps", 1,
+                  "--inject_inf_grad_at_step", 2, "--per_device_train_batch_size", 1, "--max_eval_samples", 8,
+                  "--ddp_timeout", 120, cache_dir=cache_dir)
+    steps, _ = read_metrics(out)
+    assert not steps[1]["step_skipped"] and math.isinf(steps[1]["grad_norm"])
+    assert math.isfinite(steps[1]["loss"]) and math.isnan(steps[2]["loss"])
+    assert proc.stderr.count("step 3: the training loss is nan (fp32); usual remedies") == 1
+    assert json.loads((out / "summary.json").read_text())["nonfinite_losses"] == 1
+
+
+def test_compare_prints_the_table(tmp_path, cache_dir):
+    """The --compare driver: three real single-process launches, one row each."""
+    args = ["--compare", "--config_file", REPO / "accelerate_configs" / "single.yaml", "--output_dir", tmp_path,
+            "--max_steps", 3, "--logging_steps", 3, "--per_device_train_batch_size", 1, "--max_eval_samples", 8]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / RECIPE), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = (tmp_path / "comparison.md").read_text().strip()
+    assert table in proc.stdout
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[4:]]  # title, blank, header, rule
+    assert rows == ["no", "bf16", "fp16"]
+    fp16 = json.loads((tmp_path / "fp16" / "summary.json").read_text())
+    assert fp16["loss_scale"] == 65536.0 and fp16["skipped_steps"] == 0 and fp16["precision"] == "fp16"
