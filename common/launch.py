@@ -18,6 +18,10 @@ What each strategy needs (checked with accelerate 1.15, deepspeed 0.19.8, torch 
 
 On a host with CUDA (or any device Accelerate knows) nothing here changes anything: the only
 effect is the collective timeout, which every run gets.
+
+Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU offload) and
+`install_cpu_grad_scaler` (Accelerate builds no GradScaler or fp16 autocast on CPU, so
+`mixed_precision="fp16"` silently trained in fp32 there).
 """
 
 from __future__ import annotations
@@ -118,6 +122,46 @@ def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
                                   FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
             return model.state_dict()
     return accelerator.get_state_dict(model)
+
+
+
+def install_cpu_grad_scaler(accelerator) -> bool:
+    """Make `mixed_precision="fp16"` real on CPU ranks (see the module docstring). Call before `prepare`.
+
+    Gives Accelerate a `torch.amp.GradScaler("cpu")` (FSDP1: `ShardedGradScaler("cpu")`, which
+    agrees on overflow across shards) built from the Accelerator's `GradScalerKwargs`, and turns
+    on its native-AMP path so that `prepare` wraps the forward in fp16 autocast and the
+    optimizer steps through the scaler. Does nothing on GPUs, under DeepSpeed (its engine does
+    its own loss scaling) and for other precisions.
+
+    Returns:
+        True when a scaler was installed.
+
+    Raises:
+        ValueError: fp16 under DeepSpeed on a CPU without fp16 kernels: DeepSpeed 0.19.8 refuses
+            it at `prepare` ("Type fp16 is not supported on your device", from its CPU
+            accelerator's `is_fp16_supported`, which asks oneDNN).
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu" or accelerator.scaler is not None:
+        return False  # (under DeepSpeed, `mixed_precision` reads the JSON's fp16/bf16 blocks)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
+                             "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
+                             "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler")
+        return False  # the DeepSpeed engine scales the loss itself
+    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        accelerator.scaler = ShardedGradScaler("cpu", **kwargs)
+    else:  # FSDP2 gradients are DTensors, whose overflow check is already reduced across ranks
+        accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
+    accelerator.native_amp = True
+    return True
 
 
 if __name__ == "__main__":

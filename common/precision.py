@@ -18,7 +18,7 @@ fp16 on CPU: Accelerate 1.15 builds its GradScaler and fp16 autocast only for no
 (`Accelerator.__init__`: `mixed_precision == "fp16" and self.device.type != "cpu"`); on a CPU
 rank `mixed_precision="fp16"` silently trains in plain fp32. torch 2.13 does support both
 pieces on CPU (`torch.autocast("cpu", dtype=torch.float16)`, `torch.amp.GradScaler("cpu")`), so
-`install_cpu_grad_scaler` hands Accelerate the CPU scaler it did not build; from then on
+`common.launch.install_cpu_grad_scaler` hands Accelerate the CPU scaler it did not build; from then on
 backward scaling, unscale-before-clip, step skipping and checkpointing are Accelerate's own code.
 """
 
@@ -91,45 +91,6 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
     if device_type == "cuda":
         return "no", f"auto: {cc}: no bf16 and no fp16 tensor cores, so fp32"
     return "no", f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly"
-
-
-def install_cpu_grad_scaler(accelerator) -> bool:
-    """Make `mixed_precision="fp16"` real on CPU ranks (see the module docstring). Call before `prepare`.
-
-    Gives Accelerate a `torch.amp.GradScaler("cpu")` (FSDP1: `ShardedGradScaler("cpu")`, which
-    agrees on overflow across shards) built from the Accelerator's `GradScalerKwargs`, and turns
-    on its native-AMP path so that `prepare` wraps the forward in fp16 autocast and the
-    optimizer steps through the scaler. Does nothing on GPUs, under DeepSpeed (its engine does
-    its own loss scaling) and for other precisions.
-
-    Returns:
-        True when a scaler was installed.
-
-    Raises:
-        ValueError: fp16 under DeepSpeed on a CPU without fp16 kernels: DeepSpeed 0.19.8 refuses
-            it at `prepare` ("Type fp16 is not supported on your device", from its CPU
-            accelerator's `is_fp16_supported`, which asks oneDNN).
-    """
-    from accelerate.utils import DistributedType
-
-    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu" or accelerator.scaler is not None:
-        return False  # (under DeepSpeed, `mixed_precision` reads the JSON's fp16/bf16 blocks)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from deepspeed.accelerator import get_accelerator
-
-        if not get_accelerator().is_fp16_supported():
-            raise ValueError("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
-                             "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
-                             "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler")
-        return False  # the DeepSpeed engine scales the loss itself
-    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
-    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        accelerator.scaler = ShardedGradScaler("cpu", **kwargs)
-    else:  # FSDP2 gradients are DTensors, whose overflow check is already reduced across ranks
-        accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
-    accelerator.native_amp = True
-    return True
 
 
 def keep_fp32_reduction(accelerator) -> None:

@@ -100,7 +100,7 @@ accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable
                           kwargs_handlers=[pg_kwargs, ddp_kwargs])
 launch.check_distributed(accelerator)
 try:
-    precision.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
+    launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
 except ValueError as err:
     sys.exit(f"error: {err}")
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype

@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, data, launch, metrics, models, schedule  # noqa: E402
+from common import checkpoint, data, launch, metrics, models, precision, schedule  # noqa: E402
 
 
 @dataclass
@@ -108,11 +108,13 @@ accelerator = Accelerator(
 launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
 is_fsdp = accelerator.distributed_type == DistributedType.FSDP
 is_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-if is_fsdp and accelerator.mixed_precision != "no":
-    # Compute in bf16/fp16 but reduce gradients in fp32: summing low-precision gradients across
-    # ranks is where most of the precision is lost (Accelerate's default reduces in bf16).
-    plugin = accelerator.state.fsdp_plugin
-    plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
+try:
+    launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
+except ValueError as err:
+    sys.exit(f"error: {err}")
+# FSDP: compute in bf16/fp16 but reduce gradients (and return the loss) in fp32; summing
+# low-precision gradients across ranks is where most of the precision is lost.
+precision.keep_fp32_reduction(accelerator)
 if is_deepspeed:
     ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
     if ds_clip not in (None, "auto") and float(ds_clip) != args.max_grad_norm:
@@ -170,7 +172,7 @@ else:
     else:
         model = LlamaForCausalLM(config)  # fp32 master weights; the launch config picks compute precision
 if args.gradient_checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 model.config.use_cache = False
 n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: ZeRO-3 pre-sharded
 flops_per_token = metrics.flops_per_token(model.config, args.block_size)

@@ -25,7 +25,7 @@ stops it, the weights turn NaN, and the recipe warns at the next logged loss.
 
 fp16 on CPU ranks: Accelerate 1.15 builds neither the GradScaler nor fp16 autocast for a CPU
 device, so `mixed_precision="fp16"` would silently train in fp32. torch 2.13 supports both on
-CPU, so we hand Accelerate a `GradScaler("cpu")` (precision.install_cpu_grad_scaler). It is
+CPU, so we hand Accelerate a `GradScaler("cpu")` (launch.install_cpu_grad_scaler). It is
 real fp16 arithmetic, and slow: CPUs without AVX512-FP16/AMX-FP16 have no fp16 matmul units
 (on our 2-core test host fp16 ran ~20x slower than bf16). DeepSpeed on such a CPU refuses fp16
 outright; the recipe says so instead of failing inside the engine.
@@ -168,7 +168,7 @@ accelerator = Accelerator(
 )
 launch.check_distributed(accelerator)
 try:
-    if precision.install_cpu_grad_scaler(accelerator):
+    if launch.install_cpu_grad_scaler(accelerator):
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
 except ValueError as err:
     sys.exit(f"error: --precision fp16: {err}")

@@ -18,6 +18,7 @@ from conftest import REPO, launch, read_metrics
 
 sys.path.insert(0, str(REPO))
 from common import precision  # noqa: E402
+from common.launch import install_cpu_grad_scaler  # noqa: E402
 
 RECIPE = "recipes/mixed_precision.py"
 SMALL, LARGE = 4_212_992, 1_235_814_400  # the debug preset; Llama-3.2-1B
@@ -82,7 +83,7 @@ def test_injected_inf_gradient_skips_the_step_and_halves_the_scale(fresh_acceler
     reference = copy.deepcopy(model)  # fp32, for the true gradient norm
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
     assert accelerator.scaler is None  # what Accelerate 1.15 does on CPU: fp16 would silently be fp32
-    assert precision.install_cpu_grad_scaler(accelerator)
+    assert install_cpu_grad_scaler(accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     x, y = torch.randn(16, 32), torch.randn(16, 1)
