@@ -1,0 +1,403 @@
+"""Data loading that never starves the ranks: tokenized parquet shards, each rank reads only its own.
+
+    python recipes/sharded_data.py prepare --output_dir data_shards --num_shards 4
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sharded_data.py --data_dir data_shards
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/sharded_data.py --data_dir data_shards
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sharded_data.py --data_dir data_shards --loader datasets
+    python recipes/sharded_data.py prepare --output_dir /tmp/shards_1gb --num_shards 8 --repeat 200   # ~1 GB of text
+
+Prepare (one process): tokenize the bundled corpus once, cut it into blocks of --block_size
+tokens, deal block b to shard b % num_shards (so every shard samples the whole corpus), and write
+`shard_{i:04d}.parquet` plus `manifest.json` (rows, tokens, bytes and SHA-256 per shard, the
+tokenizer, the block size). --repeat K repeats the corpus K times to make a bigger one.
+
+Train: shard i belongs to rank i % world_size. Every rank checks the manifest (the shard count
+must be a multiple of the world size; a missing, truncated or corrupt shard is named), then
+streams its own shards row group by row group from memory-mapped files, so resident memory stays
+flat as the corpus grows. The DataLoader has workers, prefetching, persistent workers, and pinned
+memory where a GPU exists. It is NOT passed to accelerator.prepare: Accelerate 1.15 has no
+"already sharded" switch (split_batches slices each batch across ranks; dispatch_batches, the
+default for iterable datasets, has rank 0 read everything and send it out), so each rank
+iterates its own loader and moves batches to its device. --loader datasets does the same with
+`datasets` streaming and `split_dataset_by_node` (which re-deals whole files every epoch).
+It trains the `debug` Llama for --max_steps and prints, per rank, the loader's tokens/s alone
+against the tokens/s a training step consumes, and the resident memory of the rank and its workers.
+
+Outputs in --output_dir: metrics.jsonl (logging steps, then a summary with the table), and with
+--record_sample_ids, sample_ids/rank{r}.json (written by rank r alone: block ids per epoch).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import HfArgumentParser, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
+from common import data, launch, metrics, models  # noqa: E402
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class PrepareArgs:
+    output_dir: str = field(default=None, metadata={"help": "folder for the shards and manifest.json"})
+    num_shards: int = field(default=2, metadata={"help": "a multiple of the world size you will train with"})
+    repeat: int = field(default=1, metadata={"help": "repeat the corpus K times (bigger corpora for measurements)"})
+    max_blocks: int = field(default=None, metadata={"help": "keep only the first N blocks (quick tests)"})
+    block_size: int = 256
+    rows_per_row_group: int = field(default=256, metadata={"help": "the unit a loader worker reads and shuffles"})
+    tokenizer_name_or_path: str = field(default=None, metadata={"help": "default: the project's corpus BPE"})
+    vocab_size: int = 4096
+    cache_dir: str = data.DEFAULT_CACHE_DIR
+    overwrite_output_dir: bool = False
+
+
+@dataclass
+class TrainArgs:
+    data_dir: str = field(default=None, metadata={"help": "the prepare step's --output_dir"})
+    loader: str = field(default="parquet", metadata={"help": "parquet (memory-mapped row groups) or datasets (streaming)"})
+    output_dir: str = "runs/sharded_data"
+    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    seed: int = 42
+    per_device_train_batch_size: int = 8
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    max_steps: int = 30
+    logging_steps: int = 5
+    # DataLoader (transformers.TrainingArguments names)
+    dataloader_num_workers: int = 2
+    dataloader_prefetch_factor: int = 4
+    dataloader_persistent_workers: bool = True
+    dataloader_pin_memory: bool = field(default=True, metadata={"help": "applies only where a GPU exists"})
+    shuffle_buffer_size: int = field(default=1024, metadata={"help": "--loader datasets: rows in the shuffle buffer"})
+    loader_benchmark_batches: int = field(default=40, metadata={"help": "batches timed for the loader alone"})
+    verify_checksums: bool = field(default=True, metadata={"help": "SHA-256 of each own shard against the manifest"})
+    record_sample_ids: bool = field(default=False, metadata={"help": "each rank writes the block ids it trained on"})
+    ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepare: tokenize once, write the shards, write the manifest last (its presence = complete set).
+# ---------------------------------------------------------------------------------------------
+def prepare(args: PrepareArgs) -> None:
+    """Write `shard_{i:04d}.parquet` (columns `input_ids`: fixed-size list of uint16 [block_size],
+    `block_id`: int64) and `manifest.json` into `args.output_dir`.
+
+    Raises:
+        SystemExit: bad flags, or an existing manifest without --overwrite_output_dir.
+    """
+    out = Path(args.output_dir or sys.exit("error: prepare needs --output_dir"))
+    if args.num_shards < 1 or args.repeat < 1 or args.rows_per_row_group < 1:
+        sys.exit("error: --num_shards, --repeat and --rows_per_row_group must be positive")
+    if (out / MANIFEST).exists() and not args.overwrite_output_dir:
+        sys.exit(f"error: {out / MANIFEST} exists; pass --overwrite_output_dir to replace the shards")
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [out / MANIFEST, *out.glob("shard_*.parquet")]:
+        old.unlink(missing_ok=True)  # no stale shard of an earlier, larger set may survive
+    # The LM recipe's tokenizer and packing (cached): blocks of block_size tokens, eos between works.
+    raw = data.load_text_dataset()
+    tokenizer = data.get_tokenizer(args.tokenizer_name_or_path, raw, args.vocab_size, args.cache_dir)
+    packed = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("numpy")
+    base = np.concatenate([packed[s]["input_ids"][:] for s in ("train", "validation")])  # [n_base, block_size]
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32  # half the bytes for vocabularies < 65,536
+    n_blocks = len(base) * args.repeat if args.max_blocks is None else min(args.max_blocks, len(base) * args.repeat)
+    per_shard = n_blocks // args.num_shards
+    if per_shard == 0:
+        sys.exit(f"error: {n_blocks} blocks cannot fill {args.num_shards} shards")
+    corpus_bytes = sum(len(t) for s in ("train", "validation") for t in raw[s]["text"])
+    text_bytes = corpus_bytes * n_blocks // len(base)  # the text the blocks hold (pro rata under --max_blocks)
+    shards = []
+    for i in range(args.num_shards):
+        path, ids = out / f"shard_{i:04d}.parquet", np.arange(i, per_shard * args.num_shards, args.num_shards)
+        with pq.ParquetWriter(path, pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(dtype), args.block_size)),
+                                               ("block_id", pa.int64())])) as writer:
+            for start in range(0, per_shard, args.rows_per_row_group):  # one row group per write
+                chunk = ids[start:start + args.rows_per_row_group]
+                tokens = pa.array(base[chunk % len(base)].astype(dtype).ravel())  # block b = base block b mod n_base
+                writer.write_table(pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(tokens, args.block_size),
+                                             "block_id": chunk}))
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        shards.append({"name": path.name, "rows": per_shard, "tokens": per_shard * args.block_size,
+                       "bytes": path.stat().st_size, "sha256": digest})
+    manifest = {"num_shards": args.num_shards, "block_size": args.block_size, "dtype": np.dtype(dtype).name,
+                "tokenizer": {"name_or_path": tokenizer.name_or_path, "vocab_size": len(tokenizer),
+                              "sha256": hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()},
+                "source": f"bundled Shakespeare corpus x {args.repeat}", "text_bytes": text_bytes,
+                "total_blocks": per_shard * args.num_shards, "dropped_blocks": n_blocks - per_shard * args.num_shards,
+                "rows_per_row_group": args.rows_per_row_group, "shards": shards}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    print(f"{args.num_shards} shards x {per_shard} blocks of {args.block_size} tokens "
+          f"({text_bytes / 1e6:.1f} MB of text, {sum(s['bytes'] for s in shards) / 1e6:.1f} MB of parquet) in {out}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Train-time checks: every rank validates the manifest before it touches any data.
+# ---------------------------------------------------------------------------------------------
+def own_shards(data_dir: str, world_size: int, rank: int, verify: bool) -> tuple[dict, list[Path]]:
+    """Validate `{data_dir}/manifest.json` and return (manifest, paths of the shards `rank` owns).
+
+    Shard i belongs to rank i % world_size. Every shard's presence is checked on every rank (so
+    all ranks fail alike); size, parquet footer, row count and (with `verify`) SHA-256 only for
+    the rank's own shards, which only it reads.
+
+    Raises:
+        FileNotFoundError: no manifest, or a listed shard is missing (names the file).
+        ValueError: the shard count is not a multiple of `world_size`, or a shard is truncated,
+            corrupt or does not match the manifest (names the file and the numbers).
+    """
+    root, manifest_path = Path(data_dir), Path(data_dir) / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path} not found: run `python recipes/sharded_data.py prepare "
+                                f"--output_dir {data_dir} --num_shards {world_size}` first")
+    manifest = json.loads(manifest_path.read_text())
+    n = manifest["num_shards"]
+    if n != len(manifest["shards"]):
+        raise ValueError(f"{manifest_path} says num_shards={n} but lists {len(manifest['shards'])} shards")
+    if n % world_size:
+        raise ValueError(f"{manifest_path} lists {n} shards for a world size of {world_size}: shard i belongs to "
+                         f"rank i % world_size, so the shard count must be a multiple of {world_size} (re-run "
+                         f"prepare with --num_shards {world_size * max(1, round(n / world_size))})")
+    mine = []
+    for i, shard in enumerate(manifest["shards"]):
+        path = root / shard["name"]
+        if not path.is_file():
+            raise FileNotFoundError(f"missing shard {path}: shard {i} of the {n} listed in {manifest_path}")
+        if i % world_size != rank:
+            continue
+        if path.stat().st_size != shard["bytes"]:
+            raise ValueError(f"corrupt shard {path}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}")
+        if verify:
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if digest != shard["sha256"]:
+                raise ValueError(f"corrupt shard {path}: SHA-256 {digest[:16]}... differs from the manifest's "
+                                 f"{shard['sha256'][:16]}...; re-run prepare")
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"corrupt parquet file {path}: {e}") from None
+        if rows != shard["rows"]:
+            raise ValueError(f"corrupt shard {path}: {rows} rows, the manifest says {shard['rows']}")
+        mine.append(path)
+    return manifest, mine
+
+
+class RankShards(torch.utils.data.IterableDataset):
+    """Batches from this rank's shards, read one row group at a time from memory-mapped files.
+
+    Yields dicts: `input_ids` int64 [batch_size, block_size] and `block_id` int64 [batch_size].
+    Each epoch a seeded permutation (seed, epoch, rank) of the (file, row group) pairs is dealt
+    round-robin to the DataLoader workers, and rows are shuffled inside each row group: a local
+    shuffle whose reach is the row group, as in any streaming loader. Each worker drops its last
+    partial batch of the epoch.
+    """
+
+    def __init__(self, paths: list[Path], batch_size: int, seed: int, rank: int):
+        self.paths, self.batch_size, self.seed, self.rank = [str(p) for p in paths], batch_size, seed, rank
+        self.units = [(f, g) for f, p in enumerate(self.paths) for g in range(pq.ParquetFile(p).num_row_groups)]
+        # Shared memory: persistent DataLoader workers keep their own copy of this object and would
+        # never see a plain attribute change (datasets' IterableDataset does the same for its epoch).
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        epoch = int(self.epoch)
+        order = np.random.default_rng([self.seed, epoch, self.rank]).permutation(len(self.units))
+        files, tokens, ids = {}, None, None
+        for u in order[worker::n_workers]:
+            f, g = self.units[u]
+            if f not in files:  # memory-mapped: pages are read on demand, not copied into a buffer
+                files[f] = pq.ParquetFile(self.paths[f], memory_map=True)
+            table = files[f].read_row_group(g)  # decodes this row group only; no whole-table read
+            rows = np.random.default_rng([self.seed, epoch, self.rank, u]).permutation(table.num_rows)
+            t = table.column("input_ids").combine_chunks().values.to_numpy().reshape(table.num_rows, -1)[rows]
+            b = table.column("block_id").to_numpy()[rows]
+            tokens, ids = (t, b) if tokens is None else (np.concatenate([tokens, t]), np.concatenate([ids, b]))
+            while len(ids) >= self.batch_size:
+                yield {"input_ids": torch.from_numpy(tokens[:self.batch_size].astype(np.int64)),
+                       "block_id": torch.from_numpy(ids[:self.batch_size].copy())}
+                tokens, ids = tokens[self.batch_size:], ids[self.batch_size:]
+
+
+def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, seed: int, buffer_size: int):
+    """The same shards through `datasets`: streaming parquet, one file per shard, split by node.
+
+    strategy="shards" gives each rank whole files (never the "examples" fallback, where every rank
+    would read every file and keep 1 row in world_size). Unlike the parquet route, ownership is
+    not fixed: `datasets` shuffles the file list (seed + epoch, the same on every rank) before it
+    deals files to ranks, so each epoch every rank reads a disjoint set of files, but not always
+    the same set. Fine on a shared filesystem; with node-local disks use the parquet route.
+
+    Returns:
+        A torch-formatted `datasets.IterableDataset` of rows: `input_ids` int64 [block_size],
+        `block_id` int64; it has `set_epoch`.
+    """
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    files = [str(Path(data_dir) / s["name"]) for s in manifest["shards"]]
+    stream = load_dataset("parquet", data_files=files, split="train", streaming=True)
+    stream = split_dataset_by_node(stream, rank=rank, world_size=world_size, strategy="shards")
+    # files, then rows within a buffer; reseeded by set_epoch (a shared tensor: persistent workers see it)
+    return stream.shuffle(seed=seed, buffer_size=buffer_size).with_format("torch")
+
+
+def main():
+    if sys.argv[1:2] == ["prepare"]:
+        return prepare(HfArgumentParser(PrepareArgs).parse_args_into_dataclasses(sys.argv[2:])[0])
+    args = HfArgumentParser(TrainArgs).parse_args_into_dataclasses()[0]
+    if args.data_dir is None or args.loader not in ("parquet", "datasets"):
+        sys.exit("error: training needs --data_dir (a prepared folder) and --loader parquet|datasets")
+    # Import Accelerate only now: `prepare` runs without a launcher or process group.
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, set_seed
+
+    accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+    world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    set_seed(args.seed)  # same initial weights on every rank
+
+    # -----------------------------------------------------------------------------------------
+    # Data: this rank's shards only, through a DataLoader that overlaps reading with compute.
+    # -----------------------------------------------------------------------------------------
+    manifest, paths = own_shards(args.data_dir, world_size, rank, args.verify_checksums)
+    block_size, batch = manifest["block_size"], args.per_device_train_batch_size
+    if args.loader == "parquet":
+        dataset = RankShards(paths, batch, args.seed, rank)
+        loader_batch = None  # the dataset yields whole batches
+    else:
+        dataset = datasets_route(manifest, args.data_dir, rank, world_size, args.seed, args.shuffle_buffer_size)
+        loader_batch = batch
+    workers = args.dataloader_num_workers
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=loader_batch, drop_last=loader_batch is not None, num_workers=workers,
+        pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),  # page-locked: async host-to-GPU copies
+        prefetch_factor=args.dataloader_prefetch_factor if workers else None,  # batches queued per worker
+        persistent_workers=args.dataloader_persistent_workers and workers > 0)  # no re-fork every epoch
+
+    def epochs():
+        """(epoch, batch) forever; a new permutation (set_epoch) whenever the loader runs dry."""
+        epoch = 0
+        while True:
+            dataset.set_epoch(epoch)
+            n = 0
+            for n, b in enumerate(loader, 1):
+                yield epoch, {"input_ids": b["input_ids"].long().to(device, non_blocking=True),
+                              "block_id": b["block_id"]}
+            if n == 0:
+                raise ValueError(f"rank {rank}: shards {[p.name for p in paths]} hold less than one batch of {batch} "
+                                 f"per loader worker ({workers}); prepare more blocks or lower the batch size")
+            epoch += 1
+
+    # -----------------------------------------------------------------------------------------
+    # Model, and accelerator.prepare for the model and optimizer only (the loader stays ours).
+    # -----------------------------------------------------------------------------------------
+    config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
+    if block_size > config.max_position_embeddings:
+        raise ValueError(f"the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
+                         f"max_position_embeddings {config.max_position_embeddings}")
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.1, betas=(0.9, 0.95))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot read the micro batch off a loader
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {args.loader} loader | "
+                      f"{len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB corpus | "
+                      f"{workers} workers | batch {batch} x {block_size} tokens per rank")
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+        open(metrics_path, "w").close()
+
+    # 1. The loader alone: tokens/s it delivers with nothing else running (start-up excluded).
+    stream = iter(loader)
+    next(stream)
+    t0, n = time.perf_counter(), 0
+    for n, _ in enumerate(stream, 1):
+        if n == args.loader_benchmark_batches:
+            break
+    loader_tps = n * batch * block_size / (time.perf_counter() - t0)
+    del stream
+
+    # 2. Training: what one step consumes, and how long the step waits for data.
+    model.train()
+    seen, wait_s, compute_s = [], 0.0, 0.0
+    batches = epochs()
+    for step in range(1, args.max_steps + 1):
+        t0 = time.perf_counter()
+        epoch, b = next(batches)
+        t1 = time.perf_counter()
+        loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
+            torch.cuda.synchronize(device)
+        wait_s, compute_s = wait_s + t1 - t0, compute_s + time.perf_counter() - t1
+        if len(seen) <= epoch:
+            seen.append([])
+        seen[epoch] += b["block_id"].tolist()
+        if step % args.logging_steps == 0 or step == args.max_steps:
+            record = {"step": step, "epoch": epoch, "loss": accelerator.reduce(loss.detach(), reduction="mean").item(),
+                      "grad_norm": float(getattr(grad_norm, "full_tensor", lambda: grad_norm)())}
+            accelerator.print(f"step {step} | epoch {epoch} | loss {record['loss']:.3f}")
+            if accelerator.is_main_process:
+                metrics.append_jsonl(metrics_path, record)
+
+    # 3. Resident memory now, with the persistent workers still alive. RSS counts pages a forked
+    # worker still shares with its parent (libraries, torch); USS counts only the pages a process
+    # alone holds, so the workers' cost is their USS.
+    me = psutil.Process()
+    kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
+    step_tps = args.max_steps * batch * block_size / compute_s
+    row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_s / (wait_s + compute_s),
+           me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
+    batches.close()  # release the loader's iterator (and its workers' queues) before shutdown
+    table = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=device)).cpu().tolist()
+    if args.record_sample_ids:  # one file per rank, each written by its own rank only
+        os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
+        with open(os.path.join(args.output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "world_size": world_size, "epochs": seen,
+                       "shards": [p.name for p in paths] if args.loader == "parquet" else None}, f)
+    if accelerator.is_main_process:
+        keys = ["rank", "shards", "loader_tokens_per_second", "step_tokens_per_second", "loader_to_step_ratio",
+                "data_wait_share", "rss_bytes", "uss_bytes", "workers_uss_bytes", "workers"]
+        per_rank = [dict(zip(keys, r)) for r in table]
+        metrics.append_jsonl(metrics_path, {"summary": True, "step": args.max_steps, "loader": args.loader,
+                                            "text_bytes": manifest["text_bytes"], "world_size": world_size,
+                                            "per_rank": per_rank})
+        print(f"\n| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step | data wait "
+              f"| rank RSS MiB | rank USS MiB | workers USS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in per_rank:
+            print(f"| {manifest['text_bytes'] / 1e6:.0f} MB | {args.loader} | {r['rank']:.0f} | {r['shards']:.0f} "
+                  f"| {r['loader_tokens_per_second']:,.0f} | {r['step_tokens_per_second']:,.0f} "
+                  f"| {r['loader_to_step_ratio']:.0f} | {r['data_wait_share']:.1%} | {r['rss_bytes'] / 2**20:.0f} "
+                  f"| {r['uss_bytes'] / 2**20:.0f} | {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |")
+    # Orderly teardown: no rank destroys the process group while a peer still uses it, and the DDP
+    # reducer (which holds the group) goes first; freeing it after the group's destruction, as
+    # main() returns, hung now and then in the gloo destructor (torch 2.13, CPU).
+    accelerator.wait_for_everyone()
+    del model, optimizer
+    accelerator.free_memory()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":  # the guard keeps spawned DataLoader workers from re-running main()
+    main()
