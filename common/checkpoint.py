@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     if accelerator.is_main_process:
         for obj in hf_files:
             obj.save_pretrained(tmp / "hf")
-        marker = {"step": step, **(run_state or {}), "files": _manifest(tmp)}
+        marker = {"step": step, "saved_at": time.time(), **(run_state or {}), "files": _manifest(tmp)}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -86,22 +87,34 @@ def verify_checkpoint(path: Path) -> dict:
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoint directories that carry a marker, oldest step first."""
+    """Checkpoint directories that carry a marker, oldest *save* first.
+
+    Ordered by the marker's save time, not by step: after a resume from checkpoint-2, the new
+    checkpoint-3 is newer than an abandoned checkpoint-8, for rotation and for `latest` alike.
+    """
     found = [p for p in Path(output_dir).glob("checkpoint-*") if _CKPT.match(p.name) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(_CKPT.match(p.name).group(1)))
+
+    def saved_at(p):
+        try:
+            return json.loads((p / MARKER).read_text()).get("saved_at", 0.0), int(_CKPT.match(p.name).group(1))
+        except (OSError, ValueError):
+            return 0.0, int(_CKPT.match(p.name).group(1))
+    return sorted(found, key=saved_at)
 
 
 def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> tuple[Path | None, dict]:
     """Turn `--resume_from_checkpoint {PATH|latest}` into a verified checkpoint.
 
-    `latest` takes the newest complete checkpoint under `output_dir`, skipping (with a warning)
-    any that fail verification; none at all means a fresh start. An explicit PATH must verify.
+    `latest` takes the most recently saved complete checkpoint under `output_dir`, skipping
+    (with a warning) any that fail verification; finding none is an error, as in transformers'
+    Trainer. An explicit PATH must verify.
 
     Returns:
         (path, marker) as `verify_checkpoint` gives it, or (None, {"step": 0}) for a fresh start.
 
     Raises:
-        FileNotFoundError / ValueError: an explicit PATH that is missing, incomplete or damaged.
+        FileNotFoundError / ValueError: an explicit PATH that is missing, incomplete or damaged,
+            or `latest` with no usable checkpoint.
     """
     if not resume_from_checkpoint:
         return None, {"step": 0}
@@ -114,7 +127,8 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> t
             return path, verify_checkpoint(path)
         except (FileNotFoundError, ValueError) as err:
             warnings.warn(f"skipping damaged checkpoint: {err}")
-    return None, {"step": 0}
+    raise FileNotFoundError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} "
+                            "(save some with --save_steps)")
 
 
 def load_checkpoint(accelerator, path: Path, model, optimizer) -> None:

@@ -64,7 +64,8 @@ def load_text_dataset(
     """Raw text splits `train` and `validation`, as in transformers' `run_clm.py`.
 
     Sources, first match wins: a hub or local `datasets` name; `train_file`/`validation_file`
-    (.txt, .json/.jsonl, .parquet; one sample per line for .txt); else the bundled corpus.
+    (.txt, one document per file; .json/.jsonl or .parquet, one document per row; both files
+    of one format); else the bundled corpus (one document per work).
     Without a validation split, the first `validation_split_percentage`% of training rows
     are held out (at least one row).
 
@@ -82,11 +83,17 @@ def load_text_dataset(
         for path in files.values():
             if not Path(path).is_file():
                 raise FileNotFoundError(f"data file not found: {path}")
-        ext = Path(train_file).suffix.lstrip(".")
-        builder = {"txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
-        if builder is None:
-            raise ValueError(f"--train_file {train_file}: extension .{ext} not supported (txt, json, jsonl, parquet)")
-        raw = datasets.load_dataset(builder, data_files=files)
+        builders = {"txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}
+        kinds = {path: builders.get(Path(path).suffix.lstrip(".")) for path in files.values()}
+        for path, builder in kinds.items():
+            if builder is None:
+                raise ValueError(f"{path}: extension not supported (txt, json, jsonl, parquet)")
+        if len(set(kinds.values())) > 1:
+            raise ValueError(f"--train_file {train_file} and --validation_file {validation_file} must be the same format")
+        builder = kinds[train_file]
+        # .txt: one document per file, newlines kept (line by line would drop every newline)
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        raw = datasets.load_dataset(builder, data_files=files, **extra)
     else:
         raw = datasets.DatasetDict({"train": load_shakespeare()})
     if "validation" not in raw:

@@ -39,9 +39,9 @@ def flops_per_token(config, seq_len: int) -> float:
     attn = h * (h + 2 * kv) + h * h  # q, k, v, o projections
     mlp = 3 * h * config.intermediate_size  # gate, up, down
     norms = 2 * h
-    n = layers * (attn + mlp + norms) + h  # + final norm
-    if not config.tie_word_embeddings:
-        n += config.vocab_size * h  # the output head is a real matmul; the input embedding is not
+    # + final norm + the output head: a real matmul even when tied to the input embedding
+    # (the embedding lookup itself does no FLOPs, so its parameters are left out)
+    n = layers * (attn + mlp + norms) + h + config.vocab_size * h
     return 6 * n + 12 * layers * heads * head_dim * seq_len
 
 

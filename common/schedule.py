@@ -9,7 +9,7 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_bat
     Source: Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
     (arXiv 1706.02677), section 2.1, which pairs it with a gradual warmup (section 2.2): a large
     scaled LR from step 0 diverges. For Adam-type optimizers a square-root rule is also used
-    (Malladi et al. 2022, arXiv 2205.10287); linear is the conservative, common default here.
+    (Malladi et al. 2022, arXiv 2205.10287), which scales less; linear is the classic rule.
 
     Args:
         base_lr: LR tuned at `reference_global_batch` (sequences per optimizer step).

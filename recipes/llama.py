@@ -83,9 +83,16 @@ class Args:
     ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
 
 
-args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+try:
+    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+except ValueError as err:  # e.g. an unknown flag
+    sys.exit(f"error: {err}")
 if args.model_name_or_path is None and args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+             "block_size", "logging_steps", "eval_steps"):
+    if getattr(args, flag) < 1:
+        sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
 
 # ---------------------------------------------------------------------------------------------
 # Accelerator. Everything about the strategy comes from the accelerate config; the recipe only
@@ -126,11 +133,12 @@ os.makedirs(args.output_dir, exist_ok=True)
 # ---------------------------------------------------------------------------------------------
 # Data: tokenize and pack once (rank 0 first, the others read its cache), then shard by rank.
 # ---------------------------------------------------------------------------------------------
-# Bad input (missing file, tiny corpus, oversized block) exits with one clear line on every rank.
+# Bad input (missing file, tiny corpus, oversized block) exits with one clear line on every rank:
+# every rank reads the raw text itself, so every rank meets the same error.
 try:
+    raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
+                                 args.validation_file, args.validation_split_percentage)
     with accelerator.main_process_first():
-        raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
-                                     args.validation_file, args.validation_split_percentage)
         tokenizer = data.get_tokenizer(args.tokenizer_name_or_path or args.model_name_or_path, raw,
                                        args.vocab_size, args.cache_dir)
         model_max = (AutoConfig.from_pretrained(args.model_name_or_path).max_position_embeddings
@@ -222,16 +230,19 @@ try:
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]
-run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": run_info["distributed_type"]}
+strategy = run_info["distributed_type"] + (  # the ZeRO stage / FSDP version matters on resume too
+    f"_ZERO{accelerator.state.deepspeed_plugin.zero_stage}" if is_deepspeed else "2" if is_fsdp and accelerator.is_fsdp2
+    else "1" if is_fsdp else "")
+run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy}
 if resume_path:
     if saved["global_batch"] != global_batch:
         sys.exit(f"error: {resume_path} was trained with global batch {saved['global_batch']}, this run has "
                  f"{global_batch}; keep per_device_train_batch_size x gradient_accumulation_steps x world size equal")
     replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # full model state on every rank: any world size
-    if not ({saved["distributed_type"], run_state["distributed_type"]} <= replicated) and (
-            saved["distributed_type"] != run_state["distributed_type"] or saved["world_size"] != world_size):
+    if not ({saved["distributed_type"], strategy} <= replicated) and (
+            saved["distributed_type"] != strategy or saved["world_size"] != world_size):
         sys.exit(f"error: {resume_path} holds a {saved['distributed_type']} state of {saved['world_size']} rank(s); "
-                 f"this run is {run_state['distributed_type']} with {world_size}. Sharded (FSDP, ZeRO) checkpoints "
+                 f"this run is {strategy} with {world_size}. Sharded (FSDP, ZeRO) checkpoints "
                  "resume on the same strategy and world size; convert one with common/consolidate.py and pass "
                  "--model_name_or_path to start over from its weights. DDP/single ones may change world size.")
     checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer)  # + scheduler, scaler, per-rank RNG
@@ -306,7 +317,8 @@ while step < max_steps:
         window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
         tokens_seen += global_batch * args.block_size
 
-        if step % args.logging_steps == 0 or step == max_steps:
+        do_eval = step % args.eval_steps == 0 or step == max_steps
+        if step % args.logging_steps == 0 or do_eval:
             elapsed = time.perf_counter() - t_window
             record = {
                 "step": step, "epoch": epoch,
@@ -320,7 +332,7 @@ while step < max_steps:
             peak = metrics.peak_flops(device, args.peak_tflops)
             if peak:
                 record["mfu"] = flops_per_token * record["tokens_per_second"] / peak
-            if step % args.eval_steps == 0 or step == max_steps:
+            if do_eval:
                 record["eval_loss"] = evaluate()
             accelerator.log(record, step=step)
             if accelerator.is_main_process:

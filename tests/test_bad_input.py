@@ -55,6 +55,9 @@ def test_block_size_above_max_positions(tmp_path, cache_dir):
 @pytest.mark.parametrize("flag,value,message", [
     ("--ddp_timeout", 0, "--ddp_timeout must be a positive number of seconds, got 0"),
     ("--resume_from_checkpoint", "/nonexistent/ckpt", "--resume_from_checkpoint /nonexistent/ckpt: no such directory"),
+    ("--resume_from_checkpoint", "latest", "--resume_from_checkpoint latest: no complete checkpoint in"),
+    ("--logging_steps", 0, "--logging_steps must be at least 1, got 0"),
+    ("--max_stepz", 5, "Some specified arguments are not used by the HfArgumentParser: ['--max_stepz', '5']"),
 ])
 def test_bad_flags(flag, value, message, tmp_path, cache_dir):
     proc = launch("single", "recipes/llama.py", flag, value, "--output_dir", tmp_path, *FAST[:-2],

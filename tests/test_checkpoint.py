@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from common.checkpoint import verify_checkpoint
 from conftest import CONFIGS, REPO, launch, read_metrics
 
-STEPS, SAVE = 16, 10  # with 7 optimizer steps per epoch, step 10 is mid-way through epoch 2
+STEPS, SAVE = 16, 10  # with 6 optimizer steps per epoch, step 10 is mid-way through epoch 2
 
 
 def args(out, corpus, *extra):
@@ -38,7 +38,8 @@ def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus):
     launch(config, "recipes/llama.py", *args(straight, small_corpus, *batch_args(config)),
            cache_dir=cache_dir, mixed_precision="no")
     info = json.loads((straight / "run_info.json").read_text())
-    assert info["updates_per_epoch"] == 7 and SAVE // 7 == 1 and SAVE % 7  # mid-epoch 2, shuffled
+    per_epoch = info["updates_per_epoch"]
+    assert per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch  # the stop is mid-way through epoch 2
     # New processes, resuming from the step-10 checkpoint into another directory.
     launch(config, "recipes/llama.py", *args(resumed, small_corpus, *batch_args(config),
            "--resume_from_checkpoint", straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="no")
@@ -127,7 +128,7 @@ def test_world_size_change(tmp_path, cache_dir, small_corpus):
                   16, "--resume_from_checkpoint", fsdp / f"checkpoint-{SAVE}"), num_processes=1,
                   cache_dir=cache_dir, check=False)
     assert proc.returncode != 0
-    assert "FSDP state of 2 rank(s)" in proc.stderr and "same strategy and world size" in proc.stderr
+    assert "FSDP2 state of 2 rank(s)" in proc.stderr and "same strategy and world size" in proc.stderr
 
 
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
