@@ -266,4 +266,10 @@ if accelerator.is_main_process:
         print(f"| {g} ({(labels == i).sum().item()}) | {per_genre[g]:.3f} |")
     print(f"\n| held-out passages | accuracy | majority baseline ({GENRES[majority]}) |\n|---|---|---|\n"
           f"| {len(labels)} | {accuracy:.3f} | {baseline_accuracy:.3f} |")
+# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
+# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
+# reducer holds the group) goes before the group.
+accelerator.wait_for_everyone()
+del model, optimizer
+accelerator.free_memory()
 accelerator.end_training()

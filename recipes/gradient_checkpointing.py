@@ -265,4 +265,9 @@ if accelerator.is_main_process:
         {"distributed_type": str(accelerator.distributed_type).split(".")[-1], "world_size": accelerator.num_processes,
          "mixed_precision": accelerator.mixed_precision, "device": device.type, "args": vars(args),
          "results": results}, indent=1))
+# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
+# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
+# reducer holds the group) goes before the group.
+accelerator.wait_for_everyone()
+accelerator.free_memory()  # the models were freed in the loop
 accelerator.end_training()

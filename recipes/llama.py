@@ -379,4 +379,10 @@ if accelerator.is_main_process:
     prompt = tokenizer("ROMEO:", return_tensors="pt")
     sample = reloaded.generate(**prompt, max_new_tokens=40, do_sample=True, top_k=50, pad_token_id=tokenizer.eos_token_id)
     print(f"--- sample from {final_dir} ---\n{tokenizer.decode(sample[0])}\n---")
+# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
+# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
+# reducer holds the group) goes before the group.
+accelerator.wait_for_everyone()
+del model, optimizer
+accelerator.free_memory()
 accelerator.end_training()

@@ -338,4 +338,10 @@ if accelerator.is_main_process:
                "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes}
     Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
     accelerator.print(f"summary: {json.dumps(summary)}")
+# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
+# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
+# reducer holds the group) goes before the group.
+accelerator.wait_for_everyone()
+del model, optimizer
+accelerator.free_memory()
 accelerator.end_training()
