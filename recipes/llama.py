@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, data, launch, metrics, models, precision, schedule  # noqa: E402
+from common import checkpoint, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
 
 
 @dataclass
@@ -307,7 +307,8 @@ while step < max_steps:
                 loss_total += loss.detach()
                 accelerator.backward(loss * args.gradient_accumulation_steps * world_size)
                 if accelerator.sync_gradients:  # the last micro batch of the window
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    # The global norm in fp64, so every strategy reports and clips with the same number
+                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
                 optimizer.step()  # no-op until the window's last micro batch
                 if accelerator.sync_gradients:
                     lr_scheduler.step()
@@ -324,7 +325,7 @@ while step < max_steps:
                 "step": step, "epoch": epoch,
                 "loss": accelerator.reduce(loss_total, reduction="sum").item(),  # mean nats/token of the window
                 "lr": lr,
-                "grad_norm": float(getattr(grad_norm, "full_tensor", lambda: grad_norm)()),  # before clipping
+                "grad_norm": norm_before_clip,
                 "tokens_per_second": window_tokens / elapsed,  # per device
                 "data_wait_share": data_wait / elapsed,
                 "peak_memory_bytes": metrics.peak_memory_bytes(device),

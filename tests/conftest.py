@@ -48,21 +48,6 @@ def read_metrics(output_dir):
     return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
 
 
-def grad_norm_rtol(strategy):
-    """Relative tolerance for comparing a run's grad norm with the single-process reference.
-
-    1e-4, except for the sharded strategies on CPU: torch 2.13's CPU `vector_norm` accumulates
-    fp32 serially, so the norm of the 1M-element embedding gradient is off by ~3e-5 against fp64
-    (`test_cpu_norm_kernel_error` measures it). The reference and DDP pay that on whole tensors,
-    FSDP on half shards, DeepSpeed not at all (it takes norms in fp64), so their *reported* norms
-    differ by up to ~2.6e-4 while the losses agree to 5e-7. On GPUs the bound is 1e-4 for all.
-    """
-    import torch
-
-    sharded = strategy in {"fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"}
-    return 5e-4 if sharded and not torch.cuda.is_available() else 1e-4
-
-
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory, cache_dir):
     """A small slice of the real corpus for runs of several epochs, with the shared tokenizer.

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from common import data
-from conftest import grad_norm_rtol, launch, read_metrics
+from conftest import launch, read_metrics
 
 SHORT = "Now is the winter of our discontent made glorious summer."
 LONG = " ".join(["But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."] * 6)
@@ -53,5 +53,5 @@ def test_token_weighted_accumulation(files, reference, config, per_device, accum
     steps = run(root, tmp_path, cache_dir, config, per_device, accum)
     for r, q in zip(steps, ref_steps):
         assert r["loss"] == pytest.approx(q["loss"], rel=1e-5), (config, r["step"])
-        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=grad_norm_rtol(config)), (config, r["step"])
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (config, r["step"])
     assert steps[-1]["eval_loss"] == pytest.approx(ref_steps[-1]["eval_loss"], rel=1e-5)
