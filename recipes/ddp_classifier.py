@@ -13,7 +13,7 @@ What this recipe shows, in the order the code does it:
   * per-epoch reshuffling that stays correct across ranks: a seeded sampler plus `set_epoch`,
     so each epoch is a new permutation, the same on every rank, of which each rank takes a
     disjoint share (forgetting `set_epoch` replays epoch 0's order forever);
-  * gradient clipping on the global gradient norm (`accelerator.clip_grad_norm_`);
+  * gradient clipping on the global gradient norm, taken in fp64 (`common/grad_norm.py`);
   * accuracy with `gather_for_metrics`, which drops the samples Accelerate repeats to even out
     the last batch, so every held-out passage counts exactly once, against the majority baseline;
   * only the main process logs and writes; the export gathers the full weights on all ranks (a
@@ -39,7 +39,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from transformers import BertConfig, BertForSequenceClassification, HfArgumentParser, get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import data, launch, metrics  # noqa: E402
+from common import data, grad_norm, launch, metrics  # noqa: E402
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
 # Cressida (printed between the histories and the tragedies) and Cymbeline (the last tragedy)
@@ -219,7 +219,7 @@ for epoch in range(args.num_train_epochs):
         logits = model(input_ids=batch["input_ids"]).logits
         loss = F.cross_entropy(logits.float(), batch["labels"])  # mean nats per passage on this rank
         accelerator.backward(loss)  # DDP/FSDP average the gradients over ranks
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # global norm
+        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)  # global norm
         optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad()
@@ -228,7 +228,7 @@ for epoch in range(args.num_train_epochs):
         if step % args.logging_steps == 0:
             record = {"step": step, "epoch": epoch,
                       "loss": accelerator.reduce(loss.detach(), reduction="mean").item(),
-                      "grad_norm": float(getattr(grad_norm, "full_tensor", lambda: grad_norm)()),  # before clipping
+                      "grad_norm": norm_before_clip,
                       "lr": lr_scheduler.get_last_lr()[0]}
             if accelerator.is_main_process:
                 metrics.append_jsonl(metrics_path, record)

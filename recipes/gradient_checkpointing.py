@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import HfArgumentParser, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import data, launch, models, precision  # noqa: E402
+from common import data, grad_norm, launch, models, precision  # noqa: E402
 from common.memory import SavedTensorBytes  # noqa: E402
 
 MIB = 2 ** 20
@@ -163,8 +163,8 @@ results = []
 for num_layers in depths:
     runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_cuda_bytes": None} for v in variants}
     # Rounds in alternating order (none,hf,manual then manual,hf,none, ...) so that a drift in the
-    # machine's load does not favour one variant; one variant alive at a time (Accelerate's FSDP
-    # clip_grad_norm_ cannot tell two prepared models of the same shape apart).
+    # machine's load does not favour one variant; one variant alive at a time, so each memory
+    # reading is that variant's alone.
     for rnd in range(args.timing_rounds):
         for variant in (variants if rnd % 2 == 0 else variants[::-1]):
             model, optimizer = build(num_layers, variant)
@@ -191,7 +191,7 @@ for num_layers in depths:
                 accelerator.backward(loss)
                 if rnd == 0 and step == 0:
                     run["grads"] = local_grads(model)  # after the all-reduce / reduce-scatter, before clipping
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
                 if device.type == "cuda":

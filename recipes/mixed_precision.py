@@ -13,7 +13,7 @@ requested on a GPU without bf16 is an error; fp16 requested on bf16 hardware for
 1B+ parameters is a warning.
 
 fp16 keeps the loss scaled by a GradScaler: backward runs on `loss x scale` so that small
-gradients survive fp16's range, `accelerator.clip_grad_norm_` unscales them before clipping
+gradients survive fp16's range, `common.grad_norm.clip_grad_norm_` unscales them before clipping
 (Accelerator.unscale_gradients), a step whose gradients hold an inf/NaN is skipped and the
 scale halved, and the scale doubles after `--growth_interval` clean steps. Each logged step
 records the scale and the skipped steps; the scaler's state goes into every checkpoint
@@ -58,7 +58,7 @@ from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
 from transformers import HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, data, launch, metrics, models, precision  # noqa: E402
+from common import checkpoint, data, grad_norm, launch, metrics, models, precision  # noqa: E402
 from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
 
 REMEDIES = ("usual remedies: lower --learning_rate or lengthen --warmup_steps; keep --max_grad_norm clipping on; "
@@ -278,7 +278,7 @@ while step < args.max_steps:
                     poison_gradients()
                 # Under fp16 this unscales the gradients first, so the norm and the clip threshold
                 # are in true units; an inf/NaN norm means this step will be skipped.
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
             if measure:
                 sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,  # autocast's weight casts apart
                          "weight_copy_bytes": saved.weight_copy_bytes,
@@ -301,8 +301,7 @@ while step < args.max_steps:
         if step % args.logging_steps == 0 or step == args.max_steps:
             loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
             record = {"step": step, "loss": loss_mean, "lr": lr_scheduler.get_last_lr()[0],
-                      "grad_norm": None if grad_norm is None else float(getattr(grad_norm, "full_tensor",
-                                                                                lambda: grad_norm)()),
+                      "grad_norm": norm_before_clip,
                       "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
             nonfinite_losses += not math.isfinite(loss_mean)
             if not math.isfinite(loss_mean) and accelerator.is_main_process:

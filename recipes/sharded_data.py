@@ -43,7 +43,7 @@ import torch
 from transformers import HfArgumentParser, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import data, launch, metrics, models  # noqa: E402
+from common import data, grad_norm, launch, metrics, models  # noqa: E402
 
 MANIFEST = "manifest.json"
 
@@ -345,7 +345,7 @@ def main():
         t1 = time.perf_counter()
         loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
         accelerator.backward(loss)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
@@ -356,7 +356,7 @@ def main():
         seen[epoch] += b["block_id"].tolist()
         if step % args.logging_steps == 0 or step == args.max_steps:
             record = {"step": step, "epoch": epoch, "loss": accelerator.reduce(loss.detach(), reduction="mean").item(),
-                      "grad_norm": float(getattr(grad_norm, "full_tensor", lambda: grad_norm)())}
+                      "grad_norm": norm_before_clip}
             accelerator.print(f"step {step} | epoch {epoch} | loss {record['loss']:.3f}")
             if accelerator.is_main_process:
                 metrics.append_jsonl(metrics_path, record)
