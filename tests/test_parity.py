@@ -5,11 +5,15 @@ fp32 reference on the same global batch of 4 sequences."""
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
 
-from conftest import launch, read_metrics
+from conftest import REPO, launch, read_metrics
+
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from compare_runs import KEYS, worst_gaps  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
 STEPS, WARMUP, LR = 10, 3, 3e-3
@@ -26,7 +30,7 @@ def run(tmp_path, cache_dir, config, per_device, accum, precision):
            "--gradient_accumulation_steps", accum, *COMMON, cache_dir=cache_dir, mixed_precision=precision)
     steps, _ = read_metrics(out)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    return steps
+    return out, steps
 
 
 def expected_lr(step):
@@ -38,10 +42,6 @@ def expected_lr(step):
     return LR * 0.5 * (1 + math.cos(math.pi * (k - WARMUP) / (STEPS - WARMUP)))
 
 
-def worst_gap(run_steps, ref_steps, key):
-    return max(abs(r[key] - q[key]) / abs(q[key]) for r, q in zip(run_steps, ref_steps) if q.get(key))
-
-
 def report(**row):
     """Append a measured gap to $PARITY_REPORT (for the README table), if set."""
     if os.environ.get("PARITY_REPORT"):
@@ -51,19 +51,19 @@ def report(**row):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
-    steps = run(tmp_path_factory.mktemp("ref"), cache_dir, "single", 4, 1, "no")
+    out, steps = run(tmp_path_factory.mktemp("ref"), cache_dir, "single", 4, 1, "no")
     for r in steps:  # the schedule advances once per optimizer step: exact values
         assert r["lr"] == pytest.approx(expected_lr(r["step"]), rel=1e-9, abs=1e-12)
     assert steps[WARMUP]["lr"] == pytest.approx(LR)  # warmup over: step 4 runs at the peak LR
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
-    return steps
+    return out
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("per_device,accum", [(2, 1), (1, 2)], ids=["batch2", "batch1-accum2"])
 def test_fp32_parity(strategy, per_device, accum, reference, tmp_path, cache_dir):
-    steps = run(tmp_path, cache_dir, strategy, per_device, accum, "no")
-    gaps = {key: worst_gap(steps, reference, key) for key in ("loss", "grad_norm", "eval_loss")}
+    out, steps = run(tmp_path, cache_dir, strategy, per_device, accum, "no")
+    gaps = {key: worst_gaps(out, reference)[key] for key in KEYS}  # what the README's by-hand check prints
     report(strategy=strategy, precision="fp32", accum=accum, **gaps)
     for key, gap in gaps.items():
         assert gap < FP32_RTOL, f"{strategy} {key}: worst relative gap {gap:.2e} vs single-process fp32"
@@ -73,8 +73,8 @@ def test_fp32_parity(strategy, per_device, accum, reference, tmp_path, cache_dir
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_parity(strategy, reference, tmp_path, cache_dir):
-    steps = run(tmp_path, cache_dir, strategy, 2, 1, "bf16")
-    gaps = {key: worst_gap(steps, reference, key) for key in ("loss", "grad_norm", "eval_loss")}
+    out, _ = run(tmp_path, cache_dir, strategy, 2, 1, "bf16")
+    gaps = {key: worst_gaps(out, reference)[key] for key in KEYS}
     report(strategy=strategy, precision="bf16", accum=1, **gaps)
     for key, gap in gaps.items():
         assert gap < BF16_RTOL, f"{strategy} bf16 {key}: worst relative gap {gap:.2e} vs single-process fp32"
