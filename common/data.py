@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import datasets
+from accelerate.logging import get_logger
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -175,7 +176,8 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     packing=True (pretraining): concatenate all rows and cut into blocks; the remainder shorter
     than a block is dropped (`run_clm`'s `group_texts`). packing=False (one example per row, as
     in fine-tuning): truncate each row to `block_size` and right-pad it with the pad token;
-    padded positions get label -100 and attention_mask 0, so they carry no loss.
+    padded positions get label -100 and attention_mask 0, so they carry no loss; rows longer than
+    a block lose their tail, and a warning (rank 0) says how many rows and tokens were cut.
     Cached on disk by a hash of the raw data, the tokenizer, `block_size` and `packing`.
 
     Returns:
@@ -186,7 +188,7 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     Raises:
         ValueError: packed, a split holds fewer tokens than one block (states both numbers).
     """
-    key = json.dumps([_text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
+    key = json.dumps(["v2", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
                       block_size, packing])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -211,6 +213,10 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         tokens = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
         if not packing:
             tokens.map(pad_rows, batched=True, remove_columns=["ids"]).save_to_disk(str(tmp))
+            lengths = {split: [len(ids) for ids in tokens[split]["ids"]] for split in tokens}
+            cut = {split: {"rows": len(n), "cut_rows": sum(k > block_size for k in n),
+                           "cut_tokens": sum(max(k - block_size, 0) for k in n)} for split, n in lengths.items()}
+            (tmp / "truncation.json").write_text(json.dumps(cut))
             return
         for split in ("train", "validation"):
             n_tokens = sum(len(ids) for ids in tokens[split]["ids"])
@@ -221,4 +227,11 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
 
     kind = "packed" if packing else "padded"
     path = _atomic_dir(Path(cache_dir) / f"{kind}-{block_size}-{digest}", build)
+    if (path / "truncation.json").exists():
+        for split, c in json.loads((path / "truncation.json").read_text()).items():
+            if c["cut_rows"]:
+                get_logger(__name__).warning(
+                    f"--packing false: {c['cut_rows']} of {c['rows']} {split} rows are longer than --block_size "
+                    f"{block_size} and lose their tail ({c['cut_tokens']} tokens never trained on); raise "
+                    "--block_size or keep packing", main_process_only=True)
     return datasets.load_from_disk(str(path))

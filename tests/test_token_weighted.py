@@ -55,3 +55,25 @@ def test_token_weighted_accumulation(files, reference, config, per_device, accum
         assert r["loss"] == pytest.approx(q["loss"], rel=1e-5), (config, r["step"])
         assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (config, r["step"])
     assert steps[-1]["eval_loss"] == pytest.approx(ref_steps[-1]["eval_loss"], rel=1e-5)
+
+
+def test_packing_false_warns_about_cut_rows(files, tmp_path, caplog):
+    """One padded row per example: a row longer than the block loses its tail, and the user is
+    told how many rows and tokens, on a fresh build and from the cache alike."""
+    import datasets
+    from accelerate import PartialState
+    from transformers import AutoTokenizer
+
+    PartialState()  # Accelerate's logger needs the (here single-process) state
+    tok = AutoTokenizer.from_pretrained(files[0] / "tokenizer")
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [SHORT, LONG]}),
+                                "validation": datasets.Dataset.from_dict({"text": [SHORT]})})
+    long_tokens = len(tok(LONG)["input_ids"]) + 1  # + eos
+    for _ in ("build", "cached"):
+        caplog.clear()
+        padded = data.pack_dataset(raw, tok, 32, str(tmp_path), packing=False)
+        warnings = [r.getMessage() for r in caplog.records if "--packing false" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].endswith(  # Accelerate prefixes "[RANK 0] "
+            f"--packing false: 1 of 2 train rows are longer than --block_size 32 and lose their "
+            f"tail ({long_tokens - 32} tokens never trained on); raise --block_size or keep packing")
+    assert [len(r) for r in padded["train"]["input_ids"]] == [32, 32]
