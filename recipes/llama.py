@@ -233,11 +233,17 @@ step = saved["step"]
 strategy = run_info["distributed_type"] + (  # the ZeRO stage / FSDP version matters on resume too
     f"_ZERO{accelerator.state.deepspeed_plugin.zero_stage}" if is_deepspeed else "2" if is_fsdp and accelerator.is_fsdp2
     else "1" if is_fsdp else "")
-run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy}
+# What fixes the data order besides the global batch: the seed, the blocks and their number.
+data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing, "train_blocks": len(train_set)}
+run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy, **data_state}
 if resume_path:
     if saved["global_batch"] != global_batch:
         sys.exit(f"error: {resume_path} was trained with global batch {saved['global_batch']}, this run has "
                  f"{global_batch}; keep per_device_train_batch_size x gradient_accumulation_steps x world size equal")
+    changed = [f"{k} {saved[k]} -> {v}" for k, v in data_state.items() if k in saved and saved[k] != v]
+    if changed:  # the step alone would then point into a different data order
+        sys.exit(f"error: {resume_path} was trained on other data or order ({', '.join(changed)}); resume with the "
+                 "same --seed, --block_size, --packing and data, or start over from its weights (--model_name_or_path)")
     replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # full model state on every rank: any world size
     if not ({saved["distributed_type"], strategy} <= replicated) and (
             saved["distributed_type"] != strategy or saved["world_size"] != world_size):

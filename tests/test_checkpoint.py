@@ -130,6 +130,19 @@ def test_world_size_change(tmp_path, cache_dir, small_corpus):
     assert "FSDP2 state of 2 rank(s)" in proc.stderr and "same strategy and world size" in proc.stderr
 
 
+def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus):
+    # The step count only locates the data position under the same seed and blocks.
+    run = tmp_path / "run"
+    launch("single", "recipes/llama.py", *args(run, small_corpus, "--max_steps", 4, "--save_steps", 4),
+           cache_dir=cache_dir, mixed_precision="no")
+    marker = verify_checkpoint(run / "checkpoint-4")
+    assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, True) and marker["train_blocks"] > 0
+    proc = launch("single", "recipes/llama.py", *args(tmp_path / "reseeded", small_corpus, "--seed", 7,
+                  "--resume_from_checkpoint", run / "checkpoint-4"), cache_dir=cache_dir, check=False)
+    assert proc.returncode != 0
+    assert "other data or order (seed 42 -> 7)" in proc.stderr
+
+
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
 def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpus):
     out = tmp_path / "run"
