@@ -27,7 +27,9 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
     Args:
         accelerator: the `Accelerator` that prepared `model`.
         model: the prepared model (DDP, FSDP1, FSDP2 or DeepSpeed engine, or a plain module).
-        max_norm: clip threshold, in the gradients' units (> 0).
+        max_norm: clip threshold, in the gradients' units; 0 or less (or None) only measures the
+            norm and clips nothing, as `max_grad_norm=0` in transformers' Trainer and
+            `gradient_clipping: 0` in DeepSpeed.
 
     Returns:
         The global L2 norm of all gradients before clipping, as a Python float (the same value on
@@ -37,7 +39,8 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
 
     Raises:
         NotImplementedError: for hybrid sharding (FSDP1 HYBRID_SHARD, a 2-D FSDP2 mesh), where a
-            sum over all ranks would count replicated shards more than once.
+            sum over all ranks would count replicated shards more than once. (FSDP1 NO_SHARD
+            holds full gradients on every rank, like DDP: no sum.)
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
@@ -53,13 +56,16 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
                                           f"got mesh {grad.device_mesh}")
             grad = grad.to_local()
         sum_of_squares += torch.linalg.vector_norm(grad, dtype=torch.float64).to(sum_of_squares.device) ** 2
-    if accelerator.distributed_type == DistributedType.FSDP:  # each rank holds a disjoint shard: add them up
-        strategy = getattr(model, "sharding_strategy", None)  # FSDP1 only
-        if strategy is not None and "HYBRID" in strategy.name:
-            raise NotImplementedError(f"clip_grad_norm_ supports FSDP1 FULL_SHARD/SHARD_GRAD_OP, got {strategy.name}")
+    strategy = getattr(model, "sharding_strategy", None)  # FSDP1 only
+    if strategy is not None and "HYBRID" in strategy.name:
+        raise NotImplementedError(f"clip_grad_norm_ supports FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, "
+                                  f"got {strategy.name}")
+    sharded = accelerator.distributed_type == DistributedType.FSDP and getattr(strategy, "name", "") != "NO_SHARD"
+    if sharded:  # each rank holds a disjoint shard: add them up
         sum_of_squares = accelerator.reduce(sum_of_squares, reduction="sum")
     total_norm = sum_of_squares.sqrt().item()
     # torch's own scaling, grad *= min(1, max_norm / (norm + 1e-6)); a 0-dim CPU tensor is accepted
     # by plain and DTensor gradients alike.
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total_norm, dtype=torch.float64))
+    if max_norm is not None and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total_norm, dtype=torch.float64))
     return total_norm

@@ -67,7 +67,7 @@ class Args:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # clip to this global norm; 0 logs the norm and clips nothing
     warmup_steps: int = 30
     max_steps: int = field(default=300, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
     num_train_epochs: float = 1.0

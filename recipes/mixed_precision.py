@@ -284,6 +284,7 @@ while step < args.max_steps:
                          "weight_copy_bytes": saved.weight_copy_bytes,
                          "parameter_bytes": local_tensor_bytes(model.parameters()),
                          "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters())}
+            step_lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
             optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
             if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                 lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
@@ -300,7 +301,7 @@ while step < args.max_steps:
 
         if step % args.logging_steps == 0 or step == args.max_steps:
             loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
-            record = {"step": step, "loss": loss_mean, "lr": lr_scheduler.get_last_lr()[0],
+            record = {"step": step, "loss": loss_mean, "lr": step_lr,
                       "grad_norm": norm_before_clip,
                       "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
             nonfinite_losses += not math.isfinite(loss_mean)

@@ -23,11 +23,13 @@ def cache_dir(tmp_path_factory):
 
 
 def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True):
-    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {script} {args}`.
+    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {script} {args}`
+    (`config` may also be the path of a YAML file).
 
     Returns the CompletedProcess; with check=True, fails the test with the output tail on error.
     """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml")]
+    config_file = config if isinstance(config, Path) else REPO / "accelerate_configs" / f"{config}.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         cmd += ["--num_processes", str(num_processes)]
     if mixed_precision is not None:

@@ -25,7 +25,7 @@ BF16_RTOL = 2e-2  # bf16 keeps 8 mantissa bits: ~4e-3 relative rounding per op, 
 
 
 def run(tmp_path, cache_dir, config, per_device, accum, precision):
-    out = tmp_path / f"{config}-{per_device}x{accum}-{precision}"
+    out = tmp_path / f"{getattr(config, 'stem', config)}-{per_device}x{accum}-{precision}"
     launch(config, "recipes/llama.py", "--output_dir", out, "--per_device_train_batch_size", per_device,
            "--gradient_accumulation_steps", accum, *COMMON, cache_dir=cache_dir, mixed_precision=precision)
     steps, _ = read_metrics(out)
@@ -80,6 +80,18 @@ def test_bf16_parity(strategy, reference, tmp_path, cache_dir):
         assert gap < BF16_RTOL, f"{strategy} bf16 {key}: worst relative gap {gap:.2e} vs single-process fp32"
 
 
+def test_fsdp1_no_shard_norm_is_not_double_counted(reference, tmp_path, cache_dir):
+    """FSDP1 NO_SHARD keeps full gradients on every rank, like DDP: summing the ranks' squares
+    would report (and clip with) sqrt(2) x the norm. The default --max_grad_norm 1 clips 9 of the
+    10 steps (norms 1.1 to 4.8), so a wrong norm shows in the losses too."""
+    config = tmp_path / "fsdp1_no_shard.yaml"
+    config.write_text((REPO / "accelerate_configs" / "fsdp1.yaml").read_text().replace(
+        "fsdp_sharding_strategy: FULL_SHARD", "fsdp_sharding_strategy: NO_SHARD"))
+    out, _ = run(tmp_path, cache_dir, config, 2, 1, "no")
+    gaps = worst_gaps(out, reference)
+    assert gaps["grad_norm"] < FP32_RTOL and gaps["loss"] < FP32_RTOL, gaps
+
+
 def test_clip_grad_norm_is_exact_and_clips():
     """common.grad_norm on one process: the norm is the fp64 norm of all gradients (torch 2.13's
     CPU fp32 `vector_norm` is off by ~3e-5 on such a 4096x256 embedding gradient, which is what made
@@ -96,8 +108,9 @@ def test_clip_grad_norm_is_exact_and_clips():
     for p, grad in zip(model.parameters(), grads):
         p.grad = grad.clone()
     exact = math.sqrt(sum(grad.double().pow(2).sum().item() for grad in grads))
-    assert clip_grad_norm_(accelerator, model, max_norm=exact * 2) == pytest.approx(exact, rel=1e-12)
-    assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), grads))  # below threshold: untouched
+    for max_norm in (exact * 2, 0.0):  # below the threshold, or clipping off: the norm, gradients untouched
+        assert clip_grad_norm_(accelerator, model, max_norm=max_norm) == pytest.approx(exact, rel=1e-12)
+        assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), grads))
     assert clip_grad_norm_(accelerator, model, max_norm=1.0) == pytest.approx(exact, rel=1e-12)
     clipped = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
     assert clipped == pytest.approx(1.0, rel=1e-5)

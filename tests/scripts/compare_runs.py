@@ -55,7 +55,14 @@ if __name__ == "__main__":
     print(f"worst gap vs {reference} over the logged steps")
     print(f"{'run':<32} {'steps':>5} {'loss':>9} {'grad_norm':>9} {'eval_loss':>9} {'lr (abs)':>9}")
     fmt = lambda x: "-" if x is None else f"{x:.1e}"  # noqa: E731
+    failed = False
     for run_dir in runs:
-        g = worst_gaps(run_dir, reference)
+        try:
+            g = worst_gaps(run_dir, reference)
+        except (FileNotFoundError, ValueError) as err:  # report it, and go on with the other runs
+            print(f"{run_dir:<32} error: {err}")
+            failed = True
+            continue
         print(f"{run_dir:<32} {g['steps']:>5} {fmt(g['loss']):>9} {fmt(g['grad_norm']):>9} "
               f"{fmt(g['eval_loss']):>9} {fmt(g['lr']):>9}")
+    sys.exit(1 if failed else 0)
