@@ -232,6 +232,7 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
             if c["cut_rows"]:
                 get_logger(__name__).warning(
                     f"--packing false: {c['cut_rows']} of {c['rows']} {split} rows are longer than --block_size "
-                    f"{block_size} and lose their tail ({c['cut_tokens']} tokens never trained on); raise "
+                    f"{block_size} and lose their tail ({c['cut_tokens']} tokens never "
+                    f"{'trained on' if split == 'train' else 'evaluated'}); raise "
                     "--block_size or keep packing", main_process_only=True)
     return datasets.load_from_disk(str(path))

@@ -17,6 +17,22 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 
+def clip_threshold_error(accelerator, max_norm: float | None) -> str | None:
+    """Under DeepSpeed the engine clips with the JSON's `gradient_clipping`, not with `max_norm`:
+    a message if the two differ (call at start-up and exit with it), else None.
+
+    `"auto"` or a missing key counts as agreeing (Accelerate fills it in); 0 and None both mean
+    no clipping.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
+    if ds_clip in (None, "auto") or float(ds_clip) == float(max_norm or 0):
+        return None
+    return (f"--max_grad_norm {max_norm} differs from the DeepSpeed JSON's gradient_clipping {ds_clip}; "
+            "DeepSpeed does the clipping, so make them equal")
+
+
 def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> float:
     """Clip the gradients of `model` in place to a global L2 norm of at most `max_norm`.
 
@@ -38,11 +54,15 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
         min(1, max_norm / (norm + 1e-6)).
 
     Raises:
+        ValueError: under DeepSpeed, if `max_norm` differs from the JSON's `gradient_clipping`
+            (`clip_threshold_error`).
         NotImplementedError: for hybrid sharding (FSDP1 HYBRID_SHARD, a 2-D FSDP2 mesh), where a
             sum over all ranks would count replicated shards more than once. (FSDP1 NO_SHARD
             holds full gradients on every rank, like DDP: no sum.)
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if error := clip_threshold_error(accelerator, max_norm):
+            raise ValueError(error)
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
         return float("nan") if norm is None else float(norm)
     accelerator.unscale_gradients()  # no-op unless fp16 loss scaling is on

@@ -26,6 +26,7 @@ Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU of
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -73,15 +74,27 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
 
 
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def check_distributed(accelerator: Accelerator) -> None:
-    """Refuse to train if Accelerate silently fell back to independent single processes.
+    """Refuse to train if Accelerate silently fell back to independent single processes, or if
+    the FSDP settings cannot work with these recipes; and end the process group on every exit.
 
     Compares Accelerate's view with what the launcher set (`WORLD_SIZE`, and the strategy chosen
-    by `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`).
+    by `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`). Registers an `atexit` hook that
+    destroys the process group if it is still up, so that a rank leaving through `sys.exit`
+    (a refused flag, say) ends cleanly instead of aborting in gloo's teardown.
 
     Raises:
         RuntimeError: if `accelerator.num_processes` differs from `WORLD_SIZE`, or the
             distributed type is not the one the accelerate config asked for.
+        ValueError: FSDP1 with `fsdp_use_orig_params: false` (the recipes build the optimizer
+            before `accelerator.prepare`; without original parameters it would step tensors the
+            wrapped model no longer uses, and nothing would train), or FSDP parameter offload on
+            a host without an accelerator (it pins host memory, which needs a GPU).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world_size:
@@ -100,6 +113,15 @@ def check_distributed(accelerator: Accelerator) -> None:
             f"the accelerate config asks for {wanted} but Accelerate chose "
             f"{accelerator.distributed_type}; common/launch.py no longer matches this Accelerate version"
         )
+    atexit.register(_destroy_process_group)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        if plugin.fsdp_version == 1 and not plugin.use_orig_params:
+            raise ValueError("fsdp_use_orig_params: false in the accelerate config: these recipes build the optimizer "
+                             "before accelerator.prepare, which FSDP1 supports only with fsdp_use_orig_params: true")
+        if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true" and not _has_accelerator():
+            raise ValueError("fsdp_offload_params: true in the accelerate config needs a GPU (it pins host memory); "
+                             "on a CPU-only host the parameters are in CPU memory already: set it to false")
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:

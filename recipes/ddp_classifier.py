@@ -110,6 +110,8 @@ accelerator = Accelerator(
     kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)],  # real gloo ranks on CPU
 )
 launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
+    sys.exit(f"error: {error}")
 if accelerator.distributed_type == DistributedType.FSDP:
     # The shared fsdp.yaml names the Llama block as the unit to shard; this model's block is BertLayer.
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]

@@ -99,6 +99,8 @@ ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_
 accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
                           kwargs_handlers=[pg_kwargs, ddp_kwargs])
 launch.check_distributed(accelerator)
+if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
+    sys.exit(f"error: {error}")
 try:
     launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
 except ValueError as err:

@@ -112,21 +112,18 @@ accelerator = Accelerator(
     project_dir=args.output_dir,
     kwargs_handlers=[pg_kwargs],
 )
-launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
 is_fsdp = accelerator.distributed_type == DistributedType.FSDP
 is_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
 try:
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
     launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
 except ValueError as err:
     sys.exit(f"error: {err}")
 # FSDP: compute in bf16/fp16 but reduce gradients (and return the loss) in fp32; summing
 # low-precision gradients across ranks is where most of the precision is lost.
 precision.keep_fp32_reduction(accelerator)
-if is_deepspeed:
-    ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
-    if ds_clip not in (None, "auto") and float(ds_clip) != args.max_grad_norm:
-        sys.exit(f"error: --max_grad_norm {args.max_grad_norm} differs from the DeepSpeed JSON's "
-                 f"gradient_clipping {ds_clip}; DeepSpeed does the clipping, so make them equal")
+if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):
+    sys.exit(f"error: {error}")
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
 os.makedirs(args.output_dir, exist_ok=True)
 
@@ -235,7 +232,8 @@ strategy = run_info["distributed_type"] + (  # the ZeRO stage / FSDP version mat
     else "1" if is_fsdp else "")
 # What fixes the data order besides the global batch: the seed, the blocks and their number.
 data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing, "train_blocks": len(train_set)}
-run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy, **data_state}
+run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy,
+             "max_steps": max_steps, **data_state}
 if resume_path:
     if saved["global_batch"] != global_batch:
         sys.exit(f"error: {resume_path} was trained with global batch {saved['global_batch']}, this run has "
@@ -244,6 +242,10 @@ if resume_path:
     if changed:  # the step alone would then point into a different data order
         sys.exit(f"error: {resume_path} was trained on other data or order ({', '.join(changed)}); resume with the "
                  "same --seed, --block_size, --packing and data, or start over from its weights (--model_name_or_path)")
+    if saved.get("max_steps", max_steps) != max_steps:  # allowed (training longer), but not exact
+        accelerator.print(f"warning: {resume_path} was saved by a {saved['max_steps']}-step run, this one has "
+                          f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
+                          "run only while both are still in warmup")
     replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # full model state on every rank: any world size
     if not ({saved["distributed_type"], strategy} <= replicated) and (
             saved["distributed_type"] != strategy or saved["world_size"] != world_size):

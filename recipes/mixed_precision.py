@@ -167,6 +167,8 @@ accelerator = Accelerator(
     kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
 )
 launch.check_distributed(accelerator)
+if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
+    sys.exit(f"error: {error}")
 try:
     if launch.install_cpu_grad_scaler(accelerator):
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"

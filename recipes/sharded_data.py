@@ -269,6 +269,8 @@ def main():
 
     accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
     launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+    if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
+        sys.exit(f"error: {error}")
     world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     set_seed(args.seed)  # same initial weights on every rank
 

@@ -63,3 +63,25 @@ def test_bad_flags(flag, value, message, tmp_path, cache_dir):
     proc = launch("single", "recipes/llama.py", flag, value, "--output_dir", tmp_path, *FAST[:-2],
                   cache_dir=cache_dir, check=False, timeout=300)
     fails_with(proc, message)
+
+
+@pytest.mark.parametrize("recipe", ["recipes/llama.py", "recipes/ddp_classifier.py"])
+def test_max_grad_norm_must_match_deepspeed_json(recipe, tmp_path, cache_dir):
+    # DeepSpeed clips with its JSON's gradient_clipping (1.0): a different flag would be ignored.
+    proc = launch("deepspeed_zero2", recipe, "--max_grad_norm", 0.5, "--output_dir", tmp_path,
+                  cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, "error: --max_grad_norm 0.5 differs from the DeepSpeed JSON's gradient_clipping 1.0")
+
+
+@pytest.mark.parametrize("key,message", [
+    ("fsdp_use_orig_params: true", "fsdp_use_orig_params: false in the accelerate config"),
+    ("fsdp_offload_params: false", "fsdp_offload_params: true in the accelerate config needs a GPU")])
+def test_fsdp1_settings_the_recipes_cannot_use(key, message, tmp_path, cache_dir):
+    # use_orig_params false trained nothing, silently (the optimizer held the unwrapped parameters);
+    # parameter offload on a CPU-only host failed deep inside torch's pin_memory.
+    flipped = key.replace("true", "false") if key.endswith("true") else key.replace("false", "true")
+    config = tmp_path / "fsdp1.yaml"
+    config.write_text((REPO / "accelerate_configs" / "fsdp1.yaml").read_text().replace(key, flipped))
+    proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "out", *FAST,
+                  cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, f"error: {message}")

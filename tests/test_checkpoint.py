@@ -133,14 +133,21 @@ def test_world_size_change(tmp_path, cache_dir, small_corpus):
 def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus):
     # The step count only locates the data position under the same seed and blocks.
     run = tmp_path / "run"
-    launch("single", "recipes/llama.py", *args(run, small_corpus, "--max_steps", 4, "--save_steps", 4),
+    launch("ddp", "recipes/llama.py", *args(run, small_corpus, "--max_steps", 4, "--save_steps", 4),
            cache_dir=cache_dir, mixed_precision="no")
     marker = verify_checkpoint(run / "checkpoint-4")
     assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, True) and marker["train_blocks"] > 0
-    proc = launch("single", "recipes/llama.py", *args(tmp_path / "reseeded", small_corpus, "--seed", 7,
-                  "--resume_from_checkpoint", run / "checkpoint-4"), cache_dir=cache_dir, check=False)
-    assert proc.returncode != 0
-    assert "other data or order (seed 42 -> 7)" in proc.stderr
+    for flag, value, change in [("--seed", 7, "seed 42 -> 7"), ("--block_size", 32, "block_size 64 -> 32")]:
+        proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, flag, value,
+                      "--resume_from_checkpoint", run / "checkpoint-4"), cache_dir=cache_dir, check=False)
+        assert proc.returncode != 0
+        assert f"other data or order ({change}" in proc.stderr
+        assert "exitcode  : 1 " in proc.stderr and "(SIGABRT)" not in proc.stderr  # exit(1), no gloo abort
+    # Unchanged data, a longer run: accepted, with a warning that the LR schedule now differs.
+    proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, "--resume_from_checkpoint",
+                  run / "checkpoint-4"), cache_dir=cache_dir, mixed_precision="no")
+    assert "was saved by a 4-step run, this one has 16" in proc.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "longer")[0]] == list(range(5, STEPS + 1))
 
 
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
