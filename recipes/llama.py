@@ -203,31 +203,15 @@ updates_per_epoch = len(train_set) // global_batch
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-# ---------------------------------------------------------------------------------------------
-# accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), the optimizer and the loaders.
-# ---------------------------------------------------------------------------------------------
-model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
-    model, optimizer, train_loader, eval_loader, lr_scheduler)
-device = accelerator.device
-run_info = {
-    "distributed_type": str(accelerator.distributed_type).split(".")[-1], "world_size": world_size,
-    "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "n_params": n_params,
-    "local_param_elements": accelerator.gather(
-        torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
-    "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "flops_per_token": flops_per_token,
-    "args": asdict(args),
-}
-accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
-                  f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps")
-
 # Resume: a verified, complete checkpoint; the data position follows from the step count, so the
 # global batch must be unchanged, and sharded states (FSDP, ZeRO) need the same world size.
+# Checked before prepare, so a refused resume leaves before any wrapped model exists.
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]
-strategy = run_info["distributed_type"] + (  # the ZeRO stage / FSDP version matters on resume too
+strategy = str(accelerator.distributed_type).split(".")[-1] + (  # the ZeRO stage / FSDP version matters on resume too
     f"_ZERO{accelerator.state.deepspeed_plugin.zero_stage}" if is_deepspeed else "2" if is_fsdp and accelerator.is_fsdp2
     else "1" if is_fsdp else "")
 # What fixes the data order besides the global batch: the seed, the blocks and their number.
@@ -253,6 +237,25 @@ if resume_path:
                  f"this run is {strategy} with {world_size}. Sharded (FSDP, ZeRO) checkpoints "
                  "resume on the same strategy and world size; convert one with common/consolidate.py and pass "
                  "--model_name_or_path to start over from its weights. DDP/single ones may change world size.")
+
+# ---------------------------------------------------------------------------------------------
+# accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), the optimizer and the loaders.
+# ---------------------------------------------------------------------------------------------
+model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
+    model, optimizer, train_loader, eval_loader, lr_scheduler)
+device = accelerator.device
+run_info = {
+    "distributed_type": str(accelerator.distributed_type).split(".")[-1], "world_size": world_size,
+    "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "n_params": n_params,
+    "local_param_elements": accelerator.gather(
+        torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
+    "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "flops_per_token": flops_per_token,
+    "args": asdict(args),
+}
+accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
+                  f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps")
+
+if resume_path:
     checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer)  # + scheduler, scaler, per-rank RNG
     accelerator.print(f"resumed from {resume_path} at step {step}")
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
