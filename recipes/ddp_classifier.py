@@ -260,7 +260,7 @@ if accelerator.is_main_process:
     summary = {"summary": True, "step": step, "eval_accuracy": accuracy, "majority_baseline": baseline_accuracy,
                "majority_genre": GENRES[majority], "n_eval": len(labels), "n_eval_passages": len(eval_set),
                "n_train_passages": len(train_set), "n_params": n_params, "world_size": world_size,
-               "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+               "distributed_type": accelerator.distributed_type.value,
                "per_genre_recall": per_genre, "wall_seconds": time.perf_counter() - t_start}
     metrics.append_jsonl(metrics_path, summary)
     print(f"\n| genre (held-out passages) | recall |\n|---|---|")

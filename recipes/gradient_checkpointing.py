@@ -264,7 +264,7 @@ if accelerator.is_main_process:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     Path(args.output_dir, "table.md").write_text(table + "\n")
     Path(args.output_dir, "results.json").write_text(json.dumps(
-        {"distributed_type": str(accelerator.distributed_type).split(".")[-1], "world_size": accelerator.num_processes,
+        {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
          "mixed_precision": accelerator.mixed_precision, "device": device.type, "args": vars(args),
          "results": results}, indent=1))
 # Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):

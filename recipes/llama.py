@@ -211,7 +211,7 @@ try:
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]
-strategy = str(accelerator.distributed_type).split(".")[-1] + (  # the ZeRO stage / FSDP version matters on resume too
+strategy = accelerator.distributed_type.value + (  # the ZeRO stage / FSDP version matters on resume too
     f"_ZERO{accelerator.state.deepspeed_plugin.zero_stage}" if is_deepspeed else "2" if is_fsdp and accelerator.is_fsdp2
     else "1" if is_fsdp else "")
 # What fixes the data order besides the global batch: the seed, the blocks and their number.
@@ -245,7 +245,7 @@ model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
 device = accelerator.device
 run_info = {
-    "distributed_type": str(accelerator.distributed_type).split(".")[-1], "world_size": world_size,
+    "distributed_type": accelerator.distributed_type.value, "world_size": world_size,
     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "n_params": n_params,
     "local_param_elements": accelerator.gather(
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),

@@ -214,7 +214,7 @@ scaler = accelerator.scaler  # a GradScaler under fp16 (DeepSpeed: None, its eng
 
 # Resume only into the same kind of run: the data position follows from the step count, and the
 # scaler state means nothing to another precision.
-run_state = {"precision": mode, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+run_state = {"precision": mode, "distributed_type": accelerator.distributed_type.value,
              "world_size": world_size, "global_batch": global_batch}
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
