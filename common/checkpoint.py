@@ -131,10 +131,17 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> t
                             "(save some with --save_steps)")
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer) -> None:
-    """`accelerator.load_state(path)` on every rank, with one fix for FSDP1.
+def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: int) -> None:
+    """`accelerator.load_state(path)` on every rank, with two fixes.
 
-    Accelerate loads FSDP1's SHARDED_STATE_DICT optimizer state with torch.distributed.checkpoint,
+    The micro-step counter: `load_state` restores Accelerate's count of micro batches
+    (`accelerator.step`), whose remainder modulo `gradient_accumulation_steps` decides which
+    micro batch ends an accumulation window. A run resumed with another split of the same global
+    batch (batch 2 x 1 saved at step 9, resumed as batch 1 x accumulation 2: 9 % 2 = 1) would
+    close every window one micro batch early, silently. We set it to
+    `optimizer_steps x gradient_accumulation_steps`, so windows start where they should.
+
+    FSDP1: Accelerate loads its SHARDED_STATE_DICT optimizer state with torch.distributed.checkpoint,
     which fills the *existing* state dict in place. In a fresh process Adam has no state yet, so
     nothing was loaded, silently: the run resumed with zeroed moments (found by
     tests/test_checkpoint.py, accelerate 1.15 / torch 2.13). `get_optimizer_state_dict`
@@ -147,3 +154,4 @@ def load_checkpoint(accelerator, path: Path, model, optimizer) -> None:
 
         get_optimizer_state_dict(model, optimizer.optimizer)
     accelerator.load_state(str(path))
+    accelerator.step = optimizer_steps * accelerator.gradient_accumulation_steps

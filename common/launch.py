@@ -42,7 +42,8 @@ def _has_accelerator() -> bool:
 def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     """Process-group settings for `Accelerator(kwargs_handlers=[...])`, fixing up CPU-only launches.
 
-    Call it before building the `Accelerator`. With no accelerator and a torchrun launch
+    Call it before building the `Accelerator`. It also lets a DeepSpeed YAML set
+    `mixed_precision` (`allow_mixed_precision_with_deepspeed_json`). With no accelerator and a torchrun launch
     (`LOCAL_RANK` set), it makes the strategy chosen by the accelerate config run for real over
     gloo (see the module docstring). Elsewhere it only sets the timeout.
 
@@ -58,6 +59,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     """
     if timeout_s <= 0:
         raise ValueError(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
+    allow_mixed_precision_with_deepspeed_json()
     timeout = timedelta(seconds=timeout_s)
     if _has_accelerator() or "LOCAL_RANK" not in os.environ:
         return InitProcessGroupKwargs(timeout=timeout)
@@ -72,6 +74,24 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         os.environ["ACCELERATE_USE_CPU"] = "true"  # DDP: Accelerate's MULTI_CPU path over gloo
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+
+
+def allow_mixed_precision_with_deepspeed_json() -> None:
+    """Let a DeepSpeed YAML carry `mixed_precision`, like every other accelerate config.
+
+    `accelerate launch` passes the YAML's `mixed_precision` on, but Accelerate 1.15 then refuses
+    to start when the YAML points to a DeepSpeed JSON (`_deepspeed_config_checks`: the JSON's own
+    `bf16`/`fp16` blocks would win). Without the key the launch defaults to fp32, so the ZeRO
+    configs trained in fp32 where every other config trained in bf16. Our JSONs set those
+    blocks to `"auto"`, which follows the requested precision, so nothing is ignored; and a JSON
+    with explicit blocks that disagree is refused at start-up by `checks.deepspeed_config_errors`.
+    Here we drop `mixed_precision` from the list of YAML fields that Accelerate refuses
+    (`ACCELERATE_CONFIG_DS_FIELDS`). Call before building the `Accelerator`; `--mixed_precision`
+    on the launch line still wins over the YAML.
+    """
+    fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS")
+    if fields:
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields.split(",") if f != "mixed_precision")
 
 
 def _destroy_process_group() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 
@@ -88,7 +89,20 @@ def local_parameter_elements(model: torch.nn.Module) -> int:
     return total
 
 
+def strict_json(record: dict) -> dict:
+    """`record` with every non-finite float (NaN, inf) replaced by None, and the names of those
+    keys listed under `"nonfinite"`, so that the result is standard JSON (Python's `json` would
+    write the literals `NaN` and `Infinity`, which strict parsers reject)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
 def append_jsonl(path: str, record: dict) -> None:
-    """Append one JSON object as a line to `path` (call on the main process only)."""
+    """Append one JSON object as a line to `path` (call on the main process only).
+
+    Non-finite floats are written as null, named in the line's `"nonfinite"` list (`strict_json`).
+    """
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")

@@ -46,3 +46,27 @@ def llama_config(preset: str, vocab_size: int, **overrides) -> LlamaConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown --model_config {preset!r}; choose one of {sorted(PRESETS)}")
     return LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab_size, **overrides})
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: decay on weight matrices and embeddings, none on biases and norm weights.
+
+    Decay pulls a weight towards 0. A norm's gain is centred on 1 and a bias sets an offset, so
+    decaying them only fights the model (with weight decay 100 and lr 1e-3, one AdamW step would
+    scale every LayerNorm gain to 0.9). The rule is the usual one (nanoGPT, Megatron, HF Trainer
+    in effect): parameters with fewer than 2 dimensions get no decay. Under ZeRO-3 with
+    `zero3_init_flag` the parameters are built already partitioned (empty tensors); their real
+    shape is `ds_shape`, which is what counts here.
+
+    Args:
+        model: the module before `accelerator.prepare` (FSDP would flatten it).
+        weight_decay: the decay of the first group (`--weight_decay`), dimensionless.
+
+    Returns:
+        Two groups for `torch.optim.AdamW`: `{"params": matrices, "weight_decay": weight_decay}`
+        and `{"params": vectors, "weight_decay": 0.0}`; shared (tied) parameters appear once.
+    """
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    vectors = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+    return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]

@@ -112,3 +112,52 @@ def keep_fp32_reduction(accelerator) -> None:
     plugin = accelerator.state.fsdp_plugin
     plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32,
                                             **({"output_dtype": None} if accelerator.is_fsdp2 else {}))
+
+
+MIN_LOSS_SCALE = 1.0  # DeepSpeed's default `min_loss_scale`; torch's GradScaler has no floor of its own
+SKIPS_IN_A_ROW_WARNING = 10
+
+
+def loss_scale(accelerator, model=None) -> float | None:
+    """The current fp16 loss scale, or None when the run has no loss scaling (fp32, bf16).
+
+    Reads Accelerate's `GradScaler`, or under DeepSpeed fp16 the engine's optimizer
+    (`cur_scale`); pass the prepared `model` (the engine) for the latter.
+    """
+    if accelerator.scaler is not None:
+        return float(accelerator.scaler.get_scale())
+    optimizer = getattr(model, "optimizer", None)  # DeepSpeed engine
+    if accelerator.mixed_precision == "fp16" and hasattr(optimizer, "cur_scale"):
+        return float(optimizer.cur_scale)
+    return None
+
+
+def skipped_step_warning(scale: float | None, skipped_in_a_row: int, min_scale: float = MIN_LOSS_SCALE) -> str | None:
+    """Judge the fp16 loss scale after an optimizer step; call on every rank after each step.
+
+    A step whose gradients overflowed is skipped and the scale halved; a few skips early in a
+    run are normal (the scale searches downwards from 65536). Ten in a row means the gradients
+    are not finite at any scale: the weights or the LR have gone bad, and the run only burns
+    time while the scale decays towards 0.
+
+    Args:
+        scale: `loss_scale(...)` after the step (None: no loss scaling, nothing to judge).
+        skipped_in_a_row: consecutive skipped steps up to and including this one.
+        min_scale: the floor; a scale below it stops the run.
+
+    Returns:
+        A warning line when exactly `SKIPS_IN_A_ROW_WARNING` steps in a row were skipped, else None.
+
+    Raises:
+        ValueError: the scale fell below `min_scale` (the run must stop; the message says why).
+    """
+    if scale is None:
+        return None
+    if scale < min_scale:
+        raise ValueError(f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
+                         f"{skipped_in_a_row} skipped steps in a row: the gradients overflow at any scale. Lower "
+                         "--learning_rate, lengthen --warmup_steps, or train in bf16")
+    if skipped_in_a_row == SKIPS_IN_A_ROW_WARNING:
+        return (f"warning: {skipped_in_a_row} fp16 steps in a row skipped for inf/NaN gradients (loss scale now "
+                f"{scale:g}); the run stops if the scale falls below {min_scale:g}")
+    return None
