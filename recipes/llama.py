@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,14 +31,17 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
+from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
+from common.args import parse_args  # noqa: E402
 
 
 @dataclass
 class Args:
+    """This recipe's own flags; the core TrainingArguments ones (--output_dir, --max_steps, ...) are
+    common/args.py's, with the defaults set below."""
     # model and tokenizer
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
     model_name_or_path: str = field(default=None, metadata={"help": "pretrained weights (fine-tuning) instead of a preset"})
@@ -54,43 +57,26 @@ class Args:
     packing: bool = field(default=True, metadata={"help": "concatenate rows into blocks; false: one padded row each"})
     max_eval_samples: int = field(default=None, metadata={"help": "cap on validation blocks per evaluation"})
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    # optimisation (transformers.TrainingArguments names)
-    output_dir: str = "runs/llama"
-    seed: int = 42
-    per_device_train_batch_size: int = 8
+    # optimisation, beyond the core flags
     per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 3e-3
     scale_lr: bool = field(default=False, metadata={"help": "linear scaling rule vs --reference_global_batch"})
     reference_global_batch: int = field(default=16, metadata={"help": "global batch --learning_rate was tuned at"})
-    weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0  # clip to this global norm; 0 logs the norm and clips nothing
-    warmup_steps: int = 30
-    max_steps: int = field(default=300, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
-    num_train_epochs: float = 1.0
     gradient_checkpointing: bool = False
-    # logging, evaluation, checkpoints
-    logging_steps: int = 10
+    # evaluation, checkpoints, hardware
     eval_steps: int = 100
-    save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 = never"})
     save_total_limit: int = None
-    resume_from_checkpoint: str = field(default=None, metadata={"help": "a checkpoint path, or 'latest'"})
-    report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker(s), or 'none'"})
     peak_tflops: float = field(default=None, metadata={"help": "device peak for MFU; default from a GPU table"})
     ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
 
 
-try:
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
-except ValueError as err:  # e.g. an unknown flag
-    sys.exit(f"error: {err}")
+args = parse_args(Args, output_dir="runs/llama", per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
+                  warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
 if args.model_name_or_path is None and args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
-for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-             "block_size", "logging_steps", "eval_steps"):
+for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
     if getattr(args, flag) < 1:
         sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
 
@@ -122,8 +108,10 @@ except ValueError as err:
 # FSDP: compute in bf16/fp16 but reduce gradients (and return the loss) in fp32; summing
 # low-precision gradients across ranks is where most of the precision is lost.
 precision.keep_fp32_reduction(accelerator)
-if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):
-    sys.exit(f"error: {error}")
+# A DeepSpeed JSON's explicit batch sizes, clipping or precision would silently win over the flags.
+if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
+                                            args.gradient_accumulation_steps, args.max_grad_norm):
+    sys.exit("\n".join(f"error: {e}" for e in errors))
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
 os.makedirs(args.output_dir, exist_ok=True)
 
@@ -180,6 +168,9 @@ if args.gradient_checkpointing:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 model.config.use_cache = False
 n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: ZeRO-3 pre-sharded
+# From here on each rank draws its own random numbers (dropout, if the model has any): the
+# weights are already identical, and the data order has its own seeded generator.
+set_seed(args.seed, device_specific=True)
 flops_per_token = metrics.flops_per_token(model.config, args.block_size)
 
 # A bigger global batch averages away gradient noise, so it tolerates a bigger LR (linear
@@ -192,12 +183,8 @@ if global_batch > args.reference_global_batch and (not args.scale_lr or args.war
     accelerator.print(f"warning: global batch {global_batch} > {args.reference_global_batch} without "
                       f"{'--scale_lr' if not args.scale_lr else '--warmup_steps'}: expect slower or unstable training")
 
-# AdamW without weight decay on norms (1-D tensors), as in most LLM recipes. (Under ZeRO-3
-# transformers builds the model already partitioned, with empty tensors: ds_shape is the real one.)
-matrices = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
-vectors = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
-groups = [{"params": matrices, "weight_decay": args.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-optimizer = torch.optim.AdamW(groups, lr=peak_lr, betas=(args.adam_beta1, args.adam_beta2),
+# AdamW without weight decay on norm weights and biases (1-D tensors), as in most LLM recipes.
+optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=peak_lr, betas=(args.adam_beta1, args.adam_beta2),
                               eps=args.adam_epsilon)
 updates_per_epoch = len(train_set) // global_batch
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
@@ -250,13 +237,14 @@ run_info = {
     "local_param_elements": accelerator.gather(
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "flops_per_token": flops_per_token,
-    "args": asdict(args),
+    "args": vars(args),
 }
 accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
                   f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps")
 
 if resume_path:
-    checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer)  # + scheduler, scaler, per-rank RNG
+    # + scheduler, scaler, per-rank RNG; the micro-step count follows this run's accumulation
+    checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
     accelerator.print(f"resumed from {resume_path} at step {step}")
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:
@@ -267,7 +255,7 @@ if accelerator.is_main_process:
         line for line in open(metrics_path) if not json.loads(line).get("summary") and json.loads(line)["step"] <= step]
     with open(metrics_path, "w") as f:
         f.writelines(kept)
-accelerator.init_trackers("llama", config={k: v for k, v in asdict(args).items() if v is not None})
+accelerator.init_trackers("llama", config={k: v for k, v in vars(args).items() if v is not None})
 
 
 @torch.no_grad()
@@ -296,6 +284,10 @@ progress = tqdm(total=max_steps, initial=step, disable=not accelerator.is_local_
 window_tokens, data_wait, t_window, t_start = 0, 0.0, time.perf_counter(), time.perf_counter()
 tokens_seen = step * global_batch * args.block_size
 epoch = step // updates_per_epoch
+# Windows that changed nothing, counted across resumes: fp16 steps skipped for inf/NaN gradients,
+# and windows without a single target token (possible with --packing false and empty rows).
+skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
+skipped_in_a_row = 0
 while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
@@ -312,7 +304,16 @@ while step < max_steps:
         local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
         num_items = accelerator.reduce(local_items.clone(), reduction="sum").item()
         loss_total = torch.zeros((), device=device)
-        for batch in window:
+        norm_before_clip = float("nan")
+        if num_items == 0:
+            # Nothing to learn from: a loss of 0/0 would step AdamW on zero gradients (its moments
+            # and weight decay still move the weights) and advance the schedule. Skip it whole.
+            empty_windows += 1
+            loss_total.fill_(float("nan"))
+            if empty_windows == 1:
+                accelerator.print(f"warning: step {step + 1}: no target tokens in the whole window; skipped "
+                                  "(no optimizer, scheduler or weight-decay update)")
+        for batch in window if num_items else []:
             with accelerator.accumulate(model):
                 loss = model(**batch, num_items_in_batch=num_items).loss  # sum of token losses / num_items
                 loss_total += loss.detach()
@@ -320,10 +321,18 @@ while step < max_steps:
                 if accelerator.sync_gradients:  # the last micro batch of the window
                     # The global norm in fp64, so every strategy reports and clips with the same number
                     norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-                optimizer.step()  # no-op until the window's last micro batch
-                if accelerator.sync_gradients:
-                    lr_scheduler.step()
+                optimizer.step()  # no-op until the window's last micro batch; skipped on fp16 overflow
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()  # a skipped step did not happen: the schedule holds, as Accelerate's does
                 optimizer.zero_grad()
+        if num_items:  # fp16: a skipped step leaves weights and LR as they were; a long run of them is fatal
+            skipped = accelerator.optimizer_step_was_skipped
+            skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
+            try:
+                if warning := precision.skipped_step_warning(precision.loss_scale(accelerator, model), skipped_in_a_row):
+                    accelerator.print(warning)
+            except ValueError as err:
+                sys.exit(f"error: step {step + 1}: {err}")
         step += 1
         progress.update(1)
         window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
@@ -340,24 +349,32 @@ while step < max_steps:
                 "tokens_per_second": window_tokens / elapsed,  # per device
                 "data_wait_share": data_wait / elapsed,
                 "peak_memory_bytes": metrics.peak_memory_bytes(device),
+                "empty_windows": empty_windows,
             }
+            if (scale := precision.loss_scale(accelerator, model)) is not None:  # fp16 only
+                record.update(loss_scale=scale, skipped_steps=skipped_steps)
             peak = metrics.peak_flops(device, args.peak_tflops)
             if peak:
                 record["mfu"] = flops_per_token * record["tokens_per_second"] / peak
             if do_eval:
                 record["eval_loss"] = evaluate()
-            accelerator.log(record, step=step)
+            accelerator.log({k: v for k, v in record.items() if math.isfinite(v)}, step=step)
             if accelerator.is_main_process:
-                metrics.append_jsonl(metrics_path, record)
+                metrics.append_jsonl(metrics_path, record)  # NaN (an empty window) is written as null
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
         if args.save_steps and step % args.save_steps == 0:
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run_state,
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit,
+                                       {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
                                        hf_files=(accelerator.unwrap_model(model).config, tokenizer))
         if step >= max_steps:
             break
     epoch += 1
 progress.close()
+if empty_windows:
+    accelerator.print(f"warning: {empty_windows} of {step} windows had no target tokens and were skipped")
+if skipped_steps:
+    accelerator.print(f"warning: {skipped_steps} of {step} fp16 steps were skipped for inf/NaN gradients")
 
 # ---------------------------------------------------------------------------------------------
 # Export: gather the full state dict on every rank (a collective), write from rank 0 only.
@@ -381,7 +398,8 @@ if accelerator.is_main_process:
     from safetensors.torch import save_file
     save_file({"input_ids": probe.cpu(), "logits": live_logits}, os.path.join(args.output_dir, "final_logits.safetensors"))
     summary = {"summary": True, "step": step, "total_tokens": tokens_seen, "wall_seconds": time.perf_counter() - t_start,
-               "peak_memory_bytes": metrics.peak_memory_bytes(device)}
+               "peak_memory_bytes": metrics.peak_memory_bytes(device), "empty_windows": empty_windows,
+               **({"skipped_steps": skipped_steps} if precision.loss_scale(accelerator, model) is not None else {})}
     metrics.append_jsonl(metrics_path, summary)
     # Reload with plain transformers (no project code) and sample, proving the export works.
     if is_deepspeed:

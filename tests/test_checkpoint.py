@@ -152,7 +152,9 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus):
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
 def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpus):
     out = tmp_path / "run"
-    launch(config, "recipes/llama.py", *args(out, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir)
+    # fp32: in bf16 ZeRO exports the bf16 weights, the checkpoint holds the fp32 masters
+    launch(config, "recipes/llama.py", *args(out, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir,
+           mixed_precision="no")
     subprocess.run([sys.executable, REPO / "common/consolidate.py", out / f"checkpoint-{SAVE}", tmp_path / "hf"],
                    check=True, capture_output=True)
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")

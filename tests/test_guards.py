@@ -1,0 +1,135 @@
+"""recipes/llama.py off the happy path: what users change between runs either continues exactly
+or stops at start-up with one line; odd windows are skipped and logged as strict JSON."""
+
+import json
+import math
+
+import pytest
+
+from common.checkpoint import verify_checkpoint
+from conftest import REPO, launch, read_metrics
+
+# The issue's settings: blocks of 64 tokens, micro batch 2, one line per step, no evaluation.
+FL = ["--block_size", 64, "--report_to", "none", "--eval_steps", 1000, "--logging_steps", 1,
+      "--max_eval_samples", 8, "--ddp_timeout", 120]
+
+
+def strict_lines(path):
+    """metrics.jsonl parsed as standard JSON: NaN/Infinity literals fail the test."""
+    def refuse(literal):
+        raise AssertionError(f"non-standard JSON literal {literal} in {path}")
+    return [json.loads(line, parse_constant=refuse) for line in open(path)]
+
+
+@pytest.mark.parametrize("config, saved_split, resumed_split", [
+    ("ddp", (2, 1), (1, 2)),   # the reported case: 9 % 2 = 1 shifted every window by one micro batch
+    ("fsdp", (2, 1), (1, 2)),
+])
+def test_resume_with_another_split_of_the_global_batch(config, saved_split, resumed_split, tmp_path, cache_dir):
+    def split(b, a):
+        return ["--per_device_train_batch_size", b, "--gradient_accumulation_steps", a]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(config, "recipes/llama.py", "--output_dir", straight, "--max_steps", 12, "--save_steps", 3,
+           *split(*saved_split), *FL, cache_dir=cache_dir, mixed_precision="no")
+    launch(config, "recipes/llama.py", "--output_dir", resumed, "--max_steps", 12, *split(*resumed_split), *FL,
+           "--resume_from_checkpoint", straight / "checkpoint-9", cache_dir=cache_dir, mixed_precision="no")
+    want = {r["step"]: r for r in read_metrics(straight)[0]}
+    got = read_metrics(resumed)[0]
+    assert [r["step"] for r in got] == [10, 11, 12]
+    for r in got:  # before the fix: 0.97% in loss, 55% in grad norm
+        for key in ("loss", "grad_norm", "lr"):
+            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)
+
+
+def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, cache_dir):
+    # Every explicit batch key wrong, and bf16 forced on while the launch asks for fp32.
+    ds = json.loads((REPO / "ds_configs/zero2.json").read_text())
+    ds.update(train_batch_size=16, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+              bf16={"enabled": True})
+    (tmp_path / "zero2.json").write_text(json.dumps(ds))
+    yaml = (REPO / "accelerate_configs/deepspeed_zero2.yaml").read_text()
+    (tmp_path / "zero2.yaml").write_text(yaml.replace("ds_configs/zero2.json", str(tmp_path / "zero2.json")))
+    proc = launch(tmp_path / "zero2.yaml", "recipes/llama.py", "--output_dir", tmp_path / "out", "--max_steps", 8,
+                  "--per_device_train_batch_size", 4, *FL, cache_dir=cache_dir, mixed_precision="no",
+                  check=False, timeout=300)
+    assert proc.returncode != 0
+    where = f"the DeepSpeed JSON {tmp_path / 'zero2.json'}"
+    for line in (f"error: {where} sets train_micro_batch_size_per_gpu: 2, but --per_device_train_batch_size is 4",
+                 f"error: {where} sets gradient_accumulation_steps: 4, but --gradient_accumulation_steps is 1",
+                 f"error: {where} sets train_batch_size: 16, but the global batch (4 per device x 1 accumulation "
+                 "x 2 ranks) is 8",
+                 f"error: the launch asks for mixed precision no, but {where} enables bf16"):
+        assert line in proc.stderr, proc.stderr[-3000:]
+    # Stopped by our check, not deep in DeepSpeed (only torchrun's own ChildFailedError report follows).
+    assert 'llama.py", line' not in proc.stderr and "deepspeed/runtime" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_path, cache_dir):
+    # lr 3.0 wrecks the weights at step 1; every later step overflows and is skipped.
+    out = tmp_path / "run"
+    args = ["--learning_rate", 3.0, "--warmup_steps", 0, "--per_device_train_batch_size", 1, *FL]
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--max_steps", 25, "--save_steps", 5, *args,
+                  cache_dir=cache_dir, mixed_precision="fp16", check=False)
+    lines = strict_lines(out / "metrics.jsonl")
+    assert [r["step"] for r in lines] == list(range(1, 18))  # stopped in step 18
+    assert proc.returncode != 0
+    assert "error: step 18: the fp16 loss scale fell to 0.5, below its minimum 1" in proc.stderr
+    assert "warning: 10 fp16 steps in a row skipped" in proc.stdout
+    assert [r["skipped_steps"] for r in lines] == list(range(0, 17))
+    assert [r["loss_scale"] for r in lines] == [65536 / 2 ** k for k in range(0, 17)]
+    assert all(r["lr"] == lines[1]["lr"] for r in lines[1:])  # one real update, then the schedule holds
+    assert lines[1]["loss"] is None and "loss" in lines[1]["nonfinite"]
+    # The counters come back with the checkpoint.
+    assert verify_checkpoint(out / "checkpoint-5")["skipped_steps"] == 4
+    resumed = tmp_path / "resumed"
+    launch("ddp", "recipes/llama.py", "--output_dir", resumed, "--max_steps", 7, *args, "--resume_from_checkpoint",
+           out / "checkpoint-5", cache_dir=cache_dir, mixed_precision="fp16")
+    after = [r for r in strict_lines(resumed / "metrics.jsonl") if not r.get("summary")]
+    assert [(r["step"], r["skipped_steps"], r["loss_scale"]) for r in after] == [(6, 5, 2048.0), (7, 6, 1024.0)]
+
+
+def test_windows_without_target_tokens_are_skipped_and_logged(tmp_path, cache_dir):
+    # 24 rows, 20 of them empty, one padded row each (--packing false): some windows hold no target.
+    real = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
+            "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles",
+            "And by opposing end them. To die, to sleep, no more; and by a sleep to say we end",
+            "The heart-ache and the thousand natural shocks that flesh is heir to."]
+    rows = [real[i // 6] if i % 6 == 0 else "" for i in range(24)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in real))
+    out = tmp_path / "run"
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--packing", "false", "--max_steps", 6,
+                  "--warmup_steps", 0, "--per_device_train_batch_size", 2, "--train_file", tmp_path / "train.jsonl",
+                  "--validation_file", tmp_path / "valid.jsonl", *FL, cache_dir=cache_dir, mixed_precision="no")
+    lines = strict_lines(out / "metrics.jsonl")
+    steps = [r for r in lines if not r.get("summary")]
+    empty = [r["step"] for r in steps if r["loss"] is None]
+    assert empty and len(empty) < 6
+    for r in steps:
+        if r["step"] in empty:
+            assert r["grad_norm"] is None and set(r["nonfinite"]) == {"loss", "grad_norm"}
+        else:
+            assert math.isfinite(r["loss"]) and "nonfinite" not in r
+    # The scheduler steps on real updates only (cosine decay, no warmup: each one lowers the LR).
+    lrs = {r["step"]: r["lr"] for r in steps}
+    for k in range(1, 6):
+        assert (lrs[k + 1] == lrs[k]) if k in empty else (lrs[k + 1] < lrs[k]), (k, empty, lrs)
+    assert steps[-1]["empty_windows"] == lines[-1]["empty_windows"] == len(empty)
+    assert f"warning: {len(empty)} of 6 windows had no target tokens and were skipped" in proc.stdout
+
+
+def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--seed", 7, *FL, cache_dir=cache_dir,
+                  check=False, timeout=300)
+    assert proc.returncode != 0
+    assert f"error: --output_dir {out} already holds files (metrics.jsonl)" in proc.stderr
+    assert "--overwrite_output_dir" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
+    # The TrainingArguments flag says "write over it" (or resume).
+    launch("ddp", "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", "--max_steps", 2, *FL,
+           cache_dir=cache_dir, mixed_precision="no")
+    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
