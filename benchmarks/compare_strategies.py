@@ -163,7 +163,8 @@ def run_strategy(name: str, args: Args) -> dict:
              "--block_size", args.block_size]
     print(f"[{name}] training {args.steps} steps ...", flush=True)
     accelerate_launch(name, "recipes/llama.py",
-                      ["--output_dir", out / "train", "--max_steps", args.steps, "--logging_steps", 1,
+                      ["--output_dir", out / "train", "--overwrite_output_dir",  # this benchmark's own folder
+                       "--max_steps", args.steps, "--logging_steps", 1,
                        "--eval_steps", args.steps, "--max_eval_samples", 16, "--report_to", "none", *shape],
                       args, out / "train.log")
     print(f"[{name}] measuring model states ...", flush=True)
