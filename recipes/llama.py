@@ -184,8 +184,8 @@ if global_batch > args.reference_global_batch and (not args.scale_lr or args.war
                       f"{'--scale_lr' if not args.scale_lr else '--warmup_steps'}: expect slower or unstable training")
 
 # AdamW without weight decay on norm weights and biases (1-D tensors), as in most LLM recipes.
-optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=peak_lr, betas=(args.adam_beta1, args.adam_beta2),
-                              eps=args.adam_epsilon)
+optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=peak_lr,
+                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 updates_per_epoch = len(train_set) // global_batch
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
