@@ -3,28 +3,44 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/ddp_classifier.py
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/ddp_classifier.py
     accelerate launch --config_file accelerate_configs/ddp.yaml --mixed_precision no recipes/ddp_classifier.py --num_train_epochs 5
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/ddp_classifier.py --max_steps 50 --save_steps 25
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/ddp_classifier.py --max_steps 50 --resume_from_checkpoint latest
 
 Task: 128-token passages ([CLS] + 127 tokens of text) of the 42 bundled works, labelled comedy / tragedy / history / poetry
 (the First Folio grouping, below). The last 10% of every work's tokens is held out: a contiguous
 tail, so no held-out passage overlaps a training one, and every genre appears in both splits.
 Model: a ~1M-parameter BERT encoder trained from scratch with cross-entropy.
 
+Flags: the core `transformers.TrainingArguments` ones (common/args.py: --output_dir, --seed,
+--per_device_train_batch_size, --gradient_accumulation_steps, --learning_rate, --weight_decay,
+--warmup_steps, --max_steps or --num_train_epochs, --logging_steps, --save_steps,
+--resume_from_checkpoint {PATH|latest}, --max_grad_norm, --report_to, --overwrite_output_dir)
+plus this recipe's own (Args below). global batch = per device x accumulation x world size.
+
 What this recipe shows, in the order the code does it:
+  * one seed for the weights, one RNG stream per rank for dropout: every rank builds the same
+    initial model, then draws its own dropout masks (identical masks on every rank would make the
+    replicas' noise the same, not independent);
   * per-epoch reshuffling that stays correct across ranks: a seeded sampler plus `set_epoch`,
     so each epoch is a new permutation, the same on every rank, of which each rank takes a
     disjoint share (forgetting `set_epoch` replays epoch 0's order forever);
+  * AdamW weight decay on weight matrices only, never on LayerNorm gains and biases;
   * gradient clipping on the global gradient norm, taken in fp64 (`common/grad_norm.py`);
+  * exact resume: `save_state` keeps every rank's RNG, and the data position follows from the step;
   * accuracy with `gather_for_metrics`, which drops the samples Accelerate repeats to even out
     the last batch, so every held-out passage counts exactly once, against the majority baseline;
   * only the main process logs and writes; the export gathers the full weights on all ranks (a
     collective) and rank 0 writes them once, as safetensors.
 
-Outputs in --output_dir: metrics.jsonl (logging steps, one eval line per epoch, a summary line),
-final/ (config.json + model.safetensors + tokenizer) and, with --record_sample_ids,
-sample_ids/rank{r}.json (written by rank r alone: the sample ids it trained on, per epoch).
+Outputs in --output_dir: metrics.jsonl (logging steps, an eval line per epoch and at the end, a
+summary line; under fp16 each step line has loss_scale and skipped_steps), checkpoint-N/
+(--save_steps), final/ (config.json + model.safetensors + tokenizer) and, with
+--record_sample_ids, sample_ids/rank{r}.json (written by rank r alone: the sample ids it trained
+on in this launch, per epoch).
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -35,11 +51,11 @@ import datasets
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
-from transformers import BertConfig, BertForSequenceClassification, HfArgumentParser, get_linear_schedule_with_warmup
+from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
+from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import data, grad_norm, launch, metrics  # noqa: E402
+from common import args as common_args, checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
 # Cressida (printed between the histories and the tragedies) and Cymbeline (the last tragedy)
@@ -69,10 +85,12 @@ GENRE_OF_WORK = {
 
 @dataclass
 class Args:
+    """This recipe's own flags; the core TrainingArguments ones come from common/args.py."""
     # data and tokenizer
     block_size: int = field(default=128, metadata={"help": "tokens per passage, the [CLS] token included"})
     validation_split_percentage: int = field(default=10, metadata={"help": "held-out tail of every work, in %"})
     max_train_samples: int = field(default=None, metadata={"help": "train on a seeded random subset (quick runs)"})
+    max_eval_samples: int = field(default=None, metadata={"help": "evaluate on a seeded random subset (quick runs)"})
     tokenizer_name_or_path: str = field(default=None, metadata={"help": "default: the project's corpus BPE"})
     vocab_size: int = 4096
     cache_dir: str = data.DEFAULT_CACHE_DIR
@@ -81,41 +99,50 @@ class Args:
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
     intermediate_size: int = 512
-    # optimisation (transformers.TrainingArguments names)
-    output_dir: str = "runs/ddp_classifier"
-    seed: int = 42
-    per_device_train_batch_size: int = 32
     per_device_eval_batch_size: int = 64
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 30
-    num_train_epochs: int = 2
-    logging_steps: int = 20
     record_sample_ids: bool = field(default=False, metadata={"help": "each rank writes the sample ids it saw"})
     ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
 
 
-args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+# Bad flags and a non-empty --output_dir (without --overwrite_output_dir or a resume) end here,
+# with one `error:` line, before anything is written.
+args = common_args.parse_args(Args, output_dir="runs/ddp_classifier", learning_rate=1e-3, weight_decay=0.01,
+                              warmup_steps=30, num_train_epochs=2, logging_steps=20, per_device_train_batch_size=32)
 if not 0 < args.validation_split_percentage < 100:
     sys.exit(f"error: --validation_split_percentage must be in (0, 100), got {args.validation_split_percentage}")
+accumulation = args.gradient_accumulation_steps
 
 # ---------------------------------------------------------------------------------------------
 # Accelerator: DDP, FSDP or ZeRO comes from the accelerate config. The seedable sampler makes the
 # shuffle a function of (seed, epoch) alone, so every rank draws the same permutation.
 # ---------------------------------------------------------------------------------------------
+try:
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # real gloo ranks on CPU
+except ValueError as err:
+    sys.exit(f"error: {err}")
 accelerator = Accelerator(
+    # we fetch whole accumulation windows, so sync on the step count, not the dataloader end
+    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
     dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     step_scheduler_with_optimizer=False,  # else the LR scheduler advances world_size times per step
-    kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)],  # real gloo ranks on CPU
+    log_with=None if args.report_to == "none" else args.report_to,
+    project_dir=args.output_dir,
+    kwargs_handlers=[pg_kwargs],
 )
-launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
-    sys.exit(f"error: {error}")
+try:
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+    launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
+except ValueError as err:
+    sys.exit(f"error: {err}")
+# A DeepSpeed JSON's explicit batch, accumulation, clipping or precision would silently win over the flags.
+if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size, accumulation,
+                                            args.max_grad_norm):
+    sys.exit("\n".join(f"error: {e}" for e in errors))
 if accelerator.distributed_type == DistributedType.FSDP:
     # The shared fsdp.yaml names the Llama block as the unit to shard; this model's block is BertLayer.
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]
-set_seed(args.seed)  # same seed on every rank: identical initial weights
+precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
+set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
 world_size, rank = accelerator.num_processes, accelerator.process_index
 if accelerator.is_main_process:
     os.makedirs(args.output_dir, exist_ok=True)
@@ -138,7 +165,7 @@ splits = {"train": {"input_ids": [], "labels": []}, "validation": {"input_ids": 
 for work, ids in zip(corpus["work"], tokenizer(list(corpus["text"]))["input_ids"]):
     blocks = [[cls] + ids[i:i + text_len] for i in range(0, len(ids) - text_len + 1, text_len)]
     if len(blocks) < 2:
-        raise ValueError(f"work {work!r} has {len(ids)} tokens: fewer than 2 passages of --block_size {args.block_size}")
+        sys.exit(f"error: work {work!r} has {len(ids)} tokens: fewer than 2 passages of --block_size {args.block_size}")
     n_held = max(1, len(blocks) * args.validation_split_percentage // 100)
     for split, part in (("train", blocks[:-n_held]), ("validation", blocks[-n_held:])):
         splits[split]["input_ids"] += part
@@ -147,6 +174,8 @@ train_set = datasets.Dataset.from_dict(splits["train"])
 eval_set = datasets.Dataset.from_dict(splits["validation"])
 if args.max_train_samples:
     train_set = train_set.shuffle(seed=args.seed).select(range(min(args.max_train_samples, len(train_set))))
+if args.max_eval_samples:
+    eval_set = eval_set.shuffle(seed=args.seed).select(range(min(args.max_eval_samples, len(eval_set))))
 # sample_id: the row index, carried through the loader so a run can record what each rank saw
 train_set = train_set.add_column("sample_id", list(range(len(train_set)))).with_format("torch")
 eval_set = eval_set.with_format("torch")
@@ -155,15 +184,19 @@ train_counts = torch.bincount(train_set["labels"][:], minlength=len(GENRES))
 majority = int(train_counts.argmax())  # the baseline: always answer the training set's majority genre
 eval_labels = eval_set["labels"][:]
 baseline_accuracy = (eval_labels == majority).float().mean().item()
-global_batch = args.per_device_train_batch_size * world_size
+global_batch = args.per_device_train_batch_size * accumulation * world_size
 if len(train_set) < global_batch:
-    raise ValueError(f"{len(train_set)} training passages: fewer than one global batch of {global_batch} "
-                     f"(= {args.per_device_train_batch_size} per device x {world_size} ranks)")
+    sys.exit(f"error: {len(train_set)} training passages: fewer than one global batch of {global_batch} (= "
+             f"{args.per_device_train_batch_size} per device x {accumulation} accumulation x {world_size} ranks)")
 # shuffle=True + the seedable sampler: a new permutation per epoch (set_epoch), the same on every
-# rank; rank r gets batches r, r + world_size, ... of it. drop_last: every step is a full batch.
+# rank; rank r gets micro batches r, r + world_size, ... of it. drop_last: every step is a full batch.
+# Each loader gets a private generator: every iter() of a DataLoader draws one number (its worker
+# seed) from the generator it was given, else from the global torch RNG that drives dropout; a
+# resume opens a fresh iterator mid-epoch, which would shift every later dropout mask by one draw.
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size,
-                                           shuffle=True, drop_last=True)
-eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
+                                           shuffle=True, drop_last=True, generator=torch.Generator())
+eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
+                                          generator=torch.Generator())
 
 # ---------------------------------------------------------------------------------------------
 # Model: a small BERT encoder; its classification head reads the final state at the [CLS] position.
@@ -175,20 +208,54 @@ config = BertConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num
                     label2id={g: i for i, g in enumerate(GENRES)})
 model = BertForSequenceClassification(config)
 n_params = sum(p.numel() for p in model.parameters())
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+# From here each rank draws its own dropout masks (seed + rank). The data order is unaffected: the
+# sampler reseeds its own generator from (seed, epoch). A resume restores each rank's stream.
+set_seed(args.seed, device_specific=True)
+# Decay on weight matrices and embeddings only: a LayerNorm gain is centred on 1, a bias is an offset.
+optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
 steps_per_epoch = len(train_set) // global_batch
-max_steps = steps_per_epoch * args.num_train_epochs
+max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+
+# Resume: a verified, complete checkpoint. The data position is recomputed from the step, so the
+# global batch, seed and passages must be the ones it was saved with; refused before prepare.
+try:
+    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+except (ValueError, FileNotFoundError) as err:
+    sys.exit(f"error: cannot resume: {err}")
+step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
+strategy = accelerator.distributed_type.value
+data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
+              "train_passages": len(train_set)}  # what fixes which samples step k trains on
+run_state = {"world_size": world_size, "distributed_type": strategy, **data_state}
+if resume_path:
+    changed = [f"{k} {saved[k]} there, {v} here" for k, v in data_state.items() if saved.get(k, v) != v]
+    replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model on every rank: loads at any world size
+    layout = (saved.get("distributed_type"), saved.get("world_size"))
+    if not {layout[0], strategy} <= replicated and layout != (strategy, world_size):  # FSDP, ZeRO shards
+        changed.append(f"a {layout[0]} state of {layout[1]} ranks there, {strategy} x{world_size} here")
+    if changed:
+        sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. The data position follows from "
+                 "the step, so keep the global batch (per device x accumulation x world size), --seed, "
+                 "--block_size, --max_train_samples, and for sharded states the strategy and world size")
 
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
+if resume_path:  # model, optimizer, scheduler, grad scaler and every rank's RNG
+    checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
 accelerator.print(
-    f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {accelerator.mixed_precision} | "
-    f"{n_params / 1e6:.2f}M params | {len(train_set)} train / {len(eval_set)} held-out passages | "
-    f"global batch {global_batch} | {args.num_train_epochs} epochs x {steps_per_epoch} steps")
+    f"{strategy} x{world_size} | {accelerator.mixed_precision} | {n_params / 1e6:.2f}M params | "
+    f"{len(train_set)} train / {len(eval_set)} held-out passages | global batch {global_batch} | "
+    f"{max_steps} steps ({steps_per_epoch} per epoch)"
+    + (f" | resumed from {resume_path} at step {step}" if resume_path else ""))
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:
-    open(metrics_path, "w").close()  # a fresh log per run
+    # a fresh log per run; a resume keeps the lines up to its step and drops later ones and summaries
+    kept = [] if not (resume_path and os.path.exists(metrics_path)) else [
+        line for line in open(metrics_path) if not json.loads(line).get("summary") and json.loads(line)["step"] <= step]
+    with open(metrics_path, "w") as f:
+        f.writelines(kept)
+accelerator.init_trackers("ddp_classifier", config={k: v for k, v in vars(args).items() if v is not None})
 
 
 @torch.no_grad()
@@ -210,36 +277,72 @@ def evaluate():
 
 
 # ---------------------------------------------------------------------------------------------
-# Training loop
+# Training loop. One iteration = one optimizer step = one accumulation window of micro batches.
 # ---------------------------------------------------------------------------------------------
 model.train()
-step, t_start, seen = 0, time.perf_counter(), []
-for epoch in range(args.num_train_epochs):
+t_start, skipped_in_a_row, accuracy = time.perf_counter(), 0, None
+epoch = step // steps_per_epoch
+seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
+while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
+    done_in_epoch = step % steps_per_epoch  # > 0 only right after a mid-epoch resume
+    batches = iter(accelerator.skip_first_batches(train_loader, done_in_epoch * accumulation))
     seen.append([])
-    for batch in train_loader:
-        logits = model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.float(), batch["labels"])  # mean nats per passage on this rank
-        accelerator.backward(loss)  # DDP/FSDP average the gradients over ranks
-        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)  # global norm
-        optimizer.step()
-        lr_scheduler.step()
-        optimizer.zero_grad()
+    for _ in range(done_in_epoch, steps_per_epoch):
+        lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
+        window = [next(batches) for _ in range(accumulation)]
+        window_loss = torch.zeros((), device=accelerator.device)
+        for batch in window:
+            with accelerator.accumulate(model):
+                logits = model(input_ids=batch["input_ids"]).logits
+                # Every passage is labelled, all micro batches are full: the plain mean per micro
+                # batch, averaged over the window (backward divides by accumulation) and over the
+                # ranks (the all-reduce), is the mean over the global batch.
+                loss = F.cross_entropy(logits.float(), batch["labels"])
+                window_loss += loss.detach() / accumulation
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # the window's last micro batch: global norm in fp64
+                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
+                optimizer.step()  # no-op until the window's last micro batch; fp16: skipped on inf/NaN
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+                optimizer.zero_grad()
+        if args.record_sample_ids:  # a host copy per step, so only when asked for
+            seen[-1] += [i for b in window for i in b["sample_id"].tolist()]
         step += 1
-        seen[-1] += batch["sample_id"].tolist()
+        scale = precision.loss_scale(accelerator, model)  # None unless fp16
+        if scale is not None:
+            skipped = accelerator.optimizer_step_was_skipped
+            skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
+            try:
+                if (warning := precision.skipped_step_warning(scale, skipped_in_a_row)) and accelerator.is_main_process:
+                    print(f"step {step}: {warning}")
+            except ValueError as err:
+                sys.exit(f"error: step {step}: {err}")
         if step % args.logging_steps == 0:
-            record = {"step": step, "epoch": epoch,
-                      "loss": accelerator.reduce(loss.detach(), reduction="mean").item(),
-                      "grad_norm": norm_before_clip,
-                      "lr": lr_scheduler.get_last_lr()[0]}
+            record = {"step": step, "epoch": epoch, "loss": accelerator.reduce(window_loss, reduction="mean").item(),
+                      "grad_norm": norm_before_clip, "lr": lr}
+            if scale is not None:
+                record.update(loss_scale=scale, skipped_steps=skipped_steps)
+            accelerator.log(record, step=step)
             if accelerator.is_main_process:
                 metrics.append_jsonl(metrics_path, record)
             accelerator.print(f"step {step}/{max_steps} | loss {record['loss']:.3f} | grad norm {record['grad_norm']:.2f}")
-    preds, labels = evaluate()
-    accuracy = (preds == labels).float().mean().item()
-    if accelerator.is_main_process:
-        metrics.append_jsonl(metrics_path, {"step": step, "epoch": epoch, "eval_accuracy": accuracy})
-    accelerator.print(f"epoch {epoch} | held-out accuracy {accuracy:.3f} (majority baseline {baseline_accuracy:.3f})")
+        if step % steps_per_epoch == 0 or step == max_steps:  # held-out accuracy at each epoch's end and the last step
+            preds, labels = evaluate()
+            accuracy = (preds == labels).float().mean().item()
+            accelerator.log({"eval_accuracy": accuracy}, step=step)
+            if accelerator.is_main_process:
+                metrics.append_jsonl(metrics_path, {"step": step, "epoch": epoch, "eval_accuracy": accuracy})
+            accelerator.print(f"step {step} (epoch {epoch}) | held-out accuracy {accuracy:.3f} "
+                              f"(majority baseline {baseline_accuracy:.3f})")
+        if args.save_steps and step % args.save_steps == 0:  # after the eval, which a resume does not redo
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step,
+                                       run_state={**run_state, "skipped_steps": skipped_steps},
+                                       hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+        if step >= max_steps:
+            break
+    epoch += 1
 
 if args.record_sample_ids:  # one file per rank, each written by its own rank only
     os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
@@ -249,6 +352,9 @@ if args.record_sample_ids:  # one file per rank, each written by its own rank on
 # ---------------------------------------------------------------------------------------------
 # Evaluation table and export. full_state_dict is a collective (every rank), the write is not.
 # ---------------------------------------------------------------------------------------------
+if accuracy is None:  # resumed from the last step: nothing trained, evaluate what was loaded
+    preds, labels = evaluate()
+    accuracy = (preds == labels).float().mean().item()
 per_genre = {g: ((preds == i) & (labels == i)).sum().item() / max(1, (labels == i).sum().item())
              for i, g in enumerate(GENRES)}
 state_dict = launch.full_state_dict(accelerator, model)
@@ -260,7 +366,7 @@ if accelerator.is_main_process:
     summary = {"summary": True, "step": step, "eval_accuracy": accuracy, "majority_baseline": baseline_accuracy,
                "majority_genre": GENRES[majority], "n_eval": len(labels), "n_eval_passages": len(eval_set),
                "n_train_passages": len(train_set), "n_params": n_params, "world_size": world_size,
-               "distributed_type": accelerator.distributed_type.value,
+               "distributed_type": strategy, "skipped_steps": skipped_steps,
                "per_genre_recall": per_genre, "wall_seconds": time.perf_counter() - t_start}
     metrics.append_jsonl(metrics_path, summary)
     print(f"\n| genre (held-out passages) | recall |\n|---|---|")

@@ -1,14 +1,20 @@
 """recipes/ddp_classifier.py for real: 2 gloo ranks under ddp.yaml and fsdp.yaml, on the bundled corpus."""
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data
 from conftest import launch, read_metrics
 from write_audit import audit_writes, files_under, writes_by_file
+
+MASKS = Path(__file__).resolve().parent / "dropout_masks"  # a sitecustomize recording each rank's first dropout mask
 
 EPOCHS, PER_DEVICE, WORLD, TRAIN_SAMPLES = 3, 32, 2, 3072
 # 3 epochs of a 3,072-passage subset: 144 steps, ~40 s per launch on 2 idle cores, ~0.8 accuracy.
@@ -18,14 +24,16 @@ ARGS = ["--num_train_epochs", EPOCHS, "--max_train_samples", TRAIN_SAMPLES, "--p
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def run(request, tmp_path_factory, cache_dir):
-    """One launch per config, with every file write logged per rank."""
+    """One launch per config, with every file write and each rank's first dropout mask logged per rank."""
     base = tmp_path_factory.mktemp(f"cls_{request.param}")
-    out, log = base / "run", base / "writes"
-    with audit_writes(out, log):
+    out, log, masks = base / "run", base / "writes", base / "masks"
+    with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(MASKS), os.environ["PYTHONPATH"]]))  # runs write_audit's too
+        mp.setenv("DROPOUT_MASK_DIR", str(masks))
         launch(request.param, "recipes/ddp_classifier.py", "--output_dir", out, *ARGS,
                cache_dir=cache_dir, num_processes=WORLD)
     steps, summary = read_metrics(out)
-    return {"config": request.param, "out": out, "log": log, "steps": steps, "summary": summary[0]}
+    return {"config": request.param, "out": out, "log": log, "masks": masks, "steps": steps, "summary": summary[0]}
 
 
 def test_accuracy_beats_majority_baseline(run):
@@ -38,6 +46,14 @@ def test_accuracy_beats_majority_baseline(run):
     assert s["n_eval"] == s["n_eval_passages"] and s["n_eval"] % (WORLD * 64) != 0
     losses = [r["loss"] for r in run["steps"] if "loss" in r]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+
+
+def test_each_rank_draws_its_own_dropout_masks(run):
+    # Same initial weights on every rank, but not the same dropout: with one seed everywhere (the
+    # old recipe) both ranks zeroed exactly the same elements (equal hashes, checked by hand).
+    masks = [json.loads((run["masks"] / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert masks[0]["shape"] == masks[1]["shape"] and all(0.08 < m["zero_share"] < 0.12 for m in masks), masks
+    assert masks[0]["hash"] != masks[1]["hash"], masks
 
 
 def test_each_epoch_is_a_new_permutation_split_disjointly(run):
@@ -105,3 +121,94 @@ def genre_of(work):
     if work in poems:
         return "poetry"
     return "tragedy" if work.startswith(tragedies) or "titus" in work else "comedy"
+
+
+# A tiny run with accumulation, decay 100 and dropout on, checkpointed at step 3 (mid-epoch: 2
+# steps per epoch), then resumed from there in the same output dir. fp32, so a resume is bit-exact.
+SHORT = ["--max_train_samples", 64, "--max_eval_samples", 64, "--per_device_train_batch_size", 8,
+         "--gradient_accumulation_steps", 2, "--max_steps", 6, "--save_steps", 3, "--logging_steps", 1,
+         "--learning_rate", 1e-3, "--warmup_steps", 0, "--weight_decay", 100, "--record_sample_ids",
+         "--ddp_timeout", 120]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, cache_dir):
+    """The uninterrupted run's metrics, export and sample ids, and the same after a resume from checkpoint-3."""
+    base = tmp_path_factory.mktemp("cls_resume")
+    out = base / "run"
+
+    def run(*extra):
+        launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, *extra, cache_dir=cache_dir,
+               num_processes=WORLD, mixed_precision="no")
+        return {"out": out, "steps": read_metrics(out)[0],
+                "ids": [json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]}
+
+    full = run()
+    shutil.copy(out / "final" / "model.safetensors", base / "full.safetensors")  # the resume writes final/ again
+    full["weights"] = load_file(base / "full.safetensors")
+    return full, run("--resume_from_checkpoint", out / "checkpoint-3")
+
+
+def test_max_steps_and_the_schedule(resumed):
+    full, _ = resumed
+    losses = [r for r in full["steps"] if "loss" in r]
+    assert [r["step"] for r in losses] == [1, 2, 3, 4, 5, 6]
+    # linear decay from 1e-3 to 0 over 6 steps, one scheduler step per optimizer step (accumulation 2)
+    assert [r["lr"] for r in losses] == pytest.approx([1e-3 * (6 - k) / 6 for k in range(6)], rel=1e-12)
+    assert [r["step"] for r in full["steps"] if "eval_accuracy" in r] == [2, 4, 6]  # each epoch's end
+
+
+def test_no_weight_decay_on_layernorm_and_biases(resumed):
+    full, _ = resumed
+    lrs = [r["lr"] for r in full["steps"] if "loss" in r]
+    decayed = torch.tensor([1 - lr * 100 for lr in lrs]).prod().item()  # what decay 100 leaves of a weight: 0.70
+    # AdamW moves each element by about lr per step at most: the sum of the LRs bounds an undecayed gain's drift
+    drift = 1.5 * sum(lrs)  # 5.25e-3
+    norms = {k: v for k, v in full["weights"].items() if "LayerNorm.weight" in k}
+    assert len(norms) == 5  # embeddings + 2 per layer
+    for name, w in norms.items():
+        assert (w - 1).abs().max().item() < drift, (name, w.min().item(), w.max().item(), decayed)
+    # the matrices are decayed: init std 0.02, shrunk towards decayed x 0.02
+    w = full["weights"]["bert.encoder.layer.0.intermediate.dense.weight"]
+    assert w.std().item() < 0.85 * 0.02, (w.std().item(), decayed)
+
+
+def test_resume_mid_epoch_is_exact(resumed):
+    full, again = resumed
+    # the resumed log keeps the lines up to step 3, then continues exactly (dropout on: every rank's RNG restored)
+    assert [r["step"] for r in again["steps"]] == [r["step"] for r in full["steps"]]
+    for a, b in zip(full["steps"], again["steps"]):
+        assert a.keys() == b.keys()
+        for key in ("loss", "grad_norm", "lr", "eval_accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a, b)
+    # and on the same samples: step 4 is the second half of epoch 1, then all of epoch 2
+    for r in range(WORLD):
+        assert again["ids"][r][1] == full["ids"][r][1][16:] and again["ids"][r][2] == full["ids"][r][2]
+
+
+def test_resume_with_another_seed_is_refused(resumed, cache_dir):
+    # the data position is recomputed from the step: another seed would continue in another order
+    out = resumed[0]["out"]
+    before = (out / "metrics.jsonl").read_text()
+    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--seed", 43,
+                  "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
+                  mixed_precision="no", check=False)
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}  # the same line from each rank
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"cannot resume from {out / 'checkpoint-3'}: seed 42 there, 43 here" in errors.pop()
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--max_stepz", 5], "error: Some specified arguments are not used by the HfArgumentParser: ['--max_stepz', '5']"),
+    ([], "already holds files (leftover.txt): a fresh run would overwrite them"),
+])
+def test_bad_flags_and_a_used_output_dir_are_refused(extra, message, tmp_path, cache_dir):
+    (tmp_path / "leftover.txt").write_text("an earlier run")
+    out = tmp_path if not extra else tmp_path / "fresh"
+    proc = launch("single", "recipes/ddp_classifier.py", "--output_dir", out, *extra, cache_dir=cache_dir, check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode != 0 and len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "recipes/ddp_classifier.py\", line" not in proc.stderr  # no traceback from the recipe (only the launcher's)
+    assert os.listdir(tmp_path) == ["leftover.txt"]  # nothing written
