@@ -139,7 +139,7 @@ if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_b
                                             args.max_grad_norm):
     sys.exit("\n".join(f"error: {e}" for e in errors))
 if accelerator.distributed_type == DistributedType.FSDP:
-    # The shared fsdp.yaml names the Llama block as the unit to shard; this model's block is BertLayer.
+    # One FSDP unit per BertLayer, whatever the shared fsdp.yaml says (it is written for the decoder LMs).
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]
 precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
 set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
