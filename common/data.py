@@ -16,6 +16,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -65,10 +66,13 @@ def load_text_dataset(
     """Raw text splits `train` and `validation`, as in transformers' `run_clm.py`.
 
     Sources, first match wins: a hub or local `datasets` name; `train_file`/`validation_file`
-    (.txt, one document per file; .json/.jsonl or .parquet, one document per row; both files
-    of one format); else the bundled corpus (one document per work).
+    (.txt, one document per file, newlines kept; .json/.jsonl or .parquet, one document per row;
+    both files of one format); else the bundled corpus (one document per work).
     Without a validation split, the first `validation_split_percentage`% of training rows
-    are held out (at least one row).
+    are held out (at least one row). A lone .txt `train_file` is cut instead: the first
+    `validation_split_percentage`% of its paragraphs (blocks separated by a blank line; by
+    lines when it has no blank line), at least one, become the validation document and the
+    rest the training document (`split_text`).
 
     Returns:
         `DatasetDict` with a `text` column in both splits.
@@ -92,6 +96,10 @@ def load_text_dataset(
         if len(set(kinds.values())) > 1:
             raise ValueError(f"--train_file {train_file} and --validation_file {validation_file} must be the same format")
         builder = kinds[train_file]
+        if builder == "text" and not validation_file:  # a lone .txt: cut off the validation share
+            train, validation = split_text(Path(train_file).read_text(), validation_split_percentage, train_file)
+            return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [train]}),
+                                         "validation": datasets.Dataset.from_dict({"text": [validation]})})
         # .txt: one document per file, newlines kept (line by line would drop every newline)
         extra = {"sample_by": "document"} if builder == "text" else {}
         raw = datasets.load_dataset(builder, data_files=files, **extra)
@@ -109,6 +117,29 @@ def load_text_dataset(
         if "text" not in raw[split].column_names:
             raise ValueError(f"{split} split has no 'text' column (columns: {raw[split].column_names})")
     return raw
+
+
+def split_text(text: str, validation_percentage: int, name: str = "the text") -> tuple[str, str]:
+    """Cut one text into (train, validation) at a paragraph boundary, both with newlines kept.
+
+    The units are paragraphs (separated by a blank line, i.e. a line holding only whitespace);
+    a text without a blank line is cut by lines. The first `validation_percentage`% of the
+    units (rounded down, at least one) become the validation text, the rest the training text.
+    Concatenated, the two give back `text` exactly.
+
+    Raises:
+        ValueError: fewer than 2 units (names `name` and says what to pass instead).
+    """
+    start = len(text) - len(text.lstrip())  # leading and trailing blank lines are no boundary
+    body, unit = text.strip(), "paragraphs"
+    ends = [start + m.end() for m in re.finditer(r"\n[ \t\r]*\n\s*", body)]
+    if not ends:
+        ends, unit = [start + m.end() for m in re.finditer(r"\n\s*", body)], "lines"
+    n_val = max(1, (len(ends) + 1) * validation_percentage // 100)
+    if n_val > len(ends):
+        raise ValueError(f"{name}: {len(ends) + 1} {unit if ends else 'line'}, too few to hold out "
+                         f"{validation_percentage}% for validation and train on the rest; pass --validation_file")
+    return text[ends[n_val - 1]:], text[:ends[n_val - 1]]
 
 
 def _text_digest(*splits: datasets.Dataset) -> str:
@@ -167,6 +198,43 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
 
     path = _atomic_dir(Path(cache_dir) / f"tokenizer-bpe{vocab_size}-{digest}", build)
     return AutoTokenizer.from_pretrained(path)
+
+
+MIN_TOKENIZER_ENTRIES = 256  # a byte-level BPE starts with 256 bytes; no working tokenizer has fewer
+MAX_CHARS_PER_TOKEN = 50  # English BPEs give 3-5 characters per token, byte-level ones never above 1 token per byte
+
+
+def tokenizer_error(tokenizer, source: str, texts: list[str], sample_chars: int = 20_000) -> str | None:
+    """Why `tokenizer` cannot be the one to train on `texts`, or None when it looks usable.
+
+    Catches a tokenizer that loads but does not work: e.g. `AutoTokenizer.from_pretrained` of a
+    model directory without tokenizer files, which transformers 5.24 answers with an empty
+    tokenizer (one entry, every text encodes to no tokens), so that every row became a lone
+    end-of-text token and the run "learned" fast. Two tests on the first `sample_chars`
+    characters of `texts`: fewer than `MIN_TOKENIZER_ENTRIES` entries, or fewer than one token
+    per `MAX_CHARS_PER_TOKEN` characters.
+
+    Args:
+        tokenizer: the loaded tokenizer.
+        source: where it came from (a directory or hub name), named in the message.
+        texts: training documents.
+
+    Returns:
+        One line naming `source` and both figures and saying to pass --tokenizer_name_or_path, or None.
+    """
+    sample, n = [], 0
+    for text in texts:
+        sample.append(text[:sample_chars - n])
+        n += len(sample[-1])
+        if n >= sample_chars:
+            break
+    n_tokens = sum(len(ids) for ids in tokenizer(sample, add_special_tokens=False)["input_ids"])
+    if len(tokenizer) < MIN_TOKENIZER_ENTRIES or n_tokens * MAX_CHARS_PER_TOKEN < n:
+        return (f"the tokenizer loaded from {source} has {len(tokenizer)} entries and encodes {n:,} characters of "
+                f"the training text into {n_tokens:,} tokens (a working one has at least {MIN_TOKENIZER_ENTRIES} and "
+                f"1 token per {MAX_CHARS_PER_TOKEN} characters; a model directory without tokenizer files gives an "
+                "empty one): pass --tokenizer_name_or_path with the tokenizer's directory or name")
+    return None
 
 
 def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,

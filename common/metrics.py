@@ -20,20 +20,8 @@ PEAK_BF16_FLOPS = [
 ]
 
 
-def flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of a decoder-only transformer.
-
-    6·N + 12·L·H·Q·T, with N the parameter count *excluding* the token embedding, L layers,
-    H heads, Q head dimension and T the sequence length. Source: PaLM (Chowdhery et al. 2022),
-    appendix B, as computed by torchtitan (`torchtitan/models/llama3/model/args.py`).
-
-    Args:
-        config: a `LlamaConfig` (or any config with the same fields).
-        seq_len: tokens per sequence (`--block_size`).
-
-    Returns:
-        FLOPs per trained token.
-    """
+def _llama_params(config) -> int:
+    """N of `flops_per_token` from Llama config fields; AttributeError/TypeError when one is missing."""
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv = config.num_key_value_heads * head_dim
@@ -42,8 +30,76 @@ def flops_per_token(config, seq_len: int) -> float:
     norms = 2 * h
     # + final norm + the output head: a real matmul even when tied to the input embedding
     # (the embedding lookup itself does no FLOPs, so its parameters are left out)
-    n = layers * (attn + mlp + norms) + h + config.vocab_size * h
-    return 6 * n + 12 * layers * heads * head_dim * seq_len
+    return layers * (attn + mlp + norms) + h + config.vocab_size * h
+
+
+def _attention_flops(config, seq_len: int) -> int | None:
+    """12·L·H·Q·T, or None when the config lacks layers, heads or hidden size."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not all(isinstance(x, int) for x in (layers, heads, hidden)):
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 12 * layers * heads * head_dim * seq_len
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of a decoder-only transformer.
+
+    6·N + 12·L·H·Q·T, with N the parameter count *excluding* the token embedding, L layers,
+    H heads, Q head dimension and T the sequence length. Source: PaLM (Chowdhery et al. 2022),
+    appendix B, as computed by torchtitan (`torchtitan/models/llama3/model/args.py`).
+
+    Args:
+        config: a `LlamaConfig` (or any config with the same fields: `num_key_value_heads`,
+            `intermediate_size`, ...; see `model_flops_per_token` for other models).
+        seq_len: tokens per sequence (`--block_size`).
+
+    Returns:
+        FLOPs per trained token.
+
+    Raises:
+        AttributeError: the config lacks one of the Llama fields.
+    """
+    return 6 * _llama_params(config) + _attention_flops(config, seq_len)
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, str]:
+    """Training FLOPs per token of any causal LM, with the way they were computed.
+
+    The same PaLM formula as `flops_per_token`, 6·N + 12·L·H·Q·T, with N taken from the model
+    itself: every parameter except embedding lookups (`nn.Embedding`: token and, in GPT-2,
+    position embeddings), plus the output head once more when it is tied to the token embedding
+    (it is still a vocab x hidden matmul). When the config's Llama fields give exactly this N
+    (Llama, Mistral: no biases), that formula is named; otherwise (Qwen2's q/k/v biases, GPT-2's
+    fields) the count is. The attention term uses the config fields that exist; without
+    layers, heads or hidden size it is left out, and the method says so.
+
+    Args:
+        model: the model before `accelerator.prepare` (ZeRO-3-partitioned parameters count by `ds_numel`).
+        seq_len: tokens per sequence (`--block_size`).
+
+    Returns:
+        (FLOPs per trained token, a one-line description of how N and the attention term were found).
+    """
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    lookups = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    params = {id(p): p for p in model.parameters()}
+    n = sum(numel(p) for i, p in params.items() if i not in lookups)
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in lookups:  # tied: the head matmul is still done
+        n += numel(head.weight)
+    attention = _attention_flops(model.config, seq_len)
+    try:
+        fields_match = _llama_params(model.config) == n
+    except (AttributeError, TypeError):
+        fields_match = False
+    how = ("N from the config's Llama fields (equal to the parameter count)" if fields_match else
+           "N counted from the model's parameters (embedding lookups out, output head in)")
+    how += ", attention term 12·L·H·Q·T from the config" if attention is not None else \
+        ", attention term left out (the config names no layers/heads/hidden size)"
+    return float(6 * n + (attention or 0)), f"PaLM 6N + 12LHQT: {how}"
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:

@@ -1,8 +1,12 @@
-"""Llama model presets, built from `transformers.LlamaConfig`."""
+"""Llama model presets (`transformers.LlamaConfig`), and what recipes/llama.py needs to train any
+Hugging Face causal LM from its config: the model class, the context length, the token ids, and
+the decoder blocks that FSDP must shard one by one."""
 
 from __future__ import annotations
 
+import torch
 from transformers import LlamaConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 # Shapes follow the published configs (hf.co/meta-llama/*/config.json). The vocabulary comes
 # from the tokenizer at build time, so a preset trains from scratch with any tokenizer.
@@ -70,3 +74,115 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
     vectors = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+
+
+def apply_overrides(config, overrides: str):
+    """`config` changed by `--config_overrides` ("key=value,key=value", as in `run_clm.py`), validated.
+
+    `update_from_string` converts each value to the type of the field it replaces; the config is
+    then rebuilt, so that transformers validates it now rather than at model construction. A
+    per-layer list derived from the depth (`layer_types`, Qwen2 and others) that the overrides
+    change but do not name is derived again for the new `num_hidden_layers`.
+
+    Returns:
+        A new config of the same class.
+
+    Raises:
+        ValueError: an unknown key, a value of the wrong type or for a list field, or a config transformers rejects
+            (one line, naming the overrides).
+    """
+    from huggingface_hub.errors import StrictDataclassError
+
+    before = config.to_dict()
+    try:
+        config.update_from_string(overrides)
+        values = config.to_dict()
+        if values.get("num_hidden_layers") != before.get("num_hidden_layers") and \
+                values.get("layer_types") == before.get("layer_types"):
+            values.pop("layer_types", None)
+        return type(config).from_dict(values)
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        raise ValueError(f"--config_overrides {overrides!r}: {' '.join(str(err).split())}") from None
+
+
+def causal_lm_class(config) -> type:
+    """The `AutoModelForCausalLM` class for `config` (`LlamaForCausalLM`, `GPT2LMHeadModel`, ...).
+
+    Building with `cls(config)` instead of `AutoModelForCausalLM.from_config` gives the same
+    weights for the same seed, and never a ZeRO-3-partitioned model.
+
+    Raises:
+        ValueError: the config's model type has no causal-LM class (names the type).
+    """
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"model type {config.model_type!r} ({type(config).__name__}) has no causal-LM class in "
+                         "transformers (AutoModelForCausalLM); this recipe trains decoder-only language models")
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model takes, in tokens: `max_position_embeddings` (also GPT-2's
+    `n_positions`, through the config's `attribute_map`), `n_positions` or `max_seq_len`; None
+    when the config names none (no fixed limit)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def set_token_ids(config, tokenizer, from_scratch: bool) -> list[str]:
+    """Put the tokenizer's bos/eos/pad ids into `config`, in place, before the model is built
+    (its generation config copies them) and so before the export.
+
+    A model trained from scratch (a preset or `--config_name`) learns the tokenizer's ids, so
+    they replace whatever the config held (GPT2Config's default 50256 lies outside a small
+    vocabulary). A pretrained model keeps its ids; only missing ones (None) are filled. bos and
+    pad fall back to eos when the tokenizer has none.
+
+    Returns:
+        One `"name: old -> new"` entry per id changed (empty when none).
+    """
+    eos = tokenizer.eos_token_id
+    wanted = {"bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+              "eos_token_id": eos,
+              "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos}
+    changed = []
+    for name, value in wanted.items():
+        old = getattr(config, name, None)
+        if old != value and (from_scratch or old is None):
+            setattr(config, name, value)
+            changed.append(f"{name}: {old} -> {value}")
+    return changed
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder blocks: the `ModuleList` with `config.num_hidden_layers` items
+    (`model.layers` in Llama/Qwen2/Mistral, `transformer.h` in GPT-2). Works on the unwrapped
+    model and on an FSDP1/FSDP2-wrapped one. None when there is no such list."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    n_layers = getattr(config, "num_hidden_layers", None)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
+    return lists[0] if lists else None
+
+
+def fsdp_block_units(model: torch.nn.Module) -> dict:
+    """How FSDP wrapped the decoder blocks of a prepared model (call after `accelerator.prepare`).
+
+    Each block should be its own FSDP unit (FSDP2: the block is an `FSDPModule`; FSDP1: it sits
+    in a `FullyShardedDataParallel` wrapper), so that one block's parameters are gathered at a
+    time; with none wrapped, the whole model is one unit and every rank gathers all of it.
+
+    Returns:
+        `{"block_class": name, "blocks": n, "units": k}`: k of the n blocks are FSDP units
+        (`blocks` 0 and `block_class` None when `decoder_blocks` finds no stack).
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    blocks = decoder_blocks(model)
+    if blocks is None:
+        return {"block_class": None, "blocks": 0, "units": 0}
+    inner = getattr(blocks[0], "_fsdp_wrapped_module", blocks[0])  # FSDP1 wrapper -> the block
+    name = type(inner).__name__.removeprefix("FSDP") if isinstance(inner, FSDPModule) else type(inner).__name__
+    units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
+    return {"block_class": name, "blocks": len(blocks), "units": units}

@@ -1,9 +1,14 @@
-"""Train a Llama language model with DDP, FSDP2, FSDP1 or DeepSpeed ZeRO: the config file decides.
+"""Train a Llama (or any Hugging Face causal LM) with DDP, FSDP2, FSDP1 or DeepSpeed ZeRO: the config file decides.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/llama.py --max_steps 30
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --mixed_precision bf16 recipes/llama.py
     accelerate launch --config_file accelerate_configs/single.yaml --mixed_precision no recipes/llama.py
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py --config_name my_qwen2/config.json \
+        --config_overrides num_hidden_layers=4 --train_file my_text.txt
+
+Any causal LM that transformers builds from a config (Llama, Qwen2, Mistral, GPT-2, ...) trains
+with no code edits: --config_name (from scratch) or --model_name_or_path (fine-tuning).
 
 Defaults: the bundled Shakespeare corpus, a 4,096-token byte-level BPE trained on it, and the
 ~4.2M-parameter `debug` Llama; 300 optimizer steps of a 16-sequence global batch. On a CPU-only
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
@@ -43,14 +48,22 @@ class Args:
     """This recipe's own flags; the core TrainingArguments ones (--output_dir, --max_steps, ...) are
     common/args.py's, with the defaults set below."""
     # model and tokenizer
-    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    model_config: str = field(default="debug", metadata={"help": f"Llama preset: {', '.join(models.PRESETS)}"})
     model_name_or_path: str = field(default=None, metadata={"help": "pretrained weights (fine-tuning) instead of a preset"})
-    tokenizer_name_or_path: str = field(default=None, metadata={"help": "default: a byte-level BPE trained on the corpus"})
+    config_name: str = field(default=None, metadata={
+        "help": "a model config (directory or config.json) to train from scratch, any causal-LM type"})
+    config_overrides: str = field(default=None, metadata={
+        "help": "on top of --config_name or the preset, e.g. 'n_embd=64,n_layer=2' (config.update_from_string)"})
+    tokenizer_name_or_path: str = field(default=None, metadata={
+        "help": "default: --model_name_or_path's, or without one a byte-level BPE trained on the training text"})
     vocab_size: int = field(default=4096, metadata={"help": "size of the BPE trained when no tokenizer is given"})
     # data (transformers run_clm conventions)
     dataset_name: str = None
     dataset_config_name: str = None
-    train_file: str = field(default=None, metadata={"help": ".txt, .json/.jsonl or .parquet with a 'text' column"})
+    train_file: str = field(default=None, metadata={
+        "help": ".txt (one document, newlines kept), or .json/.jsonl/.parquet with a 'text' column (a row per "
+                "document). A .txt without --validation_file holds out its first --validation_split_percentage "
+                "of paragraphs (blank-line separated; lines if it has none) for validation"})
     validation_file: str = None
     validation_split_percentage: int = 5
     block_size: int = 256
@@ -74,8 +87,12 @@ class Args:
 
 args = parse_args(Args, output_dir="runs/llama", per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
                   warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
-if args.model_name_or_path is None and args.model_config not in models.PRESETS:
+from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
+if from_scratch and args.config_name is None and args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+if args.config_overrides and not from_scratch:
+    sys.exit("error: --config_overrides changes a model trained from scratch (--config_name or the preset); "
+             "pretrained weights (--model_name_or_path) keep their shapes")
 for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
     if getattr(args, flag) < 1:
         sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
@@ -88,6 +105,11 @@ try:
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
+# A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
+# with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
+if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
+    sys.exit(f"error: DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
+             f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
 accelerator = Accelerator(
     # we prefetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
@@ -116,23 +138,45 @@ set_seed(args.seed)  # same seed on every rank: identical initial weights, so no
 os.makedirs(args.output_dir, exist_ok=True)
 
 # ---------------------------------------------------------------------------------------------
-# Data: tokenize and pack once (rank 0 first, the others read its cache), then shard by rank.
+# Model config, then data: tokenize and pack once (rank 0 first, the others read its cache).
 # ---------------------------------------------------------------------------------------------
-# Bad input (missing file, tiny corpus, oversized block) exits with one clear line on every rank:
-# every rank reads the raw text itself, so every rank meets the same error.
-try:
-    raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
-                                 args.validation_file, args.validation_split_percentage)
-    with accelerator.main_process_first():
-        tokenizer = data.get_tokenizer(args.tokenizer_name_or_path or args.model_name_or_path, raw,
-                                       args.vocab_size, args.cache_dir)
-        model_max = (AutoConfig.from_pretrained(args.model_name_or_path).max_position_embeddings
-                     if args.model_name_or_path else models.PRESETS[args.model_config]["max_position_embeddings"])
-        if args.block_size > model_max:
+# Bad input (missing file, broken tokenizer, tiny corpus, oversized block) exits with one clear
+# line on every rank: rank 0 meets it first and still releases the others, which meet it too.
+error = None
+with accelerator.main_process_first():
+    try:
+        if args.config_name or args.model_name_or_path:  # any causal-LM type: Qwen2, GPT-2, Mistral, ...
+            config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path)
+        else:
+            config = models.llama_config(args.model_config, vocab_size=args.vocab_size)  # vocab: the tokenizer's, below
+        if args.config_overrides:
+            config = models.apply_overrides(config, args.config_overrides)  # "key=value,key=value", as run_clm
+        model_cls = models.causal_lm_class(config)
+        raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
+                                     args.validation_file, args.validation_split_percentage)
+        tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
+        tokenizer = data.get_tokenizer(tokenizer_source, raw, args.vocab_size, args.cache_dir)
+        # A tokenizer that loads but cannot encode (a model directory without tokenizer files)
+        # would train on nothing but end-of-text tokens, and look like fast learning.
+        if tokenizer_source and (problem := data.tokenizer_error(tokenizer, tokenizer_source, raw["train"][:100]["text"])):
+            raise ValueError(problem)
+        if not (args.config_name or args.model_name_or_path):
+            config.vocab_size = len(tokenizer)  # a preset's vocabulary is the tokenizer's
+        if len(tokenizer) > config.vocab_size:  # token ids past the embedding: IndexError at the first forward
+            raise ValueError(f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
+                             f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
+                             "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)")
+        token_id_changes = models.set_token_ids(config, tokenizer, from_scratch)
+        model_max = models.max_positions(config)
+        if model_max is not None and args.block_size > model_max:
             raise ValueError(f"--block_size {args.block_size} exceeds the model's max_position_embeddings {model_max}")
         lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir, args.packing).with_format("torch")
-except (ValueError, FileNotFoundError, OSError) as err:
-    sys.exit(f"error: {err}")
+    except (ValueError, FileNotFoundError, OSError) as err:
+        error = err
+if error is not None:
+    sys.exit(f"error: {error}")
+if token_id_changes and (args.config_name or args.model_name_or_path):  # (a preset has none of its own)
+    accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(token_id_changes)}")
 train_set, eval_set = lm_data["train"], lm_data["validation"]
 if args.max_eval_samples:
     eval_set = eval_set.select(range(min(args.max_eval_samples, len(eval_set))))
@@ -154,16 +198,13 @@ eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_e
 # Model
 # ---------------------------------------------------------------------------------------------
 if args.model_name_or_path:
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32)
+elif is_deepspeed and accelerator.state.deepspeed_plugin.zero3_init_flag:
+    # built already sharded (deepspeed.zero.Init), for models too big for one device; its
+    # random init differs from the plain one, so the strategies no longer start identical
+    model = AutoModelForCausalLM.from_config(config)
 else:
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    if is_deepspeed and accelerator.state.deepspeed_plugin.zero3_init_flag:
-        # built already sharded (deepspeed.zero.Init), for models too big for one device; its
-        # random init differs from the plain one, so the strategies no longer start identical
-        model = AutoModelForCausalLM.from_config(config)
-    else:
-        model = LlamaForCausalLM(config)  # fp32 master weights; the launch config picks compute precision
+    model = model_cls(config)  # e.g. LlamaForCausalLM; fp32 master weights, the launch config picks compute precision
 if args.gradient_checkpointing:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 model.config.use_cache = False
@@ -171,7 +212,7 @@ n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  #
 # From here on each rank draws its own random numbers (dropout, if the model has any): the
 # weights are already identical, and the data order has its own seeded generator.
 set_seed(args.seed, device_specific=True)
-flops_per_token = metrics.flops_per_token(model.config, args.block_size)
+flops_per_token, flops_method = metrics.model_flops_per_token(model, args.block_size)
 
 # A bigger global batch averages away gradient noise, so it tolerates a bigger LR (linear
 # scaling rule), but only after a warmup. Without either, a large batch just trains slower.
@@ -231,13 +272,21 @@ if resume_path:
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
 device = accelerator.device
+# FSDP: the configs name no block class, so Accelerate wraps the model's _no_split_modules
+# (LlamaDecoderLayer, Qwen2DecoderLayer, GPT2Block, ...). Each decoder block must be one unit.
+fsdp_units = models.fsdp_block_units(model) if is_fsdp else None
+if fsdp_units and fsdp_units["units"] != fsdp_units["blocks"]:
+    sys.exit(f"error: FSDP made {fsdp_units['units']} of the {fsdp_units['blocks']} {fsdp_units['block_class']} "
+             f"blocks their own unit (the model's _no_split_modules is {model_cls._no_split_modules}); set "
+             f"fsdp_transformer_layer_cls_to_wrap: {fsdp_units['block_class']} in the accelerate config")
 run_info = {
     "distributed_type": accelerator.distributed_type.value, "world_size": world_size,
     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "n_params": n_params,
     "local_param_elements": accelerator.gather(
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
-    "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "flops_per_token": flops_per_token,
-    "args": vars(args),
+    "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,
+    "model_class": model_cls.__name__, "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
+    "fsdp_units": fsdp_units, "args": vars(args),
 }
 accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
                   f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps")
@@ -406,9 +455,12 @@ if accelerator.is_main_process:
         from transformers.integrations import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()  # else from_pretrained would build a ZeRO-3-partitioned model
     reloaded = AutoModelForCausalLM.from_pretrained(final_dir)
-    prompt = tokenizer("ROMEO:", return_tensors="pt")
-    sample = reloaded.generate(**prompt, max_new_tokens=40, do_sample=True, top_k=50, pad_token_id=tokenizer.eos_token_id)
-    print(f"--- sample from {final_dir} ---\n{tokenizer.decode(sample[0])}\n---")
+    first = eval_set[0]  # prompt: the first 16 tokens of the validation data, whatever the corpus
+    prompt = first["input_ids"][first["attention_mask"].bool()][:16] if "attention_mask" in first else first["input_ids"][:16]
+    sample = reloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=40,
+                               do_sample=True, top_k=50, pad_token_id=config.pad_token_id)
+    print(f"--- sample from {final_dir}, prompt from the validation data ---\n"
+          f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt):])}\n---")
 # Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
 # no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
 # reducer holds the group) goes before the group.
