@@ -33,12 +33,23 @@ checkpointing every block stores L block inputs instead of L blocks' activations
 activation memory about L-fold, for one extra forward pass, about +33% compute (a backward
 costs about two forwards). The table states the measured figures next to it.
 
-Outputs in --output_dir: results.json (every measured figure) and table.md.
+Flags: the core `transformers.TrainingArguments` flags (common/args.py) with their usual meaning
+where a measurement has one: --output_dir, --overwrite_output_dir, --seed,
+--per_device_train_batch_size, --gradient_accumulation_steps (a step is that many micro batches;
+step 1's first micro batch is the one measured), --learning_rate, --weight_decay (never on norm
+weights), --max_grad_norm, and --max_steps (steps per variant, depth and round; the first is
+untimed). It trains nothing worth keeping and has no LR schedule, so --warmup_steps,
+--num_train_epochs, --logging_steps, --save_steps, --resume_from_checkpoint and --report_to are
+refused with an error rather than ignored.
+
+Outputs in --output_dir: results.json (every measured figure; standard JSON, a non-finite number
+is written as null and named in the row's "nonfinite" list) and table.md.
 """
 
 import functools
 import itertools
 import json
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -47,12 +58,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType, set_seed
+from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
+                               GradientAccumulationPlugin, set_seed)
 from torch.utils.checkpoint import checkpoint
-from transformers import HfArgumentParser, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import data, grad_norm, launch, models, precision  # noqa: E402
+from common import checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common.args import parse_args, unsupported  # noqa: E402
 from common.memory import SavedTensorBytes  # noqa: E402
 
 MIB = 2 ** 20
@@ -60,6 +73,8 @@ MIB = 2 ** 20
 
 @dataclass
 class Args:
+    """The recipe's own flags; the core TrainingArguments ones come from common/args.py."""
+
     num_layers: str = field(default="4,8,24", metadata={"help": "comma-separated depths L to measure"})
     variants: str = field(default="auto", metadata={"help": "comma-separated subset of none,hf,manual,fsdp; "
                                                             "auto = none,hf,manual (+ fsdp under FSDP)"})
@@ -67,12 +82,6 @@ class Args:
     vocab_size: int = 4096
     block_size: int = 256
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    output_dir: str = "runs/gradient_checkpointing"
-    seed: int = 42
-    per_device_train_batch_size: int = 2
-    learning_rate: float = 1e-3
-    max_grad_norm: float = 1.0
-    max_steps: int = field(default=4, metadata={"help": "steps per variant, depth and round (the first untimed)"})
     timing_rounds: int = field(default=2, metadata={"help": "rounds over the variants, in alternating order"})
     ddp_find_unused_parameters: bool = field(default=False, metadata={
         "help": "DDP: search the graph for unused parameters each step (with reentrant checkpointing this is "
@@ -80,7 +89,17 @@ class Args:
     ddp_timeout: int = 1800
 
 
-args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+# --max_steps: steps per variant, depth and round (the first untimed). weight_decay 0.01 is what
+# torch's AdamW applied here before the flag existed (now on matrices only).
+args = parse_args(Args, output_dir="runs/gradient_checkpointing", per_device_train_batch_size=2, learning_rate=1e-3,
+                  weight_decay=0.01, max_steps=4)
+no_training_run = "it measures a few steps of each variant and keeps none of them"
+unsupported(args, "gradient_checkpointing.py", warmup_steps="it trains at a constant --learning_rate (no schedule)",
+            num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
+            logging_steps="it prints one line per variant and round, and the table",
+            save_steps=f"it saves no checkpoints: {no_training_run}",
+            resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
+            report_to="its figures go to results.json and table.md; there is no training curve to track")
 try:
     depths = [int(n) for n in args.num_layers.split(",")]
 except ValueError:
@@ -96,11 +115,17 @@ if args.model_config not in models.PRESETS:
 # ---------------------------------------------------------------------------------------------
 pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
-accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-                          kwargs_handlers=[pg_kwargs, ddp_kwargs])
+accelerator = Accelerator(
+    # the measured batches are a list, not a live loader: sync on the micro-step count
+    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
+                                                            sync_with_dataloader=False),
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    kwargs_handlers=[pg_kwargs, ddp_kwargs])
 launch.check_distributed(accelerator)
-if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
-    sys.exit(f"error: {error}")
+# DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
+if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
+                                            args.gradient_accumulation_steps, args.max_grad_norm):
+    sys.exit("\n".join(f"error: {e}" for e in errors))
 try:
     launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
 except ValueError as err:
@@ -118,7 +143,7 @@ if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
 device = accelerator.device
 
 # ---------------------------------------------------------------------------------------------
-# Data: the first max_steps batches of the seeded epoch, reused by every variant and depth.
+# Data: the first max_steps windows of the seeded epoch, reused by every variant and depth.
 # ---------------------------------------------------------------------------------------------
 with accelerator.main_process_first():
     raw = data.load_text_dataset()
@@ -127,9 +152,12 @@ with accelerator.main_process_first():
 train_loader = accelerator.prepare(torch.utils.data.DataLoader(
     train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True))
 train_loader.set_epoch(0)
-batches = list(itertools.islice(train_loader, args.max_steps))  # this rank's share of each global batch
-if len(batches) < args.max_steps:
-    raise ValueError(f"--max_steps {args.max_steps}: the corpus gives only {len(batches)} batches per rank")
+accumulation = args.gradient_accumulation_steps
+micro_batches = list(itertools.islice(train_loader, args.max_steps * accumulation))  # this rank's share
+if len(micro_batches) < args.max_steps * accumulation:
+    sys.exit(f"error: --max_steps {args.max_steps} x --gradient_accumulation_steps {accumulation}: the corpus gives "
+             f"only {len(micro_batches)} batches per rank")
+windows = [micro_batches[i:i + accumulation] for i in range(0, len(micro_batches), accumulation)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,11 +165,12 @@ if len(batches) < args.max_steps:
 # ---------------------------------------------------------------------------------------------
 def build(num_layers: int, variant: str):
     """The model and optimizer for one variant, prepared (wrapped in DDP or sharded by FSDP2)."""
-    set_seed(args.seed)
+    set_seed(args.seed)  # the same initial weights for every variant and on every rank
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), num_hidden_layers=num_layers,
                                  use_cache=False, bos_token_id=tokenizer.eos_token_id,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
+    set_seed(args.seed, device_specific=True)  # from here each rank its own random numbers (dropout, if any)
     if variant == "hf":
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif variant == "manual":
@@ -151,7 +180,8 @@ def build(num_layers: int, variant: str):
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if is_fsdp:  # Accelerate applies its activation checkpointing inside prepare(), per plugin
         accelerator.state.fsdp_plugin.activation_checkpointing = variant == "fsdp"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    # decay on weight matrices and embeddings only, never on norm weights
+    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
     return accelerator.prepare(model, optimizer)
 
 
@@ -159,6 +189,16 @@ def local_grads(model) -> torch.Tensor:
     """This rank's gradients (FSDP2: its shards), flattened to one fp32 vector on the CPU."""
     return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().float().flatten().cpu()
                       for p in model.parameters() if p.grad is not None])
+
+
+def strict_row(row: dict) -> dict:
+    """A results row as standard JSON: non-finite floats (also inside the losses list) -> null,
+    their keys named in "nonfinite" (metrics.strict_json, which looks at top-level values only)."""
+    losses = row["losses"]
+    row = metrics.strict_json({**row, "losses": [x if math.isfinite(x) else None for x in losses]})
+    if not all(math.isfinite(x) for x in losses):
+        row = {**row, "nonfinite": [*row.get("nonfinite", []), "losses"]}
+    return row
 
 
 results = []
@@ -181,21 +221,26 @@ for num_layers in depths:
             # steps after each round's first (optimizer-state allocation) are timed.
             # ---------------------------------------------------------------------------------
             model.train()
-            for step, batch in enumerate(batches):
+            for step, window in enumerate(windows):
                 accelerator.wait_for_everyone()  # every rank starts the timed step together
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats(device)
                     start_bytes = torch.cuda.memory_allocated(device)
                 t0 = time.perf_counter()
-                with run["saved"] if rnd == 0 and step == 0 else nullcontext():
-                    loss = model(**batch).loss
-                accelerator.backward(loss)
-                if rnd == 0 and step == 0:
-                    run["grads"] = local_grads(model)  # after the all-reduce / reduce-scatter, before clipping
-                grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                step_loss = torch.zeros((), device=device)
+                for micro, batch in enumerate(window):
+                    with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
+                        with run["saved"] if rnd == 0 and step == 0 and micro == 0 else nullcontext():
+                            loss = model(**batch).loss
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            if rnd == 0 and step == 0:  # after the all-reduce / reduce-scatter, before clipping
+                                run["grads"] = local_grads(model)
+                            grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
+                        optimizer.step()  # no-op until the window's last micro batch
+                        optimizer.zero_grad()
+                    step_loss += loss.detach() / accumulation
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # peak above what the step started with: activations + gradients
                     run["peak_cuda_bytes"] = max(run["peak_cuda_bytes"] or 0,
@@ -203,7 +248,7 @@ for num_layers in depths:
                 if step > 0:
                     run["times"].append(time.perf_counter() - t0)
                 if rnd == 0:  # later rounds repeat the same steps from the same seed
-                    run["losses"].append(accelerator.reduce(loss.detach(), reduction="mean").item())
+                    run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
             accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
                               f"{run['saved'].bytes / MIB:.2f} MiB, fastest step {min(run['times']):.3f} s, "
                               f"loss {run['losses'][-1]:.4f}")
@@ -266,7 +311,7 @@ if accelerator.is_main_process:
     Path(args.output_dir, "results.json").write_text(json.dumps(
         {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
          "mixed_precision": accelerator.mixed_precision, "device": device.type, "args": vars(args),
-         "results": results}, indent=1))
+         "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
 # Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
 # no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
 # reducer holds the group) goes before the group.

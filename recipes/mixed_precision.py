@@ -15,9 +15,15 @@ requested on a GPU without bf16 is an error; fp16 requested on bf16 hardware for
 fp16 keeps the loss scaled by a GradScaler: backward runs on `loss x scale` so that small
 gradients survive fp16's range, `common.grad_norm.clip_grad_norm_` unscales them before clipping
 (Accelerator.unscale_gradients), a step whose gradients hold an inf/NaN is skipped and the
-scale halved, and the scale doubles after `--growth_interval` clean steps. Each logged step
-records the scale and the skipped steps; the scaler's state goes into every checkpoint
-(`accelerator.save_state` writes scaler.pt) and comes back on resume.
+scale halved, and the scale doubles after `--growth_interval` clean steps. A skipped step does
+not advance the LR schedule. Each logged step records the scale and the skipped steps so far; the
+scaler's state goes into every checkpoint (`accelerator.save_state` writes scaler.pt) and the
+skipped-step count into its COMPLETE.json, and both come back on resume. Ten skipped steps in a
+row draw a warning; a scale below `--min_loss_scale` stops the run (common/precision.py).
+
+Flags: the core `transformers.TrainingArguments` flags (common/args.py: --output_dir,
+--max_steps or --num_train_epochs, --gradient_accumulation_steps, --weight_decay (never on norm
+weights), --save_steps, --resume_from_checkpoint, --report_to, ...) plus the recipe's own below.
 
 `--inject_inf_grad_at_step N` is a drill: it puts an inf into step N's gradients on every rank,
 as an overflow would. Under fp16 the step is skipped and the scale halved; in fp32/bf16 nothing
@@ -35,7 +41,8 @@ steps after the first), and bytes measured on one rank at the first step: saved 
 (common/memory.py; autocast's low-precision weight copies apart), parameters, gradients. Under
 DeepSpeed the engine keeps gradients in its own buffers, so they read 0 there.
 
-Outputs in --output_dir: metrics.jsonl (one line per logging step), summary.json (the row of
+Outputs in --output_dir (standard JSON: a non-finite number is written as null and named in the
+record's "nonfinite" list): metrics.jsonl (one line per logging step), summary.json (the row of
 the comparison table), checkpoint-N/ (--save_steps); with --compare, one folder per precision
 and comparison.md.
 """
@@ -48,17 +55,19 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
-from transformers import HfArgumentParser, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs, set_seed
+from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common.args import TrainingFlags, parse_args  # noqa: E402
+from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
 from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
 
 REMEDIES = ("usual remedies: lower --learning_rate or lengthen --warmup_steps; keep --max_grad_norm clipping on; "
@@ -67,6 +76,8 @@ REMEDIES = ("usual remedies: lower --learning_rate or lengthen --warmup_steps; k
 
 @dataclass
 class Args:
+    """The recipe's own flags; the core TrainingArguments ones come from common/args.py."""
+
     precision: str = field(default="auto", metadata={"help": "auto | no | bf16 | fp16 (overrides the config's)"})
     compare: bool = field(default=False, metadata={"help": "launch no, bf16, fp16 with --config_file; print a table"})
     config_file: str = field(default="accelerate_configs/ddp.yaml", metadata={"help": "--compare: accelerate config"})
@@ -76,28 +87,20 @@ class Args:
     validation_split_percentage: int = 5
     max_eval_samples: int = 64
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    output_dir: str = "runs/mixed_precision"
-    seed: int = 42
-    per_device_train_batch_size: int = 4
     per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 5
-    max_steps: int = 30
-    logging_steps: int = 5
-    save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 = never"})
-    resume_from_checkpoint: str = field(default=None, metadata={"help": "a checkpoint path, or 'latest'"})
     # fp16 loss scaling (torch.amp.GradScaler arguments)
     init_scale: float = 2.0 ** 16
     growth_interval: int = field(default=2000, metadata={"help": "clean steps before the scale doubles"})
-    min_loss_scale: float = field(default=1.0, metadata={"help": "warn when the scale falls below this"})
+    min_loss_scale: float = field(default=MIN_LOSS_SCALE, metadata={
+        "help": "stop the run when the fp16 loss scale falls below this"})
     inject_inf_grad_at_step: int = field(default=0, metadata={"help": "drill: put an inf in the gradients of step N"})
     ddp_timeout: int = 1800
 
 
-args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+# This recipe's defaults for core flags (the rest keep common/args.py's).
+DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
+                weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
+args = parse_args(Args, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
 if args.precision not in precision.MODES:
     sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
 if args.model_config not in models.PRESETS:
@@ -112,9 +115,14 @@ if args.compare:
         sys.exit("error: run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
     if not Path(args.config_file).is_file():
         sys.exit(f"error: --config_file {args.config_file}: no such file")
+    if args.resume_from_checkpoint not in (None, "latest"):
+        sys.exit("error: --compare resumes each precision from its own folder: pass --resume_from_checkpoint latest")
+    # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
+    # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
+    defaults = {**asdict(TrainingFlags()), **{f.name: f.default for f in fields(Args)}, **DEFAULTS}
     driver_only = {"compare", "config_file", "precision", "output_dir"}
-    passed = [s for f in fields(Args) if f.name not in driver_only and getattr(args, f.name) != f.default
-              for s in (f"--{f.name}", str(getattr(args, f.name)))]
+    passed = [s for name, value in vars(args).items() if name not in driver_only and value != defaults[name]
+              for s in (f"--{name}", str(value))]
     rows = []
     for mode in ("no", "bf16", "fp16"):
         out = Path(args.output_dir) / mode
@@ -126,8 +134,8 @@ if args.compare:
     done = [r for r in rows if not r.get("failed")] or [{}]
     lines = [f"{args.config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
              f"{done[0].get('device')}, {args.model_config} Llama, global batch {done[0].get('global_batch')} x "
-             f"{args.block_size} tokens, {args.max_steps} steps. Activations: bytes saved for backward by one micro "
-             "batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
+             f"{args.block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
+             "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
              "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
              "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -137,8 +145,10 @@ if args.compare:
             continue
         mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
                                                "gradient_bytes")]
-        lines.append(f"| {r['precision']} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} | "
-                     f"{r['tokens_per_second']:.0f} | {' | '.join(mib)} | "
+        num = {k: "nan" if r[k] is None else format(r[k], spec)  # null: not finite (summary.json's "nonfinite")
+               for k, spec in (("train_loss", ".4f"), ("eval_loss", ".4f"), ("tokens_per_second", ".0f"))}
+        lines.append(f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
+                     f"{num['tokens_per_second']} | {' | '.join(mib)} | "
                      f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
     table = "\n".join(lines)
     print(table)
@@ -159,27 +169,35 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 
 pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
+# --precision is what this run asks for: the DeepSpeed check below compares the JSON's bf16/fp16
+# blocks with it, not with the launch config's mixed_precision, which --precision overrides.
+os.environ["ACCELERATE_MIXED_PRECISION"] = mode
 accelerator = Accelerator(
     mixed_precision=mode,
-    gradient_accumulation_steps=args.gradient_accumulation_steps,
+    # each epoch is cut into whole windows below, so sync on the micro-step count, not the loader's end
+    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
+                                                            sync_with_dataloader=False),
     dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     step_scheduler_with_optimizer=False,  # we step the LR ourselves, and not after a skipped step
+    log_with=None if args.report_to == "none" else args.report_to,
+    project_dir=args.output_dir,
     kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
 )
 launch.check_distributed(accelerator)
-if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
-    sys.exit(f"error: {error}")
+# DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
+if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
+                                            args.gradient_accumulation_steps, args.max_grad_norm):
+    sys.exit("\n".join(f"error: {e}" for e in errors))
 try:
     if launch.install_cpu_grad_scaler(accelerator):
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
 except ValueError as err:
     sys.exit(f"error: --precision fp16: {err}")
-config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
 accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
                                                      if config_mp and config_mp != mode else ""))
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-set_seed(args.seed)  # the same initial weights in every mode and on every rank
-os.makedirs(args.output_dir, exist_ok=True)
+os.makedirs(args.output_dir, exist_ok=True)  # after parse_args refused a non-empty one, on every rank
 
 # ---------------------------------------------------------------------------------------------
 # Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches.
@@ -192,9 +210,10 @@ train_set = lm_data["train"]
 eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_data["validation"]))))
 world_size = accelerator.num_processes
 global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-updates_per_epoch = len(train_set) // global_batch
+updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest of an epoch is dropped
 if updates_per_epoch == 0:
-    raise ValueError(f"{len(train_set)} training blocks are fewer than one global batch of {global_batch}")
+    sys.exit(f"error: {len(train_set)} training blocks are fewer than one global batch of {global_batch}")
+max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
                                            drop_last=True)
 eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
@@ -204,34 +223,50 @@ eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_e
 # ---------------------------------------------------------------------------------------------
 config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, use_cache=False)
+set_seed(args.seed)  # the same initial weights in every mode and on every rank
 model = LlamaForCausalLM(config)
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+# From here each rank draws its own random numbers (dropout, if a config has any); the data order
+# does not use them: the seedable sampler has its own generator, seeded by --seed + epoch.
+set_seed(args.seed, device_specific=True)
+# Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
+optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
+accelerator.print("AdamW weight decay: " + ", ".join(
+    f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+    f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups))
+lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
-scaler = accelerator.scaler  # a GradScaler under fp16 (DeepSpeed: None, its engine scales the loss)
 
-# Resume only into the same kind of run: the data position follows from the step count, and the
-# scaler state means nothing to another precision.
+# Resume only into the same kind of run: the data position follows from the step count, the seed
+# and the block size, and the scaler state means nothing to another precision.
 run_state = {"precision": mode, "distributed_type": accelerator.distributed_type.value,
-             "world_size": world_size, "global_batch": global_batch}
+             "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size}
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]
+# fp16 bookkeeping that the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
+skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
 if resume_path:
     if changed := [f"{k} {saved.get(k)} there, {v} here" for k, v in run_state.items() if saved.get(k) != v]:
         sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. Resume with the same --precision, "
-                 "batch sizes and accelerate config.")
-    accelerator.load_state(str(resume_path))  # model, optimizer, scheduler, RNG and the scaler's scale
+                 "--seed, --block_size, batch sizes and accelerate config.")
+    # model, optimizer, scheduler, RNG and the scaler's scale; the micro-step count follows the step
+    checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-if accelerator.is_main_process and not resume_path:
-    open(metrics_path, "w").close()
+if accelerator.is_main_process:  # a resume keeps the lines up to its step; a fresh run starts the file
+    kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= step] \
+        if resume_path and os.path.exists(metrics_path) else []
+    with open(metrics_path, "w") as f:
+        f.writelines(kept)
+accelerator.init_trackers("mixed_precision", config={k: v for k, v in vars(args).items() if v is not None})
+scale = precision.loss_scale(accelerator, model)  # None without loss scaling
 accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {n_params / 1e6:.2f}M params | "
-                  f"global batch {global_batch} | steps {step}..{args.max_steps}"
-                  + (f" | loss scale {scaler.get_scale():.0f}" if scaler else "")
+                  f"global batch {global_batch} | steps {step}..{max_steps}"
+                  + (f" | loss scale {scale:.0f}" if scale is not None else "")
+                  + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
                   + (f" | resumed from {resume_path}" if resume_path else ""))
 
 
@@ -260,10 +295,10 @@ def evaluate():
 # (activations), parameters and gradients on this rank. Tokens/s counts the steps after it.
 # ---------------------------------------------------------------------------------------------
 model.train()
-start_step, sizes, skipped_steps, nonfinite_losses, last_window_loss = step, {}, 0, 0, float("nan")
+start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
 window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
 epoch = step // updates_per_epoch
-while step < args.max_steps:
+while step < max_steps:
     train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
     batches = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
@@ -297,33 +332,46 @@ while step < args.max_steps:
         step += 1
         step_skipped = accelerator.optimizer_step_was_skipped
         skipped_steps += step_skipped
-        scale = scaler.get_scale() if scaler else None
+        skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
+        scale = precision.loss_scale(accelerator, model)
+        stop = None  # the same verdict on every rank: the scale and the skips are the same everywhere
+        try:
+            if warning := precision.skipped_step_warning(scale, skipped_in_a_row, args.min_loss_scale):
+                if accelerator.is_main_process:
+                    print(f"step {step}: {warning}", file=sys.stderr, flush=True)
+        except ValueError as err:
+            stop = f"step {step}: {err}"
         if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
             tokens, t0 = 0, time.perf_counter()
 
-        if step % args.logging_steps == 0 or step == args.max_steps:
+        if step % args.logging_steps == 0 or step == max_steps or stop:
             loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
-            record = {"step": step, "loss": loss_mean, "lr": step_lr,
+            record = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": step_lr,
                       "grad_norm": norm_before_clip,
                       "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
             nonfinite_losses += not math.isfinite(loss_mean)
             if not math.isfinite(loss_mean) and accelerator.is_main_process:
                 warnings.warn(f"step {step}: the training loss is {loss_mean} ({mode if mode != 'no' else 'fp32'}); "
                               f"{REMEDIES}")
-            if scale is not None and scale < args.min_loss_scale and accelerator.is_main_process:
-                warnings.warn(f"step {step}: the fp16 loss scale collapsed to {scale:g} (< --min_loss_scale "
-                              f"{args.min_loss_scale:g}): gradients overflow even unscaled, and every such step is "
-                              f"skipped ({skipped_steps} so far); {REMEDIES}")
             if accelerator.is_main_process:
-                metrics.append_jsonl(metrics_path, record)
+                metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
+            accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
             accelerator.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in record.items()))
             last_window_loss = loss_mean
             window_loss.zero_()
             window_batches = 0
+        if stop:  # orderly teardown first: no rank leaves while the wrapped model holds the group
+            accelerator.wait_for_everyone()
+            del model, optimizer
+            accelerator.free_memory()
+            accelerator.end_training()
+            sys.exit(f"error: {stop}")
         if args.save_steps and step % args.save_steps == 0:
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state=run_state)  # + scaler.pt
-        if step >= args.max_steps:
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
+                                       run_state={**run_state, "skipped_steps": skipped_steps,
+                                                  "skipped_in_a_row": skipped_in_a_row})
+        if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch
             break
     epoch += 1
 
@@ -333,13 +381,14 @@ while step < args.max_steps:
 elapsed = time.perf_counter() - t0 if t0 else float("nan")
 eval_loss = evaluate()
 if accelerator.is_main_process:
-    summary = {**run_state, "reason": reason, "device": accelerator.device.type, "steps": step,
-               "train_loss": last_window_loss, "eval_loss": eval_loss,
-               "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
-               "loss_scale": scaler.get_scale() if scaler else None, "skipped_steps": skipped_steps,
-               "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes}
-    Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
-    accelerator.print(f"summary: {json.dumps(summary)}")
+    summary = metrics.strict_json({  # standard JSON: a NaN loss becomes null, named in "nonfinite"
+        **run_state, "reason": reason, "device": accelerator.device.type, "steps": step,
+        "train_loss": last_window_loss, "eval_loss": eval_loss,
+        "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
+        "loss_scale": precision.loss_scale(accelerator, model), "skipped_steps": skipped_steps,
+        "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes})
+    Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
 # Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
 # no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
 # reducer holds the group) goes before the group.

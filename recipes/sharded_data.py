@@ -23,7 +23,19 @@ iterates its own loader and moves batches to its device. --loader datasets does 
 It trains the `debug` Llama for --max_steps and prints, per rank, the loader's tokens/s alone
 against the tokens/s a training step consumes, and the resident memory of the rank and its workers.
 
-Outputs in --output_dir: metrics.jsonl (logging steps, then a summary with the table), and with
+Flags: training takes the core `transformers.TrainingArguments` flags (common/args.py) with their
+usual meaning: --output_dir, --overwrite_output_dir, --seed, --per_device_train_batch_size,
+--gradient_accumulation_steps, --learning_rate, --weight_decay (never on norm weights),
+--warmup_steps (linear warmup, then the constant --learning_rate), --max_steps, --logging_steps,
+--max_grad_norm, --report_to. It keeps no checkpoints (a streaming loader's position is not
+restored here), and each rank's epoch has its own length, so --save_steps,
+--resume_from_checkpoint and --num_train_epochs are refused with an error rather than ignored.
+`accelerate launch --mixed_precision fp16` on CPU ranks trains in real fp16 with a loss-scaling
+GradScaler (common/launch.py); each logged line then has `loss_scale` and `skipped_steps`, and a
+skipped step does not advance the LR schedule.
+
+Outputs in --output_dir (standard JSON: a non-finite number is written as null and named in the
+record's "nonfinite" list): metrics.jsonl (logging steps, then a summary with the table), and with
 --record_sample_ids, sample_ids/rank{r}.json (written by rank r alone: block ids per epoch).
 """
 
@@ -40,10 +52,11 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from transformers import HfArgumentParser, LlamaForCausalLM
+from transformers import HfArgumentParser, LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import data, grad_norm, launch, metrics, models  # noqa: E402
+from common import checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common.args import parse_args, unsupported  # noqa: E402
 
 MANIFEST = "manifest.json"
 
@@ -64,16 +77,11 @@ class PrepareArgs:
 
 @dataclass
 class TrainArgs:
+    """Training's own flags; the core TrainingArguments ones come from common/args.py."""
+
     data_dir: str = field(default=None, metadata={"help": "the prepare step's --output_dir"})
     loader: str = field(default="parquet", metadata={"help": "parquet (memory-mapped row groups) or datasets (streaming)"})
-    output_dir: str = "runs/sharded_data"
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
-    seed: int = 42
-    per_device_train_batch_size: int = 8
-    learning_rate: float = 1e-3
-    max_grad_norm: float = 1.0
-    max_steps: int = 30
-    logging_steps: int = 5
     # DataLoader (transformers.TrainingArguments names)
     dataloader_num_workers: int = 2
     dataloader_prefetch_factor: int = 4
@@ -84,6 +92,21 @@ class TrainArgs:
     verify_checksums: bool = field(default=True, metadata={"help": "SHA-256 of each own shard against the manifest"})
     record_sample_ids: bool = field(default=False, metadata={"help": "each rank writes the block ids it trained on"})
     ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
+
+
+# Training's defaults for core flags (the rest keep common/args.py's).
+TRAIN_DEFAULTS = dict(output_dir="runs/sharded_data", per_device_train_batch_size=8, learning_rate=1e-3,
+                      weight_decay=0.1, max_steps=30, logging_steps=5)
+
+
+def parse_prepare_args(argv: list[str]) -> PrepareArgs:
+    """The prepare step's flags; an unknown or malformed one exits with one `error:` line."""
+    parser = HfArgumentParser(PrepareArgs)
+    parser.error = lambda message: sys.exit(f"error: {message}")  # argparse would print the whole usage first
+    try:
+        return parser.parse_args_into_dataclasses(argv)[0]
+    except ValueError as err:  # "Some specified arguments are not used by the HfArgumentParser: [...]"
+        sys.exit(f"error: {err}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +159,7 @@ def prepare(args: PrepareArgs) -> None:
                 "source": f"bundled Shakespeare corpus x {args.repeat}", "text_bytes": text_bytes,
                 "total_blocks": per_shard * args.num_shards, "dropped_blocks": n_blocks - per_shard * args.num_shards,
                 "rows_per_row_group": args.rows_per_row_group, "shards": shards}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
     print(f"{args.num_shards} shards x {per_shard} blocks of {args.block_size} tokens "
           f"({text_bytes / 1e6:.1f} MB of text, {sum(s['bytes'] for s in shards) / 1e6:.1f} MB of parquet) in {out}")
 
@@ -259,20 +282,39 @@ def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, se
 
 def main():
     if sys.argv[1:2] == ["prepare"]:
-        return prepare(HfArgumentParser(PrepareArgs).parse_args_into_dataclasses(sys.argv[2:])[0])
-    args = HfArgumentParser(TrainArgs).parse_args_into_dataclasses()[0]
+        return prepare(parse_prepare_args(sys.argv[2:]))
+    args = parse_args(TrainArgs, **TRAIN_DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+    no_checkpoints = "it keeps no checkpoints (a streaming loader's position is not restored here)"
+    unsupported(args, "sharded_data.py", save_steps=no_checkpoints, resume_from_checkpoint=no_checkpoints,
+                num_train_epochs="each rank streams its own shards, whose epochs differ in length: give --max_steps")
+    if args.max_steps < 1:
+        sys.exit("error: sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
+                 "in length, so --num_train_epochs cannot fix one step count for every rank")
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
         sys.exit("error: training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     # Import Accelerate only now: `prepare` runs without a launcher or process group.
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
+    from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
 
-    accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-    if error := grad_norm.clip_threshold_error(accelerator, args.max_grad_norm):  # DeepSpeed clips by its JSON
-        sys.exit(f"error: {error}")
+    accelerator = Accelerator(
+        # the loader is ours, not prepared: sync gradients on the micro-step count
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, none after a skipped one
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
+    try:
+        launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+        launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    # DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
+    if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
+                                                args.gradient_accumulation_steps, args.max_grad_norm):
+        sys.exit("\n".join(f"error: {e}" for e in errors))
     world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    set_seed(args.seed)  # same initial weights on every rank
+    accumulation = args.gradient_accumulation_steps
 
     # -----------------------------------------------------------------------------------------
     # Data: this rank's shards only, through a DataLoader that overlaps reading with compute.
@@ -307,25 +349,38 @@ def main():
             epoch += 1
 
     # -----------------------------------------------------------------------------------------
-    # Model, and accelerator.prepare for the model and optimizer only (the loader stays ours).
+    # Model, and accelerator.prepare for the model, optimizer and LR schedule (the loader stays ours).
     # -----------------------------------------------------------------------------------------
     config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
     if block_size > config.max_position_embeddings:
         raise ValueError(f"the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
                          f"max_position_embeddings {config.max_position_embeddings}")
+    set_seed(args.seed)  # same initial weights on every rank
     model = LlamaForCausalLM(config)
+    # From here each rank draws its own random numbers (dropout, if a config has any). The data
+    # order does not use them: RankShards seeds its own generators with (--seed, epoch, rank), and
+    # the datasets route shuffles with --seed + epoch.
+    set_seed(args.seed, device_specific=True)
     model.config.use_cache = False
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.1, betas=(0.9, 0.95))
+    # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
+    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate,
+                                  betas=(0.9, 0.95))
+    accelerator.print("AdamW weight decay: " + ", ".join(
+        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups))
+    lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # linear warmup, then constant
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot read the micro batch off a loader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {args.loader} loader | "
                       f"{len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB corpus | "
-                      f"{workers} workers | batch {batch} x {block_size} tokens per rank")
+                      f"{workers} workers | batch {batch} x {block_size} tokens x {accumulation} accumulation per rank"
+                      f" | {accelerator.mixed_precision}")
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         open(metrics_path, "w").close()
+    accelerator.init_trackers("sharded_data", config={k: v for k, v in vars(args).items() if v is not None})
 
     # 1. The loader alone: tokens/s it delivers with nothing else running (start-up excluded).
     stream = iter(loader)
@@ -339,36 +394,61 @@ def main():
 
     # 2. Training: what one step consumes, and how long the step waits for data.
     model.train()
-    seen, wait_s, compute_s = [], 0.0, 0.0
+    seen, wait_s, compute_s, skipped_steps, skipped_in_a_row = [], 0.0, 0.0, 0, 0
     batches = epochs()
     for step in range(1, args.max_steps + 1):
-        t0 = time.perf_counter()
-        epoch, b = next(batches)
-        t1 = time.perf_counter()
-        loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
-        accelerator.backward(loss)
-        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
-            torch.cuda.synchronize(device)
-        wait_s, compute_s = wait_s + t1 - t0, compute_s + time.perf_counter() - t1
-        if len(seen) <= epoch:
-            seen.append([])
-        seen[epoch] += b["block_id"].tolist()
+        lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
+        window_loss = torch.zeros((), device=device)
+        for _ in range(accumulation):
+            t0 = time.perf_counter()
+            epoch, b = next(batches)
+            t1 = time.perf_counter()
+            with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
+                loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+                accelerator.backward(loss)  # under fp16: backward of loss x scale
+                if accelerator.sync_gradients:  # the window's last micro batch; under fp16 unscales first
+                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
+                optimizer.step()  # no-op until the window's last micro batch; under fp16 skipped on inf/NaN
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+                optimizer.zero_grad()
+            if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
+                torch.cuda.synchronize(device)
+            wait_s, compute_s = wait_s + t1 - t0, compute_s + time.perf_counter() - t1
+            window_loss += loss.detach() / accumulation
+            if len(seen) <= epoch:
+                seen.append([])
+            seen[epoch] += b["block_id"].tolist()
+        skipped = accelerator.optimizer_step_was_skipped
+        skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
+        scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
+        try:  # the same verdict on every rank: the scale and the skips are the same everywhere
+            if (warning := precision.skipped_step_warning(scale, skipped_in_a_row)) and accelerator.is_main_process:
+                print(f"step {step}: {warning}", file=sys.stderr, flush=True)
+        except ValueError as err:  # orderly teardown first: no rank leaves while the model holds the group
+            batches.close()
+            accelerator.wait_for_everyone()
+            del model, optimizer
+            accelerator.free_memory()
+            accelerator.end_training()
+            sys.exit(f"error: step {step}: {err}")
         if step % args.logging_steps == 0 or step == args.max_steps:
-            record = {"step": step, "epoch": epoch, "loss": accelerator.reduce(loss.detach(), reduction="mean").item(),
-                      "grad_norm": norm_before_clip}
-            accelerator.print(f"step {step} | epoch {epoch} | loss {record['loss']:.3f}")
+            record = {"step": step, "epoch": epoch,
+                      "loss": accelerator.reduce(window_loss, reduction="mean").item(), "lr": lr,
+                      "grad_norm": norm_before_clip,
+                      **({"loss_scale": scale, "skipped_steps": skipped_steps} if scale is not None else {})}
+            accelerator.print(f"step {step} | epoch {epoch} | loss {record['loss']:.3f} | lr {lr:.3g}" + (
+                f" | loss scale {scale:g} | skipped steps {skipped_steps}" if scale is not None else ""))
+            accelerator.log(record, step=step)
             if accelerator.is_main_process:
-                metrics.append_jsonl(metrics_path, record)
+                metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
 
     # 3. Resident memory now, with the persistent workers still alive. RSS counts pages a forked
     # worker still shares with its parent (libraries, torch); USS counts only the pages a process
     # alone holds, so the workers' cost is their USS.
     me = psutil.Process()
     kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
-    step_tps = args.max_steps * batch * block_size / compute_s
+    step_tps = args.max_steps * accumulation * batch * block_size / compute_s
     row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_s / (wait_s + compute_s),
            me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
     batches.close()  # release the loader's iterator (and its workers' queues) before shutdown
@@ -377,11 +457,11 @@ def main():
         os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
         with open(os.path.join(args.output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "world_size": world_size, "epochs": seen,
-                       "shards": [p.name for p in paths] if args.loader == "parquet" else None}, f)
+                       "shards": [p.name for p in paths] if args.loader == "parquet" else None}, f, allow_nan=False)
     if accelerator.is_main_process:
         keys = ["rank", "shards", "loader_tokens_per_second", "step_tokens_per_second", "loader_to_step_ratio",
                 "data_wait_share", "rss_bytes", "uss_bytes", "workers_uss_bytes", "workers"]
-        per_rank = [dict(zip(keys, r)) for r in table]
+        per_rank = [metrics.strict_json(dict(zip(keys, r))) for r in table]  # nested: strict one by one
         metrics.append_jsonl(metrics_path, {"summary": True, "step": args.max_steps, "loader": args.loader,
                                             "text_bytes": manifest["text_bytes"], "world_size": world_size,
                                             "per_rank": per_rank})

@@ -1,14 +1,59 @@
-"""recipes/gradient_checkpointing.py under real 2-rank launches (DDP and FSDP2), in fp32."""
+"""recipes/gradient_checkpointing.py under real 2-rank launches (DDP and FSDP2), in fp32, and its flags."""
 
 import json
+import runpy
+import subprocess
+import sys
 
+import accelerate
 import pytest
 
-from conftest import launch
+from conftest import REPO, launch
 
 RECIPE = "recipes/gradient_checkpointing.py"
 BATCH, BLOCK, HIDDEN = 2, 128, 256  # per-device batch, tokens per sequence, the debug preset's width
 DEPTHS = (1, 2, 4)
+
+
+def run_in_process(monkeypatch, *argv):
+    """Run the recipe in this process up to its first exit (the flag checks come before any launch work)."""
+    monkeypatch.setattr(sys, "argv", [str(REPO / RECIPE), *map(str, argv)])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # Past the checks the recipe would build an Accelerator and train in this process: fail at once instead.
+    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / RECIPE), run_name="__main__")
+    return str(exc.value.code)
+
+
+def test_unknown_flag_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / RECIPE), "--max_steps", "3", "--no_such_flag",
+                           "--output_dir", str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag']"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value, why", [
+    ("save_steps", 2, "it saves no checkpoints"),
+    ("resume_from_checkpoint", "latest", "it saves no checkpoints"),
+    ("warmup_steps", 2, "it trains at a constant --learning_rate"),
+    ("num_train_epochs", 2, "it runs --max_steps steps per variant and depth"),
+    ("report_to", "tensorboard", "its figures go to results.json"),
+])
+def test_a_core_flag_it_cannot_honour_is_refused(flag, value, why, tmp_path, monkeypatch):
+    message = run_in_process(monkeypatch, "--output_dir", tmp_path / "out", f"--{flag}", value)
+    assert message.startswith(f"error: gradient_checkpointing.py does not take --{flag}: {why}"), message
+    assert "\n" not in message and not (tmp_path / "out").exists()
+
+
+def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    (tmp_path / "table.md").write_text("an earlier table\n")
+    message = run_in_process(monkeypatch, "--output_dir", tmp_path, "--max_steps", 3)
+    assert message.startswith(f"error: --output_dir {tmp_path} already holds files (table.md)"), message
+    assert [p.name for p in tmp_path.iterdir()] == ["table.md"]
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp"])
@@ -18,13 +63,19 @@ def test_checkpointing_changes_memory_not_gradients(config, tmp_path, cache_dir)
     # mark a variable ready only once" (checked by hand, see the recipe's docstring); the
     # non-reentrant variants must run there.
     ddp_args = ["--ddp_find_unused_parameters", "True"] if config == "ddp" else []
+    # FSDP2: each step accumulates 2 micro batches (no_sync via Accelerate's accumulate); step 1's
+    # first micro batch is the one measured, so every byte count below is the same as without.
+    accumulation = 2 if config == "fsdp" else 1
     proc = launch(config, RECIPE, "--num_layers", ",".join(map(str, DEPTHS)), "--max_steps", 3, "--timing_rounds", 1,
-                  "--per_device_train_batch_size", BATCH, "--block_size", BLOCK, "--output_dir", out,
-                  "--ddp_timeout", 120, *ddp_args, cache_dir=cache_dir, mixed_precision="no")
+                  "--per_device_train_batch_size", BATCH, "--gradient_accumulation_steps", accumulation,
+                  "--block_size", BLOCK, "--output_dir", out, "--ddp_timeout", 120, *ddp_args,
+                  cache_dir=cache_dir, mixed_precision="no")
     for message in ("mark a variable ready only once", "marked as ready twice"):
         assert message not in proc.stdout + proc.stderr
 
-    info = json.loads((out / "results.json").read_text())
+    info = json.loads((out / "results.json").read_text(),  # standard JSON: no NaN/Infinity literals
+                      parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert info["args"]["gradient_accumulation_steps"] == accumulation and info["args"]["weight_decay"] == 0.01
     assert info["world_size"] == 2 and info["mixed_precision"] == "no"
     assert info["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[config]
     variants = ["none", "hf", "manual"] + (["fsdp"] if config == "fsdp" else [])

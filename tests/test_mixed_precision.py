@@ -5,16 +5,18 @@ import copy
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 import warnings
 
+import accelerate
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch
 
 sys.path.insert(0, str(REPO))
 from common import precision  # noqa: E402
@@ -27,6 +29,29 @@ SMALL, LARGE = 4_212_992, 1_235_814_400  # the debug preset; Llama-3.2-1B
 # about 1e-4 nats/token in our runs (bf16 rounding). 0.02 nats/token (0.3% of the loss) is the
 # stated tolerance: far above that noise, far below the ~1.5 nats/token the 12 steps learn.
 LOSS_TOLERANCE = 0.02
+# The debug preset's AdamW groups: 29 matrices (embedding, tied to the LM head, + 7 per layer) decay,
+# the 9 RMSNorm gains (2 per layer + the final one, 256 each) do not.
+ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
+
+
+def strict_json(text):
+    """json.loads that refuses NaN/Infinity, which Python's json writes and standard JSON forbids."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+
+def strict_metrics(out):
+    return [strict_json(line) for line in open(out / "metrics.jsonl")]
+
+
+def run_in_process(monkeypatch, *argv):
+    """Run the recipe in this process up to its first exit (the flag checks come before any launch work)."""
+    monkeypatch.setattr(sys, "argv", [str(REPO / RECIPE), *map(str, argv)])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # Past the checks the recipe would build an Accelerator and train in this process: fail at once instead.
+    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / RECIPE), run_name="__main__")
+    return str(exc.value.code)
 
 
 # --- the precision choice, with the device capability mocked (the function takes it as input) ----
@@ -64,6 +89,29 @@ def test_fp16_on_bf16_hardware_warns_for_a_large_model_only(device_type, capabil
 def test_unknown_precision_is_an_error():
     with pytest.raises(ValueError, match="--precision 'fp8'"):
         precision.choose_precision("fp8", "cpu", None, SMALL)
+
+
+# --- the flags: common/args.py's core TrainingArguments flags, checked before any launch work -----
+
+def test_unknown_flag_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / RECIPE), "--max_steps", "3", "--no_such_flag", "1",
+                           "--output_dir", str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for argv in ([], ["--compare"]):  # the --compare driver checks its own folder the same way
+        message = run_in_process(monkeypatch, "--output_dir", out, "--max_steps", 3, *argv)
+        assert message.startswith(f"error: --output_dir {out} already holds files (metrics.jsonl)"), message
+        assert "\n" not in message and [p.name for p in out.iterdir()] == ["metrics.jsonl"]
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
 
 
 # --- fp16 loss scaling with the real Accelerator and GradScaler, in this process -----------------
@@ -137,7 +185,8 @@ def test_fp32_and_bf16_losses_agree(config, tmp_path, cache_dir):
         proc = launch(config, RECIPE, "--precision", mode, "--output_dir", out, "--max_steps", 12,
                       "--logging_steps", 4, "--max_eval_samples", 32, "--ddp_timeout", 120, cache_dir=cache_dir)
         assert f"precision: {mode} (--precision {mode} as requested (cpu))" in proc.stdout
-        summary[mode] = json.loads((out / "summary.json").read_text())
+        assert ADAMW_GROUPS in proc.stdout  # no weight decay on the norm gains (centred on 1, not 0)
+        summary[mode] = strict_json((out / "summary.json").read_text())
     fp32, bf16 = summary["no"], summary["bf16"]
     for s in (fp32, bf16):
         assert s["world_size"] == 2 and s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[config]
@@ -162,54 +211,82 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(config, tmp_pa
     fast = ["--precision", "fp16", "--output_dir", out, "--logging_steps", 1, "--per_device_train_batch_size", 1,
             "--max_eval_samples", 8, "--ddp_timeout", 120]  # fp16 matmuls are slow on this CPU: small batch
     proc = launch(config, RECIPE, *fast, "--max_steps", 4, "--inject_inf_grad_at_step", 3, "--save_steps", 4,
-                  "--min_loss_scale", 65536, cache_dir=cache_dir)
+                  cache_dir=cache_dir)
     assert "GradScaler('cpu') installed" in proc.stdout
-    steps, _ = read_metrics(out)
+    steps = strict_metrics(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     before, hit = steps[1], steps[2]
     assert not before["step_skipped"] and hit["step_skipped"]
-    assert hit["loss_scale"] == before["loss_scale"] / 2
-    assert not math.isfinite(hit["grad_norm"])
+    assert hit["loss_scale"] == before["loss_scale"] / 2 == 32768
+    assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 1]  # cumulative, on every line
+    assert hit["grad_norm"] is None and hit["nonfinite"] == ["grad_norm"]  # the inf norm, as standard JSON
     assert steps[3]["lr"] == hit["lr"] != before["lr"]  # the schedule did not advance on the skipped step
-    finite = [r["grad_norm"] for r in steps if math.isfinite(r["grad_norm"])]
-    assert finite and max(finite) < 100  # unscaled norms (scaled ones would be ~1e4-1e5 times larger)
-    assert "the fp16 loss scale collapsed to 32768" in proc.stderr and "usual remedies" in proc.stderr
+    finite = [r["grad_norm"] for r in steps if r["grad_norm"] is not None]
+    assert len(finite) == 3 and max(finite) < 100  # unscaled norms (scaled ones would be ~1e4-1e5 times larger)
+    marker = json.loads((out / "checkpoint-4" / "COMPLETE.json").read_text())
+    assert marker["skipped_steps"] == 1 and marker["skipped_in_a_row"] == 0
+    if config == "ddp":  # the optimizer the run trained with: no decay on the 9 norm gains (1-D), 0.1 on the rest
+        groups = torch.load(out / "checkpoint-4" / "optimizer.bin", weights_only=True)
+        shapes = [[groups["state"][i]["exp_avg"].dim() for i in g["params"]] for g in groups["param_groups"]]
+        assert [g["weight_decay"] for g in groups["param_groups"]] == [0.1, 0.0]
+        assert set(shapes[0]) == {2} and shapes[1] == [1] * 9
 
-    # Resume: the scale comes back from checkpoint-4/scaler.pt, not from --init_scale.
-    saved_scale = steps[-1]["loss_scale"]
-    assert (out / "checkpoint-4" / "scaler.pt").is_file() and saved_scale < 65536
-    proc = launch(config, RECIPE, *fast, "--max_steps", 6, "--resume_from_checkpoint", "latest", cache_dir=cache_dir)
-    assert f"loss scale {saved_scale:.0f} | resumed from" in proc.stdout
-    steps, _ = read_metrics(out)
+    # Resume: the scale comes back from checkpoint-4/scaler.pt (not --init_scale), the skipped-step
+    # count from its COMPLETE.json (not 0). A second overflow at step 6 halves the restored scale to
+    # 16384, below --min_loss_scale 32768: the run logs that step and stops with an error.
+    proc = launch(config, RECIPE, *fast, "--max_steps", 6, "--resume_from_checkpoint", "latest",
+                  "--inject_inf_grad_at_step", 6, "--min_loss_scale", 32768, cache_dir=cache_dir, check=False)
+    assert "loss scale 32768 | skipped steps 1 | resumed from" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode != 0
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}  # the same on each rank
+    assert len(errors) == 1 and next(iter(errors)).startswith(
+        "error: step 6: the fp16 loss scale fell to 16384, below its minimum 32768, after 1 skipped steps in a row"), \
+        proc.stderr[-3000:]
+    steps = strict_metrics(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
-    assert all(r["loss_scale"] == saved_scale for r in steps[4:])  # growth_interval 2000: no change
+    resumed, hit = steps[4], steps[5]
+    assert not resumed["step_skipped"] and resumed["loss_scale"] == 32768 and resumed["skipped_steps"] == 1
+    assert hit["step_skipped"] and hit["loss_scale"] == 16384 and hit["skipped_steps"] == 2
 
 
 def test_fp32_has_no_safety_net_and_a_nan_loss_is_flagged(tmp_path, cache_dir):
     """The same inf gradient without a GradScaler: the step is taken, the weights turn NaN, and the
-    recipe warns (once: only the main process logs)."""
+    recipe warns (once: only the main process logs). Every file stays standard JSON: null + "nonfinite"."""
     out = tmp_path / "fp32"
     proc = launch("ddp", RECIPE, "--precision", "no", "--output_dir", out, "--max_steps", 3, "--logging_steps", 1,
                   "--inject_inf_grad_at_step", 2, "--per_device_train_batch_size", 1, "--max_eval_samples", 8,
                   "--ddp_timeout", 120, cache_dir=cache_dir)
-    steps, _ = read_metrics(out)
-    assert not steps[1]["step_skipped"] and math.isinf(steps[1]["grad_norm"])
-    assert math.isfinite(steps[1]["loss"]) and math.isnan(steps[2]["loss"])
+    steps = strict_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert not steps[1]["step_skipped"] and steps[1]["grad_norm"] is None and steps[1]["nonfinite"] == ["grad_norm"]
+    assert math.isfinite(steps[1]["loss"]) and steps[2]["loss"] is None and "loss" in steps[2]["nonfinite"]
+    assert all(r["loss_scale"] is None and r["skipped_steps"] == 0 for r in steps)  # no loss scaling in fp32
     assert proc.stderr.count("step 3: the training loss is nan (fp32); usual remedies") == 1
-    assert json.loads((out / "summary.json").read_text())["nonfinite_losses"] == 1
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["nonfinite_losses"] == 1 and summary["train_loss"] is None and summary["eval_loss"] is None
+    assert {"train_loss", "eval_loss"} <= set(summary["nonfinite"])
 
 
 def test_compare_prints_the_table(tmp_path, cache_dir):
-    """The --compare driver: three real single-process launches, one row each."""
+    """The --compare driver: three real single-process launches, one row each. Into folders that
+    already hold files, with --overwrite_output_dir: the driver checks its own folder, and passes
+    the flag on to each launch, which checks its own."""
+    (tmp_path / "notes.txt").write_text("an earlier run\n")
+    (tmp_path / "no").mkdir()
+    (tmp_path / "no" / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
     args = ["--compare", "--config_file", REPO / "accelerate_configs" / "single.yaml", "--output_dir", tmp_path,
-            "--max_steps", 3, "--logging_steps", 3, "--per_device_train_batch_size", 1, "--max_eval_samples", 8]
+            "--overwrite_output_dir", "--max_steps", 3, "--logging_steps", 3, "--per_device_train_batch_size", 1,
+            "--max_eval_samples", 8]
     env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(REPO / RECIPE), *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("--overwrite_output_dir True") == 3  # on each launch's command line
     table = (tmp_path / "comparison.md").read_text().strip()
     assert table in proc.stdout
+    assert ", 3 steps." in table.splitlines()[0]
     rows = [line.split("|")[1].strip() for line in table.splitlines()[4:]]  # title, blank, header, rule
     assert rows == ["no", "bf16", "fp16"]
-    fp16 = json.loads((tmp_path / "fp16" / "summary.json").read_text())
+    assert [r["step"] for r in strict_metrics(tmp_path / "no")] == [3]  # the stale line is gone
+    fp16 = strict_json((tmp_path / "fp16" / "summary.json").read_text())
     assert fp16["loss_scale"] == 65536.0 and fp16["skipped_steps"] == 0 and fp16["precision"] == "fp16"

@@ -4,15 +4,17 @@
 import hashlib
 import json
 import math
+import runpy
 import shutil
 import subprocess
 import sys
 
+import accelerate
 import pyarrow.parquet as pq
 import pytest
 
 from common import data
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch
 from write_audit import audit_writes, files_under, writes_by_file
 
 WORLD, BATCH, STEPS = 2, 8, 40
@@ -20,6 +22,28 @@ WORLD, BATCH, STEPS = 2, 8, 40
 # so 16 steps per epoch per rank and 40 steps cross two epoch boundaries.
 TINY = ["--num_shards", 4, "--block_size", 64, "--max_blocks", 256, "--rows_per_row_group", 16]
 RUNS = {"ddp-parquet": ("ddp", "parquet"), "fsdp-parquet": ("fsdp", "parquet"), "ddp-datasets": ("ddp", "datasets")}
+RECIPE = "recipes/sharded_data.py"
+# The debug preset's AdamW groups: 29 matrices (embedding, tied to the LM head, + 7 per layer) decay,
+# the 9 RMSNorm gains (2 per layer + the final one, 256 each) do not.
+ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
+
+
+def strict_metrics(out):
+    """(per-step records, summary records) from metrics.jsonl, refusing NaN/Infinity (not standard JSON)."""
+    lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+             for line in open(out / "metrics.jsonl")]
+    return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
+
+
+def run_in_process(monkeypatch, *argv):
+    """Run the recipe's main() in this process up to its first exit (flag checks come before any launch work)."""
+    monkeypatch.setattr(sys, "argv", [str(REPO / RECIPE), *map(str, argv)])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # Past the checks the recipe would build an Accelerator and train in this process: fail at once instead.
+    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / RECIPE), run_name="__main__")
+    return str(exc.value.code)
 
 
 def prepare(out, *args, cache_dir):
@@ -71,7 +95,7 @@ def run(request, tiny, tmp_path_factory, cache_dir):
     with audit_writes(out, log):
         proc = train(config, tiny[0], out, "--loader", loader, "--max_steps", STEPS, "--logging_steps", 5,
                      "--record_sample_ids", cache_dir=cache_dir)
-    steps, summary = read_metrics(out)
+    steps, summary = strict_metrics(out)
     ranks = [json.loads((out / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"loader": loader, "out": out, "log": log, "steps": steps, "summary": summary[0], "ranks": ranks, "stdout": proc.stdout}
 
@@ -85,6 +109,7 @@ def test_trains_and_prints_the_loader_table(run):
         assert r["workers"] == 2 and r["rss_bytes"] > r["uss_bytes"] > 0
         assert math.isfinite(r["loader_to_step_ratio"]) and r["loader_to_step_ratio"] > 0
     assert "| loader tokens/s | step tokens/s | loader/step |" in run["stdout"]
+    assert ADAMW_GROUPS in run["stdout"]  # no weight decay on the norm gains (centred on 1, not 0)
 
 
 def test_each_rank_reads_only_its_own_shards(run):
@@ -127,14 +152,70 @@ def test_exactly_one_writer_per_file(run):
 
 def test_10mb_corpus_measurement(tmp_path, cache_dir):
     """The CI-sized measurement: the real corpus twice (~10 MB of text); 128-token blocks share the
-    packing cache with the llama tests. (The 1 GB figure is a manual run: see the recipe docstring.)"""
+    packing cache with the llama tests. (The 1 GB figure is a manual run: see the recipe docstring.)
+    Also the core flags: 3 steps of 2 accumulated micro batches, a 2-step linear warmup."""
     manifest = prepare(tmp_path / "10mb", "--num_shards", 2, "--repeat", 2, "--block_size", 128, cache_dir=cache_dir)
     assert 9.5e6 < manifest["text_bytes"] < 10.5e6
-    proc = train("ddp", tmp_path / "10mb", tmp_path / "run", "--max_steps", 4, "--logging_steps", 2, cache_dir=cache_dir)
-    summary = read_metrics(tmp_path / "run")[1][0]
+    proc = train("ddp", tmp_path / "10mb", tmp_path / "run", "--max_steps", 3, "--logging_steps", 1,
+                 "--gradient_accumulation_steps", 2, "--warmup_steps", 2, "--record_sample_ids", cache_dir=cache_dir)
+    steps, (summary,) = strict_metrics(tmp_path / "run")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["lr"] for r in steps] == pytest.approx([0.0, 5e-4, 1e-3])  # the LR each step applied
+    for r in range(WORLD):  # 3 steps x 2 micro batches x 8 blocks, all different
+        ids = json.loads((tmp_path / "run" / "sample_ids" / f"rank{r}.json").read_text())["epochs"][0]
+        assert len(ids) == len(set(ids)) == 3 * 2 * BATCH
     assert summary["text_bytes"] == manifest["text_bytes"] and len(summary["per_rank"]) == WORLD
     assert all(r["rss_bytes"] > 0 and r["loader_tokens_per_second"] > 0 for r in summary["per_rank"])
     assert "| 10 MB | parquet | 0 |" in proc.stdout
+
+
+def test_fp16_on_cpu_ranks_is_real_and_logs_the_loss_scale(tiny, tmp_path, cache_dir):
+    """Accelerate builds no GradScaler on CPU (fp16 trained in fp32, silently); the recipe installs one."""
+    out = tmp_path / "run"
+    proc = launch("ddp", RECIPE, "--data_dir", tiny[0], "--output_dir", out, "--per_device_train_batch_size", 2,
+                  "--max_steps", 3, "--logging_steps", 1, "--dataloader_num_workers", 0,
+                  "--loader_benchmark_batches", 2, "--ddp_timeout", 120,
+                  cache_dir=cache_dir, num_processes=WORLD, mixed_precision="fp16")
+    assert proc.stdout.count("| fp16") == 1, proc.stdout[-3000:]
+    steps, _ = strict_metrics(out)
+    assert [(r["step"], r["loss_scale"], r["skipped_steps"]) for r in steps] == [(1, 65536.0, 0), (2, 65536.0, 0),
+                                                                              (3, 65536.0, 0)]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] < 100 for r in steps)  # unscaled before clipping
+
+
+def test_unknown_flag_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / RECIPE), "--max_steps", "3", "--no_such_flag", "1",
+                           "--output_dir", str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["prepare", "--output_dir", "{out}", "--no_such_flag", "1"],
+     "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"),
+    (["--output_dir", "{out}", "--save_steps", 10], "error: sharded_data.py does not take --save_steps: it keeps no "
+                                                     "checkpoints"),
+    (["--output_dir", "{out}", "--resume_from_checkpoint", "latest"],
+     "error: sharded_data.py does not take --resume_from_checkpoint: it keeps no checkpoints"),
+    (["--output_dir", "{out}", "--max_steps", -1, "--num_train_epochs", 2],
+     "error: sharded_data.py does not take --num_train_epochs: each rank streams its own shards"),
+    (["--output_dir", "{out}", "--max_steps", -1], "error: sharded_data.py needs --max_steps"),
+])
+def test_flags_it_cannot_honour_are_refused(argv, expected, tmp_path, monkeypatch):
+    message = run_in_process(monkeypatch, *[str(a).format(out=tmp_path / "out") for a in argv])
+    assert message.startswith(expected) and "\n" not in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
+    message = run_in_process(monkeypatch, "--data_dir", tmp_path / "shards", "--output_dir", tmp_path, "--max_steps", 3)
+    assert message.startswith(f"error: --output_dir {tmp_path} already holds files (metrics.jsonl)"), message
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'
 
 
 def damaged(tiny, tmp_path, damage):
