@@ -98,6 +98,9 @@ def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: s
 def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
     """Exit with one `error:` line if a core flag this recipe cannot honour was changed from its default.
 
+    The default compared against is `TrainingFlags`'s, so a recipe must not give a refused flag a
+    default of its own.
+
     Args:
         args: the parsed flags.
         recipe: the recipe's file name, for the message.

@@ -146,13 +146,20 @@ def local_parameter_elements(model: torch.nn.Module) -> int:
 
 
 def strict_json(record: dict) -> dict:
-    """`record` with every non-finite float (NaN, inf) replaced by None, and the names of those
-    keys listed under `"nonfinite"`, so that the result is standard JSON (Python's `json` would
-    write the literals `NaN` and `Infinity`, which strict parsers reject)."""
-    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-    if not bad:
-        return record
-    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+    """`record` with every non-finite float (NaN, inf), at any depth, replaced by None, and the
+    top-level keys that held one listed under `"nonfinite"`, so that the result is standard JSON
+    (Python's `json` would write the literals `NaN` and `Infinity`, which strict parsers reject)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    cleaned = {k: clean(v) for k, v in record.items()}
+    bad = [k for k, v in record.items() if json.dumps(v) != json.dumps(cleaned[k])]  # NaN -> null changed it
+    return {**cleaned, "nonfinite": bad} if bad else record
 
 
 def append_jsonl(path: str, record: dict) -> None:

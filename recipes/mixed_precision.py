@@ -214,9 +214,12 @@ updates_per_epoch = len(train_set) // global_batch  # whole global batches; the 
 if updates_per_epoch == 0:
     sys.exit(f"error: {len(train_set)} training blocks are fewer than one global batch of {global_batch}")
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+# Private generators: each iter() of a loader draws a seed from its generator, else from the global
+# RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                           drop_last=True)
-eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
+                                           drop_last=True, generator=torch.Generator())
+eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
+                                          generator=torch.Generator())
 
 # ---------------------------------------------------------------------------------------------
 # Model: fp32 master weights in every mode; the precision only changes the compute.
