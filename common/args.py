@@ -73,6 +73,12 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, **defaults) -> 
         sys.exit(f"error: --max_steps must be positive, or -1 to train --num_train_epochs, got {args.max_steps}")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         sys.exit(f"error: --num_train_epochs must be positive, got {args.num_train_epochs}")
+    from accelerate.utils import LoggerType
+
+    trackers = [t.strip() for t in args.report_to.split(",")]
+    if args.report_to != "none" and (bad := [t for t in trackers if t not in {k.value for k in LoggerType}]):
+        sys.exit(f"error: --report_to {args.report_to}: unknown tracker {', '.join(bad)}; choose 'none' or from "
+                 f"{', '.join(k.value for k in LoggerType)}")
     if args.output_dir is None:
         sys.exit("error: --output_dir is required")
     if error := output_dir_error(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint):

@@ -155,3 +155,30 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
         get_optimizer_state_dict(model, optimizer.optimizer)
     accelerator.load_state(str(path))
     accelerator.step = optimizer_steps * accelerator.gradient_accumulation_steps
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """The settings a checkpoint was saved with that differ now, as "name saved -> now" strings.
+
+    Keys the checkpoint did not record (older checkpoints) are not compared. Use it for what a
+    resume restores silently (the optimizer's LR, weight decay and betas come back from its state)
+    or what the data position depends on (seed, blocks, global batch): a difference there means
+    the resumed run would not be the run the flags and logs describe.
+    """
+    return [f"{k} {saved[k]} -> {v}" for k, v in current.items() if k in saved and saved[k] != v]
+
+
+def start_fresh(accelerator, output_dir: str) -> None:
+    """A fresh (not resumed) run: remove the checkpoints an earlier run left in `output_dir`.
+
+    Only reachable with `--overwrite_output_dir` (a non-empty directory is refused otherwise).
+    Without it, a later `--resume_from_checkpoint latest` would pick the earlier run's newest
+    checkpoint whenever this run saved none yet (a crash before its first save), and train the
+    old weights under the new flags. Only `checkpoint-N` and `checkpoint-N.tmp` directories go;
+    nothing else in the directory is touched. Call on every rank (rank 0 deletes, all wait).
+    """
+    if accelerator.is_main_process:
+        for path in Path(output_dir).glob("checkpoint-*"):
+            if path.is_dir() and re.match(r"^checkpoint-\d+(\.tmp)?$", path.name):
+                shutil.rmtree(path)
+    accelerator.wait_for_everyone()

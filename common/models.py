@@ -186,3 +186,20 @@ def fsdp_block_units(model: torch.nn.Module) -> dict:
     name = type(inner).__name__.removeprefix("FSDP") if isinstance(inner, FSDPModule) else type(inner).__name__
     units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
     return {"block_class": name, "blocks": len(blocks), "units": units}
+
+
+def uses_dropout(model) -> bool:
+    """Whether the model draws random numbers in training: an `nn.Dropout` with p > 0, or a config
+    field named like a dropout probability (`attention_dropout`, `hidden_dropout_prob`, GPT-2's
+    `attn_pdrop`, ...) above 0 (some models apply dropout functionally, with no module).
+
+    With dropout, the masks of a step depend on how its samples are split over ranks and micro
+    batches, so a resume with another split cannot continue exactly.
+    """
+    import torch
+
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    fields = config.to_dict() if config is not None else {}
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0 for k, v in fields.items())

@@ -110,6 +110,14 @@ args = common_args.parse_args(Args, output_dir="runs/ddp_classifier", learning_r
                               warmup_steps=30, num_train_epochs=2, logging_steps=20, per_device_train_batch_size=32)
 if not 0 < args.validation_split_percentage < 100:
     sys.exit(f"error: --validation_split_percentage must be in (0, 100), got {args.validation_split_percentage}")
+for flag, least in (("block_size", 2), ("per_device_eval_batch_size", 1), ("hidden_size", 1), ("num_hidden_layers", 1),
+                    ("num_attention_heads", 1), ("intermediate_size", 1), ("vocab_size", 256),
+                    ("max_train_samples", 1), ("max_eval_samples", 1)):
+    if getattr(args, flag) is not None and getattr(args, flag) < least:
+        sys.exit(f"error: --{flag} must be at least {least}, got {getattr(args, flag)}")
+if args.hidden_size % args.num_attention_heads:
+    sys.exit(f"error: --hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
+             f"{args.num_attention_heads}")
 accumulation = args.gradient_accumulation_steps
 
 # ---------------------------------------------------------------------------------------------
@@ -227,17 +235,25 @@ step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
 strategy = accelerator.distributed_type.value
 data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
               "train_passages": len(train_set)}  # what fixes which samples step k trains on
-run_state = {"world_size": world_size, "distributed_type": strategy, **data_state}
+# The optimizer's LR and decay come back from its state whatever the flags say, and BERT's dropout
+# masks depend on how a step's samples are split over ranks and micro batches.
+same_run = {"learning_rate": args.learning_rate, "weight_decay": args.weight_decay,
+            "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
+            "world_size": world_size}
+run_state = {"distributed_type": strategy, **data_state, **same_run}
 if resume_path:
-    changed = [f"{k} {saved[k]} there, {v} here" for k, v in data_state.items() if saved.get(k, v) != v]
+    changed = checkpoint.changed_settings(saved, {**data_state, **same_run})
     replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model on every rank: loads at any world size
     layout = (saved.get("distributed_type"), saved.get("world_size"))
     if not {layout[0], strategy} <= replicated and layout != (strategy, world_size):  # FSDP, ZeRO shards
         changed.append(f"a {layout[0]} state of {layout[1]} ranks there, {strategy} x{world_size} here")
     if changed:
         sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. The data position follows from "
-                 "the step, so keep the global batch (per device x accumulation x world size), --seed, "
-                 "--block_size, --max_train_samples, and for sharded states the strategy and world size")
+                 "the step and the optimizer keeps its own LR and decay, so keep the batch split (per device x "
+                 "accumulation x world size: dropout masks depend on it), --seed, --block_size, "
+                 "--max_train_samples, --learning_rate, --weight_decay, and for sharded states the strategy")
+else:
+    checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
 
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)

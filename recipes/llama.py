@@ -190,9 +190,12 @@ if len(train_set) < global_batch:
 # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
 # ranks; Accelerate gives rank r every world_size-th micro batch of it. drop_last keeps every
 # optimizer step a full global batch.
+# Private generators: each iter() of a loader draws a seed from its generator, else from the global
+# RNG that dropout uses, and a resume opens an extra iterator mid-epoch (every later mask would shift).
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size,
-                                           shuffle=True, drop_last=True)
-eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
+                                           shuffle=True, drop_last=True, generator=torch.Generator())
+eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
+                                          generator=torch.Generator())
 
 # ---------------------------------------------------------------------------------------------
 # Model
@@ -244,16 +247,25 @@ strategy = accelerator.distributed_type.value + (  # the ZeRO stage / FSDP versi
     else "1" if is_fsdp else "")
 # What fixes the data order besides the global batch: the seed, the blocks and their number.
 data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing, "train_blocks": len(train_set)}
+# What a resume restores whatever the flags say: the optimizer's own LR, decay and betas; and with
+# dropout, masks that depend on how each step's samples are split over ranks and micro batches.
+same_run = {"learning_rate": peak_lr, "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1,
+            "adam_beta2": args.adam_beta2, "adam_epsilon": args.adam_epsilon,
+            **({"per_device_train_batch_size": args.per_device_train_batch_size, "world_size": world_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps} if models.uses_dropout(model) else {})}
 run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy,
-             "max_steps": max_steps, **data_state}
+             "max_steps": max_steps, **data_state, **same_run}
 if resume_path:
     if saved["global_batch"] != global_batch:
         sys.exit(f"error: {resume_path} was trained with global batch {saved['global_batch']}, this run has "
                  f"{global_batch}; keep per_device_train_batch_size x gradient_accumulation_steps x world size equal")
-    changed = [f"{k} {saved[k]} -> {v}" for k, v in data_state.items() if k in saved and saved[k] != v]
-    if changed:  # the step alone would then point into a different data order
+    if changed := checkpoint.changed_settings(saved, data_state):  # the step would point into another order
         sys.exit(f"error: {resume_path} was trained on other data or order ({', '.join(changed)}); resume with the "
                  "same --seed, --block_size, --packing and data, or start over from its weights (--model_name_or_path)")
+    if changed := checkpoint.changed_settings(saved, same_run):
+        sys.exit(f"error: {resume_path} was saved with other settings ({', '.join(changed)}): the optimizer state "
+                 "would bring the saved LR, decay and betas back, and dropout masks follow the batch split; resume "
+                 "with the saved values, or start over from its weights (--model_name_or_path)")
     if saved.get("max_steps", max_steps) != max_steps:  # allowed (training longer), but not exact
         accelerator.print(f"warning: {resume_path} was saved by a {saved['max_steps']}-step run, this one has "
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
@@ -265,6 +277,8 @@ if resume_path:
                  f"this run is {strategy} with {world_size}. Sharded (FSDP, ZeRO) checkpoints "
                  "resume on the same strategy and world size; convert one with common/consolidate.py and pass "
                  "--model_name_or_path to start over from its weights. DDP/single ones may change world size.")
+else:
+    checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
 
 # ---------------------------------------------------------------------------------------------
 # accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), the optimizer and the loaders.
@@ -331,12 +345,12 @@ def evaluate():
 model.train()
 progress = tqdm(total=max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
 window_tokens, data_wait, t_window, t_start = 0, 0.0, time.perf_counter(), time.perf_counter()
-tokens_seen = step * global_batch * args.block_size
 epoch = step // updates_per_epoch
 # Windows that changed nothing, counted across resumes: fp16 steps skipped for inf/NaN gradients,
 # and windows without a single target token (possible with --packing false and empty rows).
 skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
 skipped_in_a_row = 0
+tokens_seen = (step - empty_windows) * global_batch * args.block_size
 while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
@@ -384,8 +398,9 @@ while step < max_steps:
                 sys.exit(f"error: step {step + 1}: {err}")
         step += 1
         progress.update(1)
-        window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
-        tokens_seen += global_batch * args.block_size
+        if num_items:  # an empty window trained on nothing
+            window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
+            tokens_seen += global_batch * args.block_size
 
         do_eval = step % args.eval_steps == 0 or step == max_steps
         if step % args.logging_steps == 0 or do_eval:

@@ -105,6 +105,15 @@ if args.precision not in precision.MODES:
     sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
 if args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+for flag, least in (("block_size", 2), ("per_device_eval_batch_size", 1), ("max_eval_samples", 1), ("vocab_size", 256),
+                    ("growth_interval", 1), ("inject_inf_grad_at_step", 0)):
+    if getattr(args, flag) < least:
+        sys.exit(f"error: --{flag} must be at least {least}, got {getattr(args, flag)}")
+for flag in ("init_scale", "min_loss_scale"):
+    if not getattr(args, flag) > 0:
+        sys.exit(f"error: --{flag} must be positive, got {getattr(args, flag)}")
+if args.init_scale < args.min_loss_scale:
+    sys.exit(f"error: --init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}")
 
 # ---------------------------------------------------------------------------------------------
 # --compare: one launch per precision with the same config and arguments, then the table. Each
@@ -244,7 +253,9 @@ model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
 # Resume only into the same kind of run: the data position follows from the step count, the seed
 # and the block size, and the scaler state means nothing to another precision.
 run_state = {"precision": mode, "distributed_type": accelerator.distributed_type.value,
-             "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size}
+             "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
+             # the optimizer state brings its own LR and decay back, whatever the flags say
+             "learning_rate": args.learning_rate, "weight_decay": args.weight_decay}
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:
@@ -255,9 +266,11 @@ skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skip
 if resume_path:
     if changed := [f"{k} {saved.get(k)} there, {v} here" for k, v in run_state.items() if saved.get(k) != v]:
         sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. Resume with the same --precision, "
-                 "--seed, --block_size, batch sizes and accelerate config.")
+                 "--seed, --block_size, batch sizes, --learning_rate, --weight_decay and accelerate config.")
     # model, optimizer, scheduler, RNG and the scaler's scale; the micro-step count follows the step
     checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
+else:
+    checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:  # a resume keeps the lines up to its step; a fresh run starts the file
     kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= step] \

@@ -187,16 +187,19 @@ def test_resume_mid_epoch_is_exact(resumed):
         assert again["ids"][r][1] == full["ids"][r][1][16:] and again["ids"][r][2] == full["ids"][r][2]
 
 
-def test_resume_with_another_seed_is_refused(resumed, cache_dir):
-    # the data position is recomputed from the step: another seed would continue in another order
+def test_resume_with_other_settings_is_refused(resumed, cache_dir):
+    # the data position is recomputed from the step: another seed would continue in another order;
+    # the optimizer state would silently bring back the old LR; dropout masks follow the batch split
     out = resumed[0]["out"]
     before = (out / "metrics.jsonl").read_text()
-    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--seed", 43,
+    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--seed", 43, "--learning_rate",
+                  2e-3, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1,
                   "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
                   mixed_precision="no", check=False)
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}  # the same line from each rank
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
-    assert f"cannot resume from {out / 'checkpoint-3'}: seed 42 there, 43 here" in errors.pop()
+    assert (f"cannot resume from {out / 'checkpoint-3'}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
+            "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1") in errors.pop()
     assert (out / "metrics.jsonl").read_text() == before
 
 
