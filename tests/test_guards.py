@@ -39,6 +39,12 @@ def test_resume_with_another_split_of_the_global_batch(config, saved_split, resu
     for r in got:  # before the fix: 0.97% in loss, 55% in grad norm
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)
+    if config == "ddp":  # a changed LR is refused: the optimizer state would silently bring back the saved one
+        proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "other_lr", "--max_steps", 12,
+                      *split(*resumed_split), *FL, "--learning_rate", 1e-3, "--resume_from_checkpoint",
+                      straight / "checkpoint-9", cache_dir=cache_dir, mixed_precision="no", check=False)
+        assert proc.returncode != 0
+        assert "was saved with other settings (learning_rate 0.003 -> 0.001)" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, cache_dir):
@@ -129,7 +135,12 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, cache_dir):
     assert f"error: --output_dir {out} already holds files (metrics.jsonl)" in proc.stderr
     assert "--overwrite_output_dir" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
-    # The TrainingArguments flag says "write over it" (or resume).
+    # The TrainingArguments flag says "write over it" (or resume). The overwritten run's checkpoints go:
+    # else `--resume_from_checkpoint latest` would later resume them under this run's flags.
+    stale = out / "checkpoint-6"
+    stale.mkdir()
+    (stale / "COMPLETE.json").write_text(json.dumps({"step": 6, "saved_at": 0, "files": {}}))
     launch("ddp", "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", "--max_steps", 2, *FL,
            cache_dir=cache_dir, mixed_precision="no")
     assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
+    assert not stale.exists() and (out / "final").is_dir()
