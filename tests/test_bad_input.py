@@ -85,3 +85,26 @@ def test_fsdp1_settings_the_recipes_cannot_use(key, message, tmp_path, cache_dir
     proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "out", *FAST,
                   cache_dir=cache_dir, check=False, timeout=300)
     fails_with(proc, f"error: {message}")
+
+
+def test_core_flags_are_checked_in_one_place(tmp_path):
+    # common/args.py parses the core TrainingArguments flags for every recipe (in-process: no launch)
+    from dataclasses import dataclass
+
+    from common.args import parse_args
+
+    @dataclass
+    class Own:
+        block_size: int = 64
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), *map(str, argv)])
+        return str(exit_info.value.code)
+
+    assert error("--report_to", "bogus").startswith("error: --report_to bogus: unknown tracker bogus")
+    assert error("--max_steps", 0).startswith("error: --max_steps must be positive")
+    assert error("--max_steps", "x").startswith("error: argument --max_steps/--max-steps: invalid int value")
+    assert error("--block_sizee", 3).startswith("error: Some specified arguments are not used")
+    args = parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), "--report_to", "tensorboard"], max_steps=7)
+    assert (args.max_steps, args.block_size, args.report_to) == (7, 64, "tensorboard")
