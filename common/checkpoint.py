@@ -182,3 +182,34 @@ def start_fresh(accelerator, output_dir: str) -> None:
             if path.is_dir() and re.match(r"^checkpoint-\d+(\.tmp)?$", path.name):
                 shutil.rmtree(path)
     accelerator.wait_for_everyone()
+
+
+REPLICATED = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model state on every rank: loads at any world size
+
+
+def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]) -> str | None:
+    """Why this run cannot continue the checkpoint at `path` exactly, as one line; None if it can.
+
+    Args:
+        saved: the checkpoint's marker (`resolve_checkpoint`).
+        run_state: this run's values, with `distributed_type` (e.g. "FSDP2", "DEEPSPEED_ZERO3")
+            and `world_size` among them.
+        must_match: keys of `run_state` that must equal the saved ones: what fixes the data
+            position (global batch, seed, blocks), and what the optimizer state would silently
+            bring back (LR, weight decay, betas). Keys the checkpoint did not record are skipped.
+
+    Returns:
+        "cannot resume from PATH: seed 42 -> 7; ...", listing every difference, including a
+        sharded state (FSDP, ZeRO) on another strategy or world size; or None.
+    """
+    changes = changed_settings(saved, {k: run_state[k] for k in must_match})
+    layout, here = (saved.get("distributed_type"), saved.get("world_size")), (run_state["distributed_type"],
+                                                                            run_state["world_size"])
+    if layout[0] and not {layout[0], here[0]} <= REPLICATED and layout != here:
+        changes.append(f"a {layout[0]} state of {layout[1]} rank(s), this run is {here[0]} with {here[1]} (sharded "
+                       "FSDP/ZeRO states resume on the same strategy and world size; common/consolidate.py "
+                       "converts one to plain weights)")
+    if not changes:
+        return None
+    return (f"cannot resume from {path}: {'; '.join(changes)}. Resume with the saved settings, or start over from "
+            "its weights (--model_name_or_path)")

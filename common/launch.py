@@ -55,11 +55,16 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
         `InitProcessGroupKwargs` with `timeout` set, and `backend="gloo"` on CPU-only launches.
 
     Raises:
-        ValueError: if `timeout_s` is not positive.
+        ValueError: if `timeout_s` is not positive, or the accelerate config's DeepSpeed JSON is missing.
     """
     if timeout_s <= 0:
         raise ValueError(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
     allow_mixed_precision_with_deepspeed_json()
+    # A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
+    # with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
+    if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
+        raise ValueError(f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
+                         f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
     timeout = timedelta(seconds=timeout_s)
     if _has_accelerator() or "LOCAL_RANK" not in os.environ:
         return InitProcessGroupKwargs(timeout=timeout)

@@ -241,17 +241,9 @@ same_run = {"learning_rate": args.learning_rate, "weight_decay": args.weight_dec
             "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
             "world_size": world_size}
 run_state = {"distributed_type": strategy, **data_state, **same_run}
-if resume_path:
-    changed = checkpoint.changed_settings(saved, {**data_state, **same_run})
-    replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model on every rank: loads at any world size
-    layout = (saved.get("distributed_type"), saved.get("world_size"))
-    if not {layout[0], strategy} <= replicated and layout != (strategy, world_size):  # FSDP, ZeRO shards
-        changed.append(f"a {layout[0]} state of {layout[1]} ranks there, {strategy} x{world_size} here")
-    if changed:
-        sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. The data position follows from "
-                 "the step and the optimizer keeps its own LR and decay, so keep the batch split (per device x "
-                 "accumulation x world size: dropout masks depend on it), --seed, --block_size, "
-                 "--max_train_samples, --learning_rate, --weight_decay, and for sharded states the strategy")
+if resume_path:  # with dropout, even the batch split must match (the masks depend on it)
+    if error := checkpoint.resume_error(resume_path, saved, run_state, [*data_state, *same_run]):
+        sys.exit(f"error: {error}")
 else:
     checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
 

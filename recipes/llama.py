@@ -105,11 +105,6 @@ try:
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
-# A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
-# with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
-if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
-    sys.exit(f"error: DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
-             f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
 accelerator = Accelerator(
     # we prefetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
@@ -235,8 +230,8 @@ max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_e
 lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
 # Resume: a verified, complete checkpoint; the data position follows from the step count, so the
-# global batch must be unchanged, and sharded states (FSDP, ZeRO) need the same world size.
-# Checked before prepare, so a refused resume leaves before any wrapped model exists.
+# global batch must be unchanged (its split may change), and sharded states (FSDP, ZeRO) need the
+# same world size. Checked before prepare, so a refused resume leaves before any wrapped model exists.
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:
@@ -256,27 +251,13 @@ same_run = {"learning_rate": peak_lr, "weight_decay": args.weight_decay, "adam_b
 run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy,
              "max_steps": max_steps, **data_state, **same_run}
 if resume_path:
-    if saved["global_batch"] != global_batch:
-        sys.exit(f"error: {resume_path} was trained with global batch {saved['global_batch']}, this run has "
-                 f"{global_batch}; keep per_device_train_batch_size x gradient_accumulation_steps x world size equal")
-    if changed := checkpoint.changed_settings(saved, data_state):  # the step would point into another order
-        sys.exit(f"error: {resume_path} was trained on other data or order ({', '.join(changed)}); resume with the "
-                 "same --seed, --block_size, --packing and data, or start over from its weights (--model_name_or_path)")
-    if changed := checkpoint.changed_settings(saved, same_run):
-        sys.exit(f"error: {resume_path} was saved with other settings ({', '.join(changed)}): the optimizer state "
-                 "would bring the saved LR, decay and betas back, and dropout masks follow the batch split; resume "
-                 "with the saved values, or start over from its weights (--model_name_or_path)")
+    # the data position, and what the optimizer state restores whatever the flags say, must match
+    if error := checkpoint.resume_error(resume_path, saved, run_state, ["global_batch", *data_state, *same_run]):
+        sys.exit(f"error: {error}")
     if saved.get("max_steps", max_steps) != max_steps:  # allowed (training longer), but not exact
         accelerator.print(f"warning: {resume_path} was saved by a {saved['max_steps']}-step run, this one has "
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
                           "run only while both are still in warmup")
-    replicated = {"NO", "MULTI_CPU", "MULTI_GPU"}  # full model state on every rank: any world size
-    if not ({saved["distributed_type"], strategy} <= replicated) and (
-            saved["distributed_type"] != strategy or saved["world_size"] != world_size):
-        sys.exit(f"error: {resume_path} holds a {saved['distributed_type']} state of {saved['world_size']} rank(s); "
-                 f"this run is {strategy} with {world_size}. Sharded (FSDP, ZeRO) checkpoints "
-                 "resume on the same strategy and world size; convert one with common/consolidate.py and pass "
-                 "--model_name_or_path to start over from its weights. DDP/single ones may change world size.")
 else:
     checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
 

@@ -141,7 +141,7 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus):
         proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, flag, value,
                       "--resume_from_checkpoint", run / "checkpoint-4"), cache_dir=cache_dir, check=False)
         assert proc.returncode != 0
-        assert f"other data or order ({change}" in proc.stderr
+        assert f"cannot resume from {run / 'checkpoint-4'}: {change}" in proc.stderr
     # Unchanged data, a longer run: accepted, with a warning that the LR schedule now differs.
     proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, "--resume_from_checkpoint",
                   run / "checkpoint-4"), cache_dir=cache_dir, mixed_precision="no")

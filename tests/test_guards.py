@@ -44,7 +44,8 @@ def test_resume_with_another_split_of_the_global_batch(config, saved_split, resu
                       *split(*resumed_split), *FL, "--learning_rate", 1e-3, "--resume_from_checkpoint",
                       straight / "checkpoint-9", cache_dir=cache_dir, mixed_precision="no", check=False)
         assert proc.returncode != 0
-        assert "was saved with other settings (learning_rate 0.003 -> 0.001)" in proc.stderr, proc.stderr[-3000:]
+        assert f"cannot resume from {straight / 'checkpoint-9'}: learning_rate 0.003 -> 0.001." in proc.stderr, \
+            proc.stderr[-3000:]
 
 
 def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, cache_dir):
