@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 from transformers import HfArgumentParser
@@ -95,10 +96,11 @@ def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: s
     """
     if overwrite or resume_from_checkpoint or not os.path.isdir(output_dir) or not os.listdir(output_dir):
         return None
+    resumable = any(Path(output_dir).glob("checkpoint-*/COMPLETE.json"))  # else `latest` has nothing to take
     return (f"--output_dir {output_dir} already holds files ({', '.join(sorted(os.listdir(output_dir))[:4])}"
             f"{', ...' if len(os.listdir(output_dir)) > 4 else ''}): a fresh run would overwrite them. Pass "
-            "--resume_from_checkpoint latest to continue that run, --overwrite_output_dir to write over it, "
-            "or another --output_dir")
+            + ("--resume_from_checkpoint latest to continue that run, " if resumable else "")
+            + "--overwrite_output_dir to write over it, or another --output_dir")
 
 
 def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:

@@ -41,7 +41,8 @@ def load_shakespeare(corpus_dir: Path = CORPUS_DIR) -> datasets.Dataset:
     """
     sums = Path(corpus_dir) / "SHA256SUMS"
     if not sums.is_file():
-        raise FileNotFoundError(f"bundled corpus checksum list not found: {sums}")
+        raise FileNotFoundError(f"bundled corpus checksum list not found: {sums}; pass --train_file or "
+                                "--dataset_name, or copy data/shakespeare/ with the recipe")
     texts, works = [], []
     for line in sums.read_text().splitlines():
         digest, name = line.split()
@@ -69,10 +70,9 @@ def load_text_dataset(
     (.txt, one document per file, newlines kept; .json/.jsonl or .parquet, one document per row;
     both files of one format); else the bundled corpus (one document per work).
     Without a validation split, the first `validation_split_percentage`% of training rows
-    are held out (at least one row). A lone .txt `train_file` is cut instead: the first
-    `validation_split_percentage`% of its paragraphs (blocks separated by a blank line; by
-    lines when it has no blank line), at least one, become the validation document and the
-    rest the training document (`split_text`).
+    are held out (at least one row). A lone .txt `train_file` is cut instead, at the blank
+    line (or line end) nearest to `validation_split_percentage`% of its characters: the start
+    becomes the validation document and the rest the training document (`split_text`).
 
     Returns:
         `DatasetDict` with a `text` column in both splits.
@@ -122,24 +122,27 @@ def load_text_dataset(
 def split_text(text: str, validation_percentage: int, name: str = "the text") -> tuple[str, str]:
     """Cut one text into (train, validation) at a paragraph boundary, both with newlines kept.
 
-    The units are paragraphs (separated by a blank line, i.e. a line holding only whitespace);
-    a text without a blank line is cut by lines. The first `validation_percentage`% of the
-    units (rounded down, at least one) become the validation text, the rest the training text.
-    Concatenated, the two give back `text` exactly.
+    The validation text is the start of `text`, up to the paragraph boundary (a blank line)
+    nearest to `validation_percentage`% of its characters. Where no paragraph boundary lies
+    within half that share of the mark (a title, then one long block), the nearest line boundary
+    is used instead. Counting characters rather than paragraphs keeps a short title from
+    becoming the whole validation split. Concatenated, the two give back `text` exactly.
 
     Raises:
-        ValueError: fewer than 2 units (names `name` and says what to pass instead).
+        ValueError: a text of one line (names `name` and says what to pass instead).
     """
     start = len(text) - len(text.lstrip())  # leading and trailing blank lines are no boundary
-    body, unit = text.strip(), "paragraphs"
-    ends = [start + m.end() for m in re.finditer(r"\n[ \t\r]*\n\s*", body)]
-    if not ends:
-        ends, unit = [start + m.end() for m in re.finditer(r"\n\s*", body)], "lines"
-    n_val = max(1, (len(ends) + 1) * validation_percentage // 100)
-    if n_val > len(ends):
-        raise ValueError(f"{name}: {len(ends) + 1} {unit if ends else 'line'}, too few to hold out "
-                         f"{validation_percentage}% for validation and train on the rest; pass --validation_file")
-    return text[ends[n_val - 1]:], text[:ends[n_val - 1]]
+    body = text.strip()
+    target = validation_percentage / 100 * len(body)  # characters of validation text wanted
+    paragraphs = [start + m.end() for m in re.finditer(r"\n[ \t\r]*\n\s*", body)]
+    lines = [start + m.end() for m in re.finditer(r"\n\s*", body)]
+    if not lines:
+        raise ValueError(f"{name}: 1 line, too few to hold out {validation_percentage}% for validation and train "
+                         "on the rest; pass --validation_file")
+    nearest = min(paragraphs or lines, key=lambda end: abs(end - start - target))
+    if abs(nearest - start - target) > target / 2:
+        nearest = min(lines, key=lambda end: abs(end - start - target))
+    return text[nearest:], text[:nearest]
 
 
 def _text_digest(*splits: datasets.Dataset) -> str:
@@ -289,7 +292,10 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         for split in ("train", "validation"):
             n_tokens = sum(len(ids) for ids in tokens[split]["ids"])
             if n_tokens < block_size:
-                raise ValueError(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size {block_size})")
+                fix = ("lower --block_size, or add text" if split == "train" else "lower --block_size, raise "
+                       "--validation_split_percentage, or pass --validation_file")
+                raise ValueError(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size "
+                                 f"{block_size}): {fix}")
         # one batch of 1,000 rows: blocks may span rows, never batches
         tokens.map(group, batched=True, batch_size=1000, remove_columns=["ids"]).save_to_disk(str(tmp))
 

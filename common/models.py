@@ -203,3 +203,21 @@ def uses_dropout(model) -> bool:
     config = getattr(model, "config", None)
     fields = config.to_dict() if config is not None else {}
     return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0 for k, v in fields.items())
+
+
+def forward_error(model) -> str | None:
+    """Run the freshly built model once on 2 tokens (CPU, no grad, eval mode); the first line of the
+    error if it fails, else None. `--config_overrides` can leave a config inconsistent
+    (`hidden_size=60` with a `head_dim` of 16 kept from before): without this check the run starts
+    and every rank dies with a deep traceback at the first training step."""
+    import torch
+
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    finally:
+        model.train()
+    return None

@@ -62,8 +62,8 @@ class Args:
     dataset_config_name: str = None
     train_file: str = field(default=None, metadata={
         "help": ".txt (one document, newlines kept), or .json/.jsonl/.parquet with a 'text' column (a row per "
-                "document). A .txt without --validation_file holds out its first --validation_split_percentage "
-                "of paragraphs (blank-line separated; lines if it has none) for validation"})
+                "document). A .txt without --validation_file holds out its start, about --validation_split_percentage "
+                "% of its characters, cut at a blank line (or a line end), for validation"})
     validation_file: str = None
     validation_split_percentage: int = 5
     block_size: int = 256
@@ -206,6 +206,9 @@ else:
 if args.gradient_checkpointing:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 model.config.use_cache = False
+if args.config_overrides and not (is_deepspeed and accelerator.state.deepspeed_plugin.zero3_init_flag):
+    if error := models.forward_error(model):  # overrides can leave the shapes inconsistent
+        sys.exit(f"error: the model built with --config_overrides {args.config_overrides!r} does not run: {error}")
 n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: ZeRO-3 pre-sharded
 # From here on each rank draws its own random numbers (dropout, if the model has any): the
 # weights are already identical, and the data order has its own seeded generator.

@@ -263,3 +263,23 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     pretrained = GPT2Config(vocab_size=4096)  # keeps its own ids, gets the missing pad
     assert models.set_token_ids(pretrained, tokenizer, from_scratch=False) == [f"pad_token_id: None -> {eos}"]
     assert pretrained.eos_token_id == 50256
+
+
+def test_a_title_never_becomes_the_whole_validation_split():
+    # the share counts characters: a short first paragraph (a title) is not 5% of the text
+    essay = "A Story of the Mill\n\n" + "\n\n".join(["word " * 45] * 14)
+    train, validation = data.split_text(essay, 5)
+    assert validation.startswith("A Story of the Mill\n\nword") and validation + train == essay
+    play = "MACBETH\n\n" + "\n".join(["a line of the play here"] * 1000)  # title, then one block
+    train, validation = data.split_text(play, 5)
+    assert 0.04 < len(validation) / len(play) < 0.06
+
+
+def test_config_overrides_that_break_the_shapes_are_caught_before_training():
+    from common import models
+
+    import copy
+
+    broken = models.apply_overrides(copy.deepcopy(ARCHS["qwen2"]), "hidden_size=60")  # head_dim stays 16
+    assert "must match" in models.forward_error(AutoModelForCausalLM.from_config(broken))
+    assert models.forward_error(AutoModelForCausalLM.from_config(ARCHS["qwen2"])) is None

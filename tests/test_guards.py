@@ -96,7 +96,8 @@ def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_p
     assert [(r["step"], r["skipped_steps"], r["loss_scale"]) for r in after] == [(6, 5, 2048.0), (7, 6, 1024.0)]
 
 
-def test_windows_without_target_tokens_are_skipped_and_logged(tmp_path, cache_dir):
+@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+def test_windows_without_target_tokens_are_skipped_and_logged(config, tmp_path, cache_dir):
     # 24 rows, 20 of them empty, one padded row each (--packing false): some windows hold no target.
     real = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
             "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles",
@@ -106,7 +107,7 @@ def test_windows_without_target_tokens_are_skipped_and_logged(tmp_path, cache_di
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     (tmp_path / "valid.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in real))
     out = tmp_path / "run"
-    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--packing", "false", "--max_steps", 6,
+    proc = launch(config, "recipes/llama.py", "--output_dir", out, "--packing", "false", "--max_steps", 6,
                   "--warmup_steps", 0, "--per_device_train_batch_size", 2, "--train_file", tmp_path / "train.jsonl",
                   "--validation_file", tmp_path / "valid.jsonl", *FL, cache_dir=cache_dir, mixed_precision="no")
     lines = strict_lines(out / "metrics.jsonl")
@@ -135,6 +136,7 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, cache_dir):
     assert proc.returncode != 0
     assert f"error: --output_dir {out} already holds files (metrics.jsonl)" in proc.stderr
     assert "--overwrite_output_dir" in proc.stderr
+    assert "--resume_from_checkpoint latest" not in proc.stderr  # it holds no checkpoint to resume
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
     # The TrainingArguments flag says "write over it" (or resume). The overwritten run's checkpoints go:
     # else `--resume_from_checkpoint latest` would later resume them under this run's flags.
