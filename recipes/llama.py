@@ -231,6 +231,9 @@ optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=
 updates_per_epoch = len(train_set) // global_batch
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+if args.warmup_steps >= max_steps:
+    accelerator.print(f"warning: --warmup_steps {args.warmup_steps} >= the run's {max_steps} steps: the LR never "
+                      f"reaches --learning_rate {peak_lr:g}")
 
 # Resume: a verified, complete checkpoint; the data position follows from the step count, so the
 # global batch must be unchanged (its split may change), and sharded states (FSDP, ZeRO) need the
