@@ -2,10 +2,12 @@
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
+import accelerate
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,3 +68,27 @@ def small_corpus(tmp_path_factory, cache_dir):
     (root / "train.txt").write_text(hamlet[20_000:31_000])
     (root / "valid.txt").write_text(hamlet[40_000:43_000])
     return root / "train.txt", root / "valid.txt", root / "tokenizer"
+
+
+def strict_json(text):
+    """json.loads that refuses NaN/Infinity, which Python's json writes and standard JSON forbids."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+
+def strict_lines(path):
+    """A .jsonl file, every line parsed by `strict_json`."""
+    return [strict_json(line) for line in open(path)]
+
+
+def run_in_process(monkeypatch, recipe, *argv):
+    """Run `recipe` in this process up to its first exit (the flag checks come before any launch work).
+
+    Returns the exit message. Past its checks the recipe would build an Accelerator and train in
+    this process: the stubbed Accelerator fails the test at once instead.
+    """
+    monkeypatch.setattr(sys, "argv", [str(REPO / recipe), *map(str, argv)])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / recipe), run_name="__main__")
+    return str(exc.value.code)

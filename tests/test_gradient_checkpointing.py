@@ -1,29 +1,18 @@
 """recipes/gradient_checkpointing.py under real 2-rank launches (DDP and FSDP2), in fp32, and its flags."""
 
 import json
-import runpy
 import subprocess
 import sys
 
-import accelerate
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, run_in_process
 
 RECIPE = "recipes/gradient_checkpointing.py"
 BATCH, BLOCK, HIDDEN = 2, 128, 256  # per-device batch, tokens per sequence, the debug preset's width
 DEPTHS = (1, 2, 4)
 
 
-def run_in_process(monkeypatch, *argv):
-    """Run the recipe in this process up to its first exit (the flag checks come before any launch work)."""
-    monkeypatch.setattr(sys, "argv", [str(REPO / RECIPE), *map(str, argv)])
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    # Past the checks the recipe would build an Accelerator and train in this process: fail at once instead.
-    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
-    with pytest.raises(SystemExit) as exc:
-        runpy.run_path(str(REPO / RECIPE), run_name="__main__")
-    return str(exc.value.code)
 
 
 def test_unknown_flag_is_one_error_line(tmp_path):
@@ -44,14 +33,14 @@ def test_unknown_flag_is_one_error_line(tmp_path):
     ("report_to", "tensorboard", "its figures go to results.json"),
 ])
 def test_a_core_flag_it_cannot_honour_is_refused(flag, value, why, tmp_path, monkeypatch):
-    message = run_in_process(monkeypatch, "--output_dir", tmp_path / "out", f"--{flag}", value)
+    message = run_in_process(monkeypatch, RECIPE, "--output_dir", tmp_path / "out", f"--{flag}", value)
     assert message.startswith(f"error: gradient_checkpointing.py does not take --{flag}: {why}"), message
     assert "\n" not in message and not (tmp_path / "out").exists()
 
 
 def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     (tmp_path / "table.md").write_text("an earlier table\n")
-    message = run_in_process(monkeypatch, "--output_dir", tmp_path, "--max_steps", 3)
+    message = run_in_process(monkeypatch, RECIPE, "--output_dir", tmp_path, "--max_steps", 3)
     assert message.startswith(f"error: --output_dir {tmp_path} already holds files (table.md)"), message
     assert [p.name for p in tmp_path.iterdir()] == ["table.md"]
 

@@ -7,18 +7,13 @@ import math
 import pytest
 
 from common.checkpoint import verify_checkpoint
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch, read_metrics, strict_lines
 
 # The issue's settings: blocks of 64 tokens, micro batch 2, one line per step, no evaluation.
 FL = ["--block_size", 64, "--report_to", "none", "--eval_steps", 1000, "--logging_steps", 1,
       "--max_eval_samples", 8, "--ddp_timeout", 120]
 
 
-def strict_lines(path):
-    """metrics.jsonl parsed as standard JSON: NaN/Infinity literals fail the test."""
-    def refuse(literal):
-        raise AssertionError(f"non-standard JSON literal {literal} in {path}")
-    return [json.loads(line, parse_constant=refuse) for line in open(path)]
 
 
 @pytest.mark.parametrize("config, saved_split, resumed_split", [

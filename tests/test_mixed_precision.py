@@ -5,18 +5,16 @@ import copy
 import json
 import math
 import os
-import runpy
 import subprocess
 import sys
 import warnings
 
-import accelerate
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from conftest import REPO, launch
+from conftest import REPO, launch, run_in_process, strict_json, strict_lines
 
 sys.path.insert(0, str(REPO))
 from common import precision  # noqa: E402
@@ -34,24 +32,10 @@ LOSS_TOLERANCE = 0.02
 ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
 
 
-def strict_json(text):
-    """json.loads that refuses NaN/Infinity, which Python's json writes and standard JSON forbids."""
-    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
 
 
-def strict_metrics(out):
-    return [strict_json(line) for line in open(out / "metrics.jsonl")]
 
 
-def run_in_process(monkeypatch, *argv):
-    """Run the recipe in this process up to its first exit (the flag checks come before any launch work)."""
-    monkeypatch.setattr(sys, "argv", [str(REPO / RECIPE), *map(str, argv)])
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    # Past the checks the recipe would build an Accelerator and train in this process: fail at once instead.
-    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
-    with pytest.raises(SystemExit) as exc:
-        runpy.run_path(str(REPO / RECIPE), run_name="__main__")
-    return str(exc.value.code)
 
 
 # --- the precision choice, with the device capability mocked (the function takes it as input) ----
@@ -108,7 +92,7 @@ def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, 
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     for argv in ([], ["--compare"]):  # the --compare driver checks its own folder the same way
-        message = run_in_process(monkeypatch, "--output_dir", out, "--max_steps", 3, *argv)
+        message = run_in_process(monkeypatch, RECIPE, "--output_dir", out, "--max_steps", 3, *argv)
         assert message.startswith(f"error: --output_dir {out} already holds files (metrics.jsonl)"), message
         assert "\n" not in message and [p.name for p in out.iterdir()] == ["metrics.jsonl"]
         assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
@@ -213,7 +197,7 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(config, tmp_pa
     proc = launch(config, RECIPE, *fast, "--max_steps", 4, "--inject_inf_grad_at_step", 3, "--save_steps", 4,
                   cache_dir=cache_dir)
     assert "GradScaler('cpu') installed" in proc.stdout
-    steps = strict_metrics(out)
+    steps = strict_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     before, hit = steps[1], steps[2]
     assert not before["step_skipped"] and hit["step_skipped"]
@@ -242,7 +226,7 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(config, tmp_pa
     assert len(errors) == 1 and next(iter(errors)).startswith(
         "error: step 6: the fp16 loss scale fell to 16384, below its minimum 32768, after 1 skipped steps in a row"), \
         proc.stderr[-3000:]
-    steps = strict_metrics(out)
+    steps = strict_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     resumed, hit = steps[4], steps[5]
     assert not resumed["step_skipped"] and resumed["loss_scale"] == 32768 and resumed["skipped_steps"] == 1
@@ -256,7 +240,7 @@ def test_fp32_has_no_safety_net_and_a_nan_loss_is_flagged(tmp_path, cache_dir):
     proc = launch("ddp", RECIPE, "--precision", "no", "--output_dir", out, "--max_steps", 3, "--logging_steps", 1,
                   "--inject_inf_grad_at_step", 2, "--per_device_train_batch_size", 1, "--max_eval_samples", 8,
                   "--ddp_timeout", 120, cache_dir=cache_dir)
-    steps = strict_metrics(out)
+    steps = strict_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert not steps[1]["step_skipped"] and steps[1]["grad_norm"] is None and steps[1]["nonfinite"] == ["grad_norm"]
     assert math.isfinite(steps[1]["loss"]) and steps[2]["loss"] is None and "loss" in steps[2]["nonfinite"]
@@ -287,6 +271,6 @@ def test_compare_prints_the_table(tmp_path, cache_dir):
     assert ", 3 steps." in table.splitlines()[0]
     rows = [line.split("|")[1].strip() for line in table.splitlines()[4:]]  # title, blank, header, rule
     assert rows == ["no", "bf16", "fp16"]
-    assert [r["step"] for r in strict_metrics(tmp_path / "no")] == [3]  # the stale line is gone
+    assert [r["step"] for r in strict_lines(tmp_path / "no" / "metrics.jsonl")] == [3]  # the stale line is gone
     fp16 = strict_json((tmp_path / "fp16" / "summary.json").read_text())
     assert fp16["loss_scale"] == 65536.0 and fp16["skipped_steps"] == 0 and fp16["precision"] == "fp16"

@@ -4,17 +4,15 @@
 import hashlib
 import json
 import math
-import runpy
 import shutil
 import subprocess
 import sys
 
-import accelerate
 import pyarrow.parquet as pq
 import pytest
 
 from common import data
-from conftest import REPO, launch
+from conftest import REPO, launch, run_in_process, strict_lines
 from write_audit import audit_writes, files_under, writes_by_file
 
 WORLD, BATCH, STEPS = 2, 8, 40
@@ -30,20 +28,10 @@ ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on
 
 def strict_metrics(out):
     """(per-step records, summary records) from metrics.jsonl, refusing NaN/Infinity (not standard JSON)."""
-    lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-             for line in open(out / "metrics.jsonl")]
+    lines = strict_lines(out / "metrics.jsonl")
     return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
 
 
-def run_in_process(monkeypatch, *argv):
-    """Run the recipe's main() in this process up to its first exit (flag checks come before any launch work)."""
-    monkeypatch.setattr(sys, "argv", [str(REPO / RECIPE), *map(str, argv)])
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    # Past the checks the recipe would build an Accelerator and train in this process: fail at once instead.
-    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
-    with pytest.raises(SystemExit) as exc:
-        runpy.run_path(str(REPO / RECIPE), run_name="__main__")
-    return str(exc.value.code)
 
 
 def prepare(out, *args, cache_dir):
@@ -205,14 +193,14 @@ def test_unknown_flag_is_one_error_line(tmp_path):
     (["--output_dir", "{out}", "--max_steps", -1], "error: sharded_data.py needs --max_steps"),
 ])
 def test_flags_it_cannot_honour_are_refused(argv, expected, tmp_path, monkeypatch):
-    message = run_in_process(monkeypatch, *[str(a).format(out=tmp_path / "out") for a in argv])
+    message = run_in_process(monkeypatch, RECIPE, *[str(a).format(out=tmp_path / "out") for a in argv])
     assert message.startswith(expected) and "\n" not in message, message
     assert not (tmp_path / "out").exists()
 
 
 def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
-    message = run_in_process(monkeypatch, "--data_dir", tmp_path / "shards", "--output_dir", tmp_path, "--max_steps", 3)
+    message = run_in_process(monkeypatch, RECIPE, "--data_dir", tmp_path / "shards", "--output_dir", tmp_path, "--max_steps", 3)
     assert message.startswith(f"error: --output_dir {tmp_path} already holds files (metrics.jsonl)"), message
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'
