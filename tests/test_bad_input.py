@@ -108,3 +108,15 @@ def test_core_flags_are_checked_in_one_place(tmp_path):
     assert error("--block_sizee", 3).startswith("error: Some specified arguments are not used")
     args = parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), "--report_to", "tensorboard"], max_steps=7)
     assert (args.max_steps, args.block_size, args.report_to) == (7, 64, "tensorboard")
+
+
+@pytest.mark.parametrize("recipe", ["llama", "ddp_classifier", "mixed_precision", "gradient_checkpointing",
+                                    "sharded_data"])
+def test_unknown_flag_is_one_error_line_in_every_recipe(recipe, tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / f"recipes/{recipe}.py"), "--max_steps", "3", "--no_such_flag",
+                           "1", "--output_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"]
+    assert not (tmp_path / "out").exists()
