@@ -30,7 +30,8 @@ def deepspeed_json_path(accelerator) -> str | None:
     return path if path and path.lower() != "none" else None
 
 
-def deepspeed_config_errors(accelerator, micro_batch: int, accumulation: int, max_grad_norm: float) -> list[str]:
+def deepspeed_config_errors(accelerator, micro_batch: int, accumulation: int, max_grad_norm: float,
+                            requested_precision: str | None = None) -> list[str]:
     """Where the DeepSpeed JSON contradicts the flags. Call on every rank after building the Accelerator.
 
     Args:
@@ -38,6 +39,8 @@ def deepspeed_config_errors(accelerator, micro_batch: int, accumulation: int, ma
         micro_batch: `--per_device_train_batch_size`, samples per rank per micro step.
         accumulation: `--gradient_accumulation_steps`.
         max_grad_norm: `--max_grad_norm`.
+        requested_precision: the precision the run asks for; default the launch's
+            (`ACCELERATE_MIXED_PRECISION`: the config's `mixed_precision` or `--mixed_precision`).
 
     Returns:
         One message per problem (empty when none, and always empty off DeepSpeed):
@@ -45,9 +48,8 @@ def deepspeed_config_errors(accelerator, micro_batch: int, accumulation: int, ma
           `train_batch_size` (= micro batch x accumulation x world size) that differs from the flags
           (`"auto"` or a missing key agrees: Accelerate fills it in from the flags);
         - `gradient_clipping` that differs from `--max_grad_norm` (`grad_norm.clip_threshold_error`);
-        - a precision other than the one the launch asked for (`ACCELERATE_MIXED_PRECISION`, the
-          config's `mixed_precision` or `accelerate launch --mixed_precision`): the JSON's
-          `bf16`/`fp16` `enabled: true` wins over it in Accelerate.
+        - a precision other than the one requested: the JSON's `bf16`/`fp16` `enabled: true`
+          wins over it in Accelerate.
     """
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return []
@@ -66,7 +68,7 @@ def deepspeed_config_errors(accelerator, micro_batch: int, accumulation: int, ma
                           "(it then follows the flags) or make them equal")
     if error := grad_norm.clip_threshold_error(accelerator, max_grad_norm):
         errors.append(f"{error} ({where})")
-    requested = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    requested = requested_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")
     if requested and requested != accelerator.mixed_precision:
         errors.append(f"the launch asks for mixed precision {requested}, but {where} enables "
                       f"{accelerator.mixed_precision}: its bf16/fp16 \"enabled\" keys win; set them to \"auto\" so "

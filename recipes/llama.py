@@ -251,7 +251,8 @@ data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.
 # What a resume restores whatever the flags say: the optimizer's own LR, decay and betas; and with
 # dropout, masks that depend on how each step's samples are split over ranks and micro batches.
 same_run = {"learning_rate": peak_lr, "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1,
-            "adam_beta2": args.adam_beta2, "adam_epsilon": args.adam_epsilon,
+            "adam_beta2": args.adam_beta2, "adam_epsilon": args.adam_epsilon, "warmup_steps": args.warmup_steps,
+            "mixed_precision": accelerator.mixed_precision,  # another precision is another run
             **({"per_device_train_batch_size": args.per_device_train_batch_size, "world_size": world_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps} if models.uses_dropout(model) else {})}
 run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy,

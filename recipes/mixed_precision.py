@@ -178,10 +178,7 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 
 pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
-config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-# --precision is what this run asks for: the DeepSpeed check below compares the JSON's bf16/fp16
-# blocks with it, not with the launch config's mixed_precision, which --precision overrides.
-os.environ["ACCELERATE_MIXED_PRECISION"] = mode
+config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the launch config's, which --precision overrides
 accelerator = Accelerator(
     mixed_precision=mode,
     # each epoch is cut into whole windows below, so sync on the micro-step count, not the loader's end
@@ -196,7 +193,7 @@ accelerator = Accelerator(
 launch.check_distributed(accelerator)
 # DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
 if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
-                                            args.gradient_accumulation_steps, args.max_grad_norm):
+                                            args.gradient_accumulation_steps, args.max_grad_norm, mode):
     sys.exit("\n".join(f"error: {e}" for e in errors))
 try:
     if launch.install_cpu_grad_scaler(accelerator):
@@ -255,7 +252,7 @@ model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
 run_state = {"precision": mode, "distributed_type": accelerator.distributed_type.value,
              "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
              # the optimizer state brings its own LR and decay back, whatever the flags say
-             "learning_rate": args.learning_rate, "weight_decay": args.weight_decay}
+             "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps}
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:
@@ -264,9 +261,8 @@ step = saved["step"]
 # fp16 bookkeeping that the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
 skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
 if resume_path:
-    if changed := [f"{k} {saved.get(k)} there, {v} here" for k, v in run_state.items() if saved.get(k) != v]:
-        sys.exit(f"error: cannot resume from {resume_path}: {'; '.join(changed)}. Resume with the same --precision, "
-                 "--seed, --block_size, batch sizes, --learning_rate, --weight_decay and accelerate config.")
+    if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):  # all of it must match
+        sys.exit(f"error: {error}")
     # model, optimizer, scheduler, RNG and the scaler's scale; the micro-step count follows the step
     checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
 else:

@@ -34,13 +34,15 @@ def test_resume_with_another_split_of_the_global_batch(config, saved_split, resu
     for r in got:  # before the fix: 0.97% in loss, 55% in grad norm
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)
-    if config == "ddp":  # a changed LR is refused: the optimizer state would silently bring back the saved one
+    if config == "ddp":  # a changed LR is refused (the optimizer state would silently bring back the saved
+        # one), and so are another warmup and another precision: each would make it another run
         proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "other_lr", "--max_steps", 12,
-                      *split(*resumed_split), *FL, "--learning_rate", 1e-3, "--resume_from_checkpoint",
-                      straight / "checkpoint-9", cache_dir=cache_dir, mixed_precision="no", check=False)
+                      *split(*resumed_split), *FL, "--learning_rate", 1e-3, "--warmup_steps", 5,
+                      "--resume_from_checkpoint", straight / "checkpoint-9", cache_dir=cache_dir,
+                      mixed_precision="bf16", check=False)
         assert proc.returncode != 0
-        assert f"cannot resume from {straight / 'checkpoint-9'}: learning_rate 0.003 -> 0.001." in proc.stderr, \
-            proc.stderr[-3000:]
+        assert (f"cannot resume from {straight / 'checkpoint-9'}: learning_rate 0.003 -> 0.001; warmup_steps 30 -> 5; "
+                "mixed_precision no -> bf16.") in proc.stderr, proc.stderr[-3000:]
 
 
 def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, cache_dir):
