@@ -92,3 +92,32 @@ def run_in_process(monkeypatch, recipe, *argv):
     with pytest.raises(SystemExit) as exc:
         runpy.run_path(str(REPO / recipe), run_name="__main__")
     return str(exc.value.code)
+
+
+def corpus_args(corpus):
+    """`small_corpus` as recipe flags: --train_file, --validation_file, --tokenizer_name_or_path."""
+    train, valid, tok = corpus
+    return ["--train_file", train, "--validation_file", valid, "--tokenizer_name_or_path", tok]
+
+
+# The 30-step fp32 run that the recovery, preemption and SLURM tests compare with (global batch 4:
+# 2 per device x 2 ranks): checkpoints at 10, 20 and 30. Pass it after corpus_args.
+RUN30 = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 30, "--save_steps", 10,
+         "--warmup_steps", 4, "--logging_steps", 1, "--eval_steps", 30, "--report_to", "none", "--ddp_timeout", 60]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, cache_dir):
+    """`run(config, *args)`: launch `recipes/llama.py` in fp32 once per (config, args) for the whole
+    session, and return its output directory, so that several tests compare with one run."""
+    done = {}
+
+    def run(config, *args):
+        key = (config, tuple(map(str, args)))
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"reference-{config}")
+            launch(config, "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", *args,
+                   cache_dir=cache_dir, mixed_precision="no")
+            done[key] = out
+        return done[key]
+    return run
