@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 from transformers import HfArgumentParser
 
+from common.checkpoint import restart_note
+
 
 @dataclass
 class TrainingFlags:
@@ -33,7 +35,9 @@ class TrainingFlags:
     num_train_epochs: float = 1.0
     logging_steps: int = 10
     save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 = never"})
-    resume_from_checkpoint: str = field(default=None, metadata={"help": "a checkpoint path, or 'latest'"})
+    resume_from_checkpoint: str = field(default=None, metadata={
+        "help": "a checkpoint path; 'latest' (the newest complete one); or 'auto' (the newest if there is one, else "
+                "a fresh start: for jobs that restart or are requeued). Restarts default to 'auto'"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip to this global norm; 0 logs it, clips nothing"})
     report_to: str = field(default="none", metadata={"help": "Accelerate tracker(s), e.g. tensorboard, or 'none'"})
 
@@ -55,6 +59,10 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, **defaults) -> 
             `--overwrite_output_dir` nor `--resume_from_checkpoint` is given (a fresh run would
             overwrite the earlier run's metrics, export and, through `--save_total_limit`, its
             checkpoints).
+
+    On a restart (torchrun's `--max_restarts`, a SLURM requeue: `checkpoint.restart_note`), a run
+    without `--resume_from_checkpoint` resumes as with `auto`, and `--overwrite_output_dir`
+    applies to the first attempt only (it would delete the checkpoints the job is restarting from).
     """
     parser = HfArgumentParser((TrainingFlags, recipe_args))
     parser.error = lambda message: sys.exit(f"error: {message}")  # argparse would print the whole usage first
@@ -82,23 +90,38 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, **defaults) -> 
                  f"{', '.join(k.value for k in LoggerType)}")
     if args.output_dir is None:
         sys.exit("error: --output_dir is required")
-    if error := output_dir_error(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint):
+    restarted = bool(restart_note())
+    if restarted and args.resume_from_checkpoint is None:
+        args.resume_from_checkpoint = "auto"  # a restarted job continues; it never starts over
+    if args.resume_from_checkpoint == "auto" and args.overwrite_output_dir:
+        if restarted:
+            args.overwrite_output_dir = False  # meant for the first attempt, not for this job's own checkpoints
+        else:
+            args.resume_from_checkpoint = None  # the first attempt writes over the directory
+    if error := output_dir_error(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint, restarted):
         sys.exit(f"error: {error}")
     return args
 
 
-def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: str | None) -> str | None:
+def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: str | None,
+                     restarted: bool = False) -> str | None:
     """A message if a fresh run would write into a directory that already holds files, else None.
 
     Call on every rank before anything is written (before the `Accelerator`: its process-group
     set-up waits for every rank, so no rank can have written yet). The rule is `run_clm.py`'s:
-    a non-empty `output_dir` needs `--overwrite_output_dir` or a resume.
+    a non-empty `output_dir` needs `--overwrite_output_dir` or a resume. `auto` counts as a resume
+    when there is a complete checkpoint to take, or when this is a restart of the same job
+    (`restarted`: its first attempt wrote the files, and died before its first checkpoint).
     """
-    if overwrite or resume_from_checkpoint or not os.path.isdir(output_dir) or not os.listdir(output_dir):
+    resumable = os.path.isdir(output_dir) and any(Path(output_dir).glob("checkpoint-*/COMPLETE.json"))
+    resuming = resume_from_checkpoint not in (None, "auto") or (resume_from_checkpoint == "auto" and
+                                                                 (resumable or restarted))
+    if overwrite or resuming or not os.path.isdir(output_dir) or not os.listdir(output_dir):
         return None
-    resumable = any(Path(output_dir).glob("checkpoint-*/COMPLETE.json"))  # else `latest` has nothing to take
     return (f"--output_dir {output_dir} already holds files ({', '.join(sorted(os.listdir(output_dir))[:4])}"
-            f"{', ...' if len(os.listdir(output_dir)) > 4 else ''}): a fresh run would overwrite them. Pass "
+            f"{', ...' if len(os.listdir(output_dir)) > 4 else ''}): a fresh run would overwrite them"
+            + (" (--resume_from_checkpoint auto found no complete checkpoint to resume from)"
+               if resume_from_checkpoint == "auto" else "") + ". Pass "
             + ("--resume_from_checkpoint latest to continue that run, " if resumable else "")
             + "--overwrite_output_dir to write over it, or another --output_dir")
 

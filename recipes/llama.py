@@ -101,6 +101,7 @@ for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
 # Accelerator. Everything about the strategy comes from the accelerate config; the recipe only
 # says how to accumulate and keeps the data order seeded and identical on every rank.
 # ---------------------------------------------------------------------------------------------
+launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 try:
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
@@ -131,6 +132,10 @@ if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_b
     sys.exit("\n".join(f"error: {e}" for e in errors))
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
 os.makedirs(args.output_dir, exist_ok=True)
+try:
+    checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+except ValueError as err:
+    sys.exit(f"error: {err}")
 
 # ---------------------------------------------------------------------------------------------
 # Model config, then data: tokenize and pack once (rank 0 first, the others read its cache).
@@ -296,7 +301,8 @@ accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.
 if resume_path:
     # + scheduler, scaler, per-rank RNG; the micro-step count follows this run's accumulation
     checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
-    accelerator.print(f"resumed from {resume_path} at step {step}")
+    accelerator.print(f"resumed from {resume_path} at step {step}"
+                      + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:
     with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
@@ -339,6 +345,8 @@ epoch = step // updates_per_epoch
 skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
 skipped_in_a_row = 0
 tokens_seen = (step - empty_windows) * global_batch * args.block_size
+# SIGTERM (preemption, a time limit, a stopped job) saves a checkpoint at the next step boundary.
+preempted = checkpoint.stop_on_sigterm(accelerator, args.ddp_timeout)
 while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
@@ -415,10 +423,16 @@ while step < max_steps:
                 metrics.append_jsonl(metrics_path, record)  # NaN (an empty window) is written as null
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
-        if args.save_steps and step % args.save_steps == 0:
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit,
-                                       {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
-                                       hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+        stop = preempted()  # a collective: every rank stops at the same step
+        if stop or (args.save_steps and step % args.save_steps == 0):
+            saved_to = checkpoint.save_checkpoint(
+                accelerator, args.output_dir, step, args.save_total_limit,
+                {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
+                hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+        if stop:
+            accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
+                              "relaunch with --resume_from_checkpoint auto to continue")
+            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:
             break
     epoch += 1
