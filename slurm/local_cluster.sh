@@ -7,7 +7,8 @@ set -euo pipefail
 host=$(hostname)
 conf=/etc/slurm/slurm.conf
 log() { echo "local_cluster: $*"; }
-alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }  # is the daemon of pid file $1 running?
+# Is daemon $2 running under the pid in file $1? (The name check: a stale file's pid may be reused.)
+alive() { local pid; pid=$(cat "$1" 2>/dev/null) && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]]; }
 
 # 1. Packages (no recommends: the plugin -dev packages are not needed).
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
@@ -43,6 +44,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# Look at pending jobs every 2 s (defaults 30 and 60 s): a requeued job starts soon after its BeginTime.
+SchedulerParameters=bf_interval=2,sched_interval=2
 MpiDefault=none
 SwitchType=switch/none
 AccountingStorageType=accounting_storage/none
@@ -58,8 +61,9 @@ CONF
 )
 if [[ ! -f $conf || "$(cat "$conf")" != "$new" ]]; then
   # A changed conf on a running cluster: stop its daemons (by pid file) so they restart with it.
-  for pid in /run/slurmctld.pid /run/slurmd.n1.pid /run/slurmd.n2.pid; do
-    if alive "$pid"; then kill "$(cat "$pid")"; while alive "$pid"; do sleep 0.2; done; fi
+  for d in slurmctld:/run/slurmctld.pid slurmd:/run/slurmd.n1.pid slurmd:/run/slurmd.n2.pid; do
+    name=${d%%:*} pidfile=${d#*:}
+    if alive "$pidfile" "$name"; then kill "$(cat "$pidfile")"; while alive "$pidfile" "$name"; do sleep 0.2; done; fi
   done
   printf '%s\n' "$new" >"$conf"
   log "wrote $conf"
@@ -88,9 +92,9 @@ fi
 munge -n | unmunge >/dev/null || { echo "local_cluster: munge does not work" >&2; exit 1; }
 
 # 5. The controller and the two node daemons (each forks into the background, writes its pid file).
-if ! alive /run/slurmctld.pid; then slurmctld && log "started slurmctld"; fi
+if ! alive /run/slurmctld.pid slurmctld; then slurmctld && log "started slurmctld"; fi
 for n in n1 n2; do
-  if ! alive /run/slurmd.$n.pid; then slurmd -N $n && log "started slurmd -N $n"; fi
+  if ! alive /run/slurmd.$n.pid slurmd; then slurmd -N $n && log "started slurmd -N $n"; fi
 done
 
 # 6. Wait until both nodes are idle (they register within a few seconds).
