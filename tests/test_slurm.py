@@ -113,6 +113,7 @@ def test_sigterm_through_slurm_then_requeue_resumes(tmp_path, cache_dir, small_c
         text = log_text(log)
         assert info["JobState"] != "COMPLETED", f"the job ignored SIGTERM: {info}\n{text[-8000:]}"
         saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
+        assert saved, f"no checkpoint in {out}; job log:\n{text[-8000:]}"
         step = saved[-1]
         assert 13 <= step <= 29, (saved, text[-8000:])
         assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step  # COMPLETE.json, every file's size
