@@ -32,10 +32,11 @@ def batch_args(config):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch(config, "recipes/llama.py", *args(straight, small_corpus, *batch_args(config)),
-           cache_dir=cache_dir, mixed_precision="no")
+def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus, reference_run):
+    # The uninterrupted run (fp32) is the session's reference_run, which tests/test_multinode.py
+    # shares: the same flags (args() minus its --output_dir) give the same run.
+    straight = reference_run(config, *args(None, small_corpus, *batch_args(config))[2:])
+    resumed = tmp_path / "resumed"
     info = json.loads((straight / "run_info.json").read_text())
     per_epoch = info["updates_per_epoch"]
     assert per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch  # the stop is mid-way through epoch 2

@@ -1,0 +1,134 @@
+"""Multi-node launches, tested on one host over loopback: two `accelerate launch` invocations, one
+per "machine" (`--num_machines 2 --machine_rank {0,1}`, 1 process each), train `recipes/llama.py`
+under DDP, FSDP2, FSDP1, ZeRO-2 and ZeRO-3. The per-step fp32 losses and gradient norms must equal
+those of the same run on 1 machine x 2 processes, and a checkpoint saved across the two machines
+must resume there (`--resume_from_checkpoint latest`) to the same steps again.
+
+The reference is `test_exact_resume_mid_epoch`'s uninterrupted run (tests/test_checkpoint.py), shared
+through the session's `reference_run`: 16 steps, global batch 8 (2 per device x accumulation 2 x 2
+ranks), a checkpoint at step 10, mid-way through epoch 2.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from common.checkpoint import verify_checkpoint
+from conftest import REPO, read_metrics, strict_json
+from test_checkpoint import SAVE, STEPS, args, batch_args
+
+CONFIGS = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
+EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP", "fsdp1": "FSDP", "deepspeed_zero2": "DEEPSPEED",
+                 "deepspeed_zero3": "DEEPSPEED"}
+EXPECTED_STRATEGY = {"ddp": "MULTI_CPU", "fsdp": "FSDP2", "fsdp1": "FSDP1", "deepspeed_zero2": "DEEPSPEED_ZERO2",
+                     "deepspeed_zero3": "DEEPSPEED_ZERO3"}  # what the checkpoint marker records
+
+
+def recipe_flags(config, corpus):
+    """The flags of test_exact_resume_mid_epoch's straight run (its `args` minus `--output_dir`),
+    so that both tests share one `reference_run`."""
+    return args(None, corpus, *batch_args(config))[2:]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_tree(proc):
+    """Kill an `accelerate launch` and its ranks (torchrun starts each rank in a session of its own)."""
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600):
+    """Run `recipes/llama.py` as 2 machines x 1 process on this host: one `accelerate launch` per
+    machine rank, started together, the same `--output_dir`, fp32, a fresh port.
+
+    Waits for both. If either fails (or the pair outlives `timeout`), kills both and fails the test
+    with the tails of both machines' output. Returns each machine's stdout text, machine 0 first.
+    """
+    port = free_port()
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, files = [], []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml"),
+               "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
+               str(REPO / "recipes/llama.py"), "--output_dir", str(out), *map(str, flags)]
+        stdout, stderr = logs / f"machine{rank}.out", logs / f"machine{rank}.err"
+        files.append((stdout, stderr))
+        with open(stdout, "w") as o, open(stderr, "w") as e:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e, text=True))
+    deadline, problem = time.time() + timeout, None
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed:
+            problem = f"machine {failed[0]} exited {procs[failed[0]].returncode}"
+            break
+        if time.time() > deadline:
+            problem = f"still running after {timeout} s"
+            break
+        time.sleep(0.5)
+    else:
+        if any(p.returncode for p in procs):
+            problem = "exit codes " + ", ".join(str(p.returncode) for p in procs)
+    if problem:
+        for p in procs:
+            _kill_tree(p)
+        tails = "".join(f"\n--- machine {r} stdout ---\n{o.read_text()[-3000:]}\n--- machine {r} stderr ---\n"
+                        f"{e.read_text()[-6000:]}" for r, (o, e) in enumerate(files))
+        pytest.fail(f"{config} on 2 machines (port {port}): {problem}{tails}")
+    return [o.read_text() for o, _ in files]
+
+
+def assert_same_steps(got, want, steps, config):
+    for s in steps:
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[s][key] == pytest.approx(want[s][key], rel=1e-6, abs=1e-12), (config, s, key)
+    assert got[STEPS]["eval_loss"] == pytest.approx(want[STEPS]["eval_loss"], rel=1e-6), config
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_corpus, reference_run):
+    flags = recipe_flags(config, small_corpus)
+    want = {r["step"]: r for r in read_metrics(reference_run(config, *flags))[0]}
+    out = tmp_path / "run"
+
+    launch_two_machines(config, out, *flags, cache_dir=cache_dir, logs=tmp_path / "logs-first")
+    info = strict_json((out / "run_info.json").read_text())
+    assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
+    got = {r["step"]: r for r in read_metrics(out)[0]}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_same_steps(got, want, range(1, STEPS + 1), config)
+    marker = verify_checkpoint(out / f"checkpoint-{SAVE}")
+    assert (marker["step"], marker["world_size"], marker["distributed_type"]) == (SAVE, 2, EXPECTED_STRATEGY[config])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{SAVE}"]
+
+    # Both machines again, into the same directory: `latest` is checkpoint-10, saved by the first pair.
+    stdouts = launch_two_machines(config, out, *flags, "--resume_from_checkpoint", "latest", cache_dir=cache_dir,
+                                  logs=tmp_path / "logs-resumed")
+    for machine, text in enumerate(stdouts):  # accelerator.print: each machine's first process says it
+        assert f"resumed from {out / f'checkpoint-{SAVE}'} at step {SAVE}" in text, (config, machine)
+    info = strict_json((out / "run_info.json").read_text())
+    assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
+    records, summaries = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and len(summaries) == 1
+    assert_same_steps({r["step"]: r for r in records}, want, range(SAVE + 1, STEPS + 1), config)
