@@ -56,7 +56,8 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
         `InitProcessGroupKwargs` with `timeout` set, and `backend="gloo"` on CPU-only launches.
 
     Raises:
-        ValueError: if `timeout_s` is not positive, or the accelerate config's DeepSpeed JSON is missing.
+        ValueError: if `timeout_s` is not positive, the accelerate config's DeepSpeed JSON is missing,
+            or torchrun restarts (`--max_restarts`) would reuse the rendezvous store of the dead attempt.
     """
     if timeout_s <= 0:
         raise ValueError(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
@@ -66,6 +67,16 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
         raise ValueError(f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
                          f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
+    # torchrun's --max_restarts with the rendezvous store shared between attempts (the default): the
+    # restarted ranks read the dead attempt's gloo/NCCL addresses from it and hang or fail to connect
+    # (pytorch/pytorch#135712; here 3 restarts in 3 failed). The static rendezvous of the accelerate
+    # configs always shares it; the c10d one with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
+    # attempt a fresh store (3 in 3 worked).
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ValueError("--max_restarts with torchrun's shared rendezvous store: a restarted job would reconnect to "
+                         "the dead attempt's addresses and hang (pytorch/pytorch#135712). Launch with "
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and "
+                         "`accelerate launch --rdzv_backend c10d --max_restarts N ...`")
     timeout = timedelta(seconds=timeout_s)
     if _has_accelerator() or "LOCAL_RANK" not in os.environ:
         return InitProcessGroupKwargs(timeout=timeout)

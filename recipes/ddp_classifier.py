@@ -124,6 +124,7 @@ accumulation = args.gradient_accumulation_steps
 # Accelerator: DDP, FSDP or ZeRO comes from the accelerate config. The seedable sampler makes the
 # shuffle a function of (seed, epoch) alone, so every rank draws the same permutation.
 # ---------------------------------------------------------------------------------------------
+launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 try:
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # real gloo ranks on CPU
 except ValueError as err:
@@ -152,8 +153,11 @@ if accelerator.distributed_type == DistributedType.FSDP:
 precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
 set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
 world_size, rank = accelerator.num_processes, accelerator.process_index
-if accelerator.is_main_process:
-    os.makedirs(args.output_dir, exist_ok=True)
+os.makedirs(args.output_dir, exist_ok=True)
+try:
+    checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+except ValueError as err:
+    sys.exit(f"error: {err}")
 
 # ---------------------------------------------------------------------------------------------
 # Data: passages of block_size tokens; each work's tail is held out.
@@ -256,7 +260,8 @@ accelerator.print(
     f"{strategy} x{world_size} | {accelerator.mixed_precision} | {n_params / 1e6:.2f}M params | "
     f"{len(train_set)} train / {len(eval_set)} held-out passages | global batch {global_batch} | "
     f"{max_steps} steps ({steps_per_epoch} per epoch)"
-    + (f" | resumed from {resume_path} at step {step}" if resume_path else ""))
+    + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
+    + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
 metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 if accelerator.is_main_process:
     # a fresh log per run; a resume keeps the lines up to its step and drops later ones and summaries
@@ -292,6 +297,8 @@ model.train()
 t_start, skipped_in_a_row, accuracy = time.perf_counter(), 0, None
 epoch = step // steps_per_epoch
 seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
+# SIGTERM (preemption, a time limit, a stopped job) saves a checkpoint at the next step boundary.
+preempted = checkpoint.stop_on_sigterm(accelerator, args.ddp_timeout)
 while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
     done_in_epoch = step % steps_per_epoch  # > 0 only right after a mid-epoch resume
@@ -345,10 +352,15 @@ while step < max_steps:
                 metrics.append_jsonl(metrics_path, {"step": step, "epoch": epoch, "eval_accuracy": accuracy})
             accelerator.print(f"step {step} (epoch {epoch}) | held-out accuracy {accuracy:.3f} "
                               f"(majority baseline {baseline_accuracy:.3f})")
-        if args.save_steps and step % args.save_steps == 0:  # after the eval, which a resume does not redo
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step,
-                                       run_state={**run_state, "skipped_steps": skipped_steps},
-                                       hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+        preempt = preempted()  # a collective: every rank stops at the same step
+        if preempt or (args.save_steps and step % args.save_steps == 0):  # after the eval, which a resume does not redo
+            saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,
+                                                  run_state={**run_state, "skipped_steps": skipped_steps},
+                                                  hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+        if preempt:
+            accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
+                              "relaunch with --resume_from_checkpoint auto to continue")
+            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:
             break
     epoch += 1

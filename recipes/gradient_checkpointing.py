@@ -113,7 +113,11 @@ if args.model_config not in models.PRESETS:
 # ---------------------------------------------------------------------------------------------
 # Accelerator: strategy and precision come from the accelerate config, as in every recipe.
 # ---------------------------------------------------------------------------------------------
-pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+try:
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+except ValueError as err:
+    sys.exit(f"error: {err}")
 ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
 accelerator = Accelerator(
     # the measured batches are a list, not a live loader: sync on the micro-step count

@@ -423,13 +423,13 @@ while step < max_steps:
                 metrics.append_jsonl(metrics_path, record)  # NaN (an empty window) is written as null
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
-        stop = preempted()  # a collective: every rank stops at the same step
-        if stop or (args.save_steps and step % args.save_steps == 0):
+        preempt = preempted()  # a collective: every rank stops at the same step
+        if preempt or (args.save_steps and step % args.save_steps == 0):
             saved_to = checkpoint.save_checkpoint(
                 accelerator, args.output_dir, step, args.save_total_limit,
                 {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
                 hf_files=(accelerator.unwrap_model(model).config, tokenizer))
-        if stop:
+        if preempt:
             accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)

@@ -124,8 +124,9 @@ if args.compare:
         sys.exit("error: run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
     if not Path(args.config_file).is_file():
         sys.exit(f"error: --config_file {args.config_file}: no such file")
-    if args.resume_from_checkpoint not in (None, "latest"):
-        sys.exit("error: --compare resumes each precision from its own folder: pass --resume_from_checkpoint latest")
+    if args.resume_from_checkpoint not in (None, "latest", "auto"):
+        sys.exit("error: --compare resumes each precision from its own folder: pass --resume_from_checkpoint "
+                 "latest or auto")
     # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
     # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
     defaults = {**asdict(TrainingFlags()), **{f.name: f.default for f in fields(Args)}, **DEFAULTS}
@@ -177,7 +178,11 @@ try:
 except ValueError as err:
     sys.exit(f"error: {err}")
 
-pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+try:
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+except ValueError as err:
+    sys.exit(f"error: {err}")
 config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the launch config's, which --precision overrides
 accelerator = Accelerator(
     mixed_precision=mode,
@@ -204,6 +209,10 @@ accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mix
                                                      if config_mp and config_mp != mode else ""))
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
 os.makedirs(args.output_dir, exist_ok=True)  # after parse_args refused a non-empty one, on every rank
+try:
+    checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+except ValueError as err:
+    sys.exit(f"error: {err}")
 
 # ---------------------------------------------------------------------------------------------
 # Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches.
@@ -279,7 +288,8 @@ accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_s
                   f"global batch {global_batch} | steps {step}..{max_steps}"
                   + (f" | loss scale {scale:.0f}" if scale is not None else "")
                   + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
-                  + (f" | resumed from {resume_path}" if resume_path else ""))
+                  + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
+                  + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
 
 
 def poison_gradients():
@@ -310,6 +320,8 @@ model.train()
 start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
 window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
 epoch = step // updates_per_epoch
+# SIGTERM (preemption, a time limit, a stopped job) saves a checkpoint at the next step boundary.
+preempted = checkpoint.stop_on_sigterm(accelerator, args.ddp_timeout)
 while step < max_steps:
     train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
@@ -379,10 +391,15 @@ while step < max_steps:
             accelerator.free_memory()
             accelerator.end_training()
             sys.exit(f"error: {stop}")
-        if args.save_steps and step % args.save_steps == 0:
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
-                                       run_state={**run_state, "skipped_steps": skipped_steps,
-                                                  "skipped_in_a_row": skipped_in_a_row})
+        preempt = preempted()  # a collective: every rank stops at the same step
+        if preempt or (args.save_steps and step % args.save_steps == 0):
+            saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
+                                                  run_state={**run_state, "skipped_steps": skipped_steps,
+                                                             "skipped_in_a_row": skipped_in_a_row})
+        if preempt:
+            accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
+                              "relaunch with --resume_from_checkpoint auto to continue")
+            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch
             break
     epoch += 1

@@ -296,6 +296,11 @@ def main():
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
 
+    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    try:
+        pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+    except ValueError as err:
+        sys.exit(f"error: {err}")
     accelerator = Accelerator(
         # the loader is ours, not prepared: sync gradients on the micro-step count
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
@@ -303,7 +308,7 @@ def main():
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, none after a skipped one
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
+        kwargs_handlers=[pg_kwargs])
     try:
         launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
         launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there

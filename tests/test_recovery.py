@@ -1,0 +1,193 @@
+"""Jobs that recover on their own: a killed rank under `--max_restarts`, SIGTERM (preemption)
+saving at the next step boundary, a SIGKILLed launcher leaving no workers behind, a node-local
+--output_dir refused, and `--resume_from_checkpoint auto`. Every resumed run is compared with
+one uninterrupted run (`reference_run`, shared with tests/test_slurm.py)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+import pytest
+
+from common.args import parse_args
+from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
+from conftest import REPO, RUN30, corpus_args, launch, read_metrics
+
+
+def start(config, out, corpus, cache_dir, *extra, launcher=(), env=None, log=None):
+    """`accelerate launch` in the background, in its own session (so a test can kill all of it),
+    with the RUN30 flags in fp32; stdout and stderr go to `log` (default out.log)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / f"{config}.yaml"), "--mixed_precision", "no", *map(str, launcher),
+           str(REPO / "recipes/llama.py"), "--output_dir", str(out), *map(str, corpus_args(corpus)),
+           *map(str, RUN30), *map(str, extra)]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    log = open(log or f"{out}.log", "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def ranks(job):
+    """The worker processes of a launch, by rank."""
+    found = {}
+    for p in psutil.Process(job.pid).children(recursive=True):
+        try:
+            if "llama.py" in " ".join(p.cmdline()):
+                found[int(p.environ()["RANK"])] = p
+        except (psutil.Error, KeyError):
+            pass
+    return found
+
+
+def wait_until(condition, job, what, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before {what}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def last_step(out):
+    try:
+        return read_metrics(out)[0][-1]["step"]
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0
+
+
+def finish(job, timeout=300):
+    """Wait for the job; on timeout kill its whole session and fail."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail(f"the job did not end within {timeout} s")
+
+
+def assert_same_run(out, reference):
+    """steps 1..30 exactly once each, with the reference's losses and grad norms (1e-6 relative)."""
+    got, want = read_metrics(out)[0], {r["step"]: r for r in read_metrics(reference)[0]}
+    assert [r["step"] for r in got] == list(range(1, 31))
+    for r in got:
+        for key in ("loss", "grad_norm", "lr"):
+            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (r["step"], key)
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_dir, small_corpus, reference_run):
+    reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
+    out = tmp_path / "run"
+    if config == "ddp":  # torchrun's default shares one rendezvous store between attempts: refused at start-up
+        job = start(config, tmp_path / "shared_store", small_corpus, cache_dir, launcher=["--max_restarts", 1])
+        assert finish(job) != 0
+        assert "error: --max_restarts with torchrun's shared rendezvous store" in open(f"{tmp_path}/shared_store.log").read()
+    # No resume flag: a restarted worker group resumes as with --resume_from_checkpoint auto.
+    job = start(config, out, small_corpus, cache_dir, launcher=["--rdzv_backend", "c10d", "--max_restarts", 1],
+                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    try:
+        wait_until(lambda: (out / "checkpoint-10" / "COMPLETE.json").exists(), job, "checkpoint-10")
+        ranks(job)[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        assert finish(job) == 0
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    log = open(f"{out}.log").read()
+    resumed = re.search(r"resumed from (\S+) at step (\d+) \(torchrun restart 1\)", log)
+    assert resumed, log[-3000:]
+    assert int(resumed.group(2)) >= 10 and resumed.group(1) == str(out / f"checkpoint-{resumed.group(2)}")
+    assert_same_run(out, reference)
+    print(f"{config}: killed at {killed_at:.0f}, resumed from step {resumed.group(2)}")
+
+
+def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(tmp_path, cache_dir, small_corpus,
+                                                                      reference_run):
+    reference = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
+    out = tmp_path / "run"
+    job = start("ddp", out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto")
+    try:
+        wait_until(lambda: last_step(out) >= 14, job, "step 14")
+        job.send_signal(signal.SIGTERM)  # to the launcher, as SLURM, Kubernetes or a user would
+        signalled_after = last_step(out)
+        workers = list(ranks(job).values())
+        assert finish(job, timeout=60) != 0  # a preempted run is not a finished one
+        assert not psutil.wait_procs(workers, timeout=10)[1]
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    log = open(f"{out}.log").read()
+    preempted = re.search(r"preempted \(SIGTERM\) at step (\d+): saved (\S+);", log)
+    assert preempted, log[-3000:]
+    step = int(preempted.group(1))
+    assert signalled_after <= step <= signalled_after + 2 and step % 10  # at the next boundary, not a --save_steps one
+    assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in log or "Received 15 death signal" in log
+    # The same command line again (a requeue): it resumes from that checkpoint and ends as if never stopped.
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
+                  "--resume_from_checkpoint", "auto", cache_dir=cache_dir, mixed_precision="no")
+    assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in proc.stdout
+    assert_same_run(out, reference)
+
+
+def test_a_sigkilled_launcher_takes_its_workers_with_it(tmp_path, cache_dir, small_corpus):
+    out = tmp_path / "run"
+    job = start("ddp", out, small_corpus, cache_dir, "--max_steps", 10_000)
+    try:
+        wait_until(lambda: last_step(out) >= 1, job, "step 1")
+        workers = list(ranks(job).values())
+        assert len(workers) == 2
+        job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
+        job.wait()
+        t0 = time.time()
+        gone, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"workers still running 60 s after their launcher died: {[p.pid for p in alive]}"
+        print(f"workers gone {time.time() - t0:.2f} s after the launcher")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+        for p in ranks(job).values() if job.poll() is None else []:
+            p.kill()
+
+
+def test_a_node_local_output_dir_is_refused_at_start_up(tmp_path, cache_dir, small_corpus):
+    # Two "machines" on this host, each given its own --output_dir: what a node-local path is.
+    port = 29000 + os.getpid() % 1000
+    jobs = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+         "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), str(REPO / "recipes/llama.py"), "--output_dir", str(tmp_path / f"node{rank}"),
+         *map(str, corpus_args(small_corpus)), *map(str, RUN30)],
+        cwd=REPO, env={**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+    for rank, (job, output) in enumerate(zip(jobs, outputs)):
+        assert job.returncode != 0
+        assert (f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: rank {rank}"
+                in output), output[-3000:]
+        assert not (tmp_path / f"node{rank}" / "checkpoint-10").exists()
+
+
+def test_resume_auto_rules(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    out = tmp_path / "run"
+    # A fresh directory: `auto` is an ordinary start.
+    assert parse_args(Own, ["--output_dir", str(out), "--resume_from_checkpoint", "auto"]).resume_from_checkpoint == "auto"
+    # A directory with files but no checkpoint: refused, as a fresh run would be (run_clm.py's rule)...
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="auto found no complete checkpoint"):
+        parse_args(Own, ["--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    # ...unless this is a restart of the same job, which died before its first checkpoint.
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    args = parse_args(Own, ["--output_dir", str(out), "--overwrite_output_dir"])
+    assert (args.resume_from_checkpoint, args.overwrite_output_dir) == ("auto", False)  # never wipes its own checkpoints
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    args = parse_args(Own, ["--output_dir", str(out), "--overwrite_output_dir", "--resume_from_checkpoint", "auto"])
+    assert (args.resume_from_checkpoint, args.overwrite_output_dir) == (None, True)  # the first attempt overwrites
+
+
+@dataclass
+class Own:
+    """A recipe with no flags of its own."""
