@@ -240,6 +240,16 @@ def tokenizer_error(tokenizer, source: str, texts: list[str], sample_chars: int 
     return None
 
 
+def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: bool = True) -> str:
+    """16 hex digits of SHA-256 over the train and validation text, the tokenizer, `block_size` and
+    `packing`: what decides the blocks `pack_dataset` makes (its cache key). Equal on two ranks
+    means the same training and validation blocks; compare it across nodes, which each read
+    their own copy of the data."""
+    key = json.dumps(["v2", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
+                      block_size, packing])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,
                  packing: bool = True) -> datasets.DatasetDict:
     """Tokenize every row (eos appended) into fixed `block_size`-token training examples.
@@ -259,9 +269,7 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     Raises:
         ValueError: packed, a split holds fewer tokens than one block (states both numbers).
     """
-    key = json.dumps(["v2", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
-                      block_size, packing])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    digest = packing_digest(raw, tokenizer, block_size, packing)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def tokenize(batch):

@@ -175,6 +175,10 @@ with accelerator.main_process_first():
         error = err
 if error is not None:
     sys.exit(f"error: {error}")
+# Each node reads --train_file from its own path: another copy there would train on other samples.
+if mismatch := checks.rank_mismatch(accelerator, "training data (text, tokenizer, block size)",
+                                    data.packing_digest(raw, tokenizer, args.block_size, args.packing)):
+    sys.exit(f"error: {mismatch}")
 if token_id_changes and (args.config_name or args.model_name_or_path):  # (a preset has none of its own)
     accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(token_id_changes)}")
 train_set, eval_set = lm_data["train"], lm_data["validation"]

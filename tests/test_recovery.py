@@ -150,22 +150,36 @@ def test_a_sigkilled_launcher_takes_its_workers_with_it(tmp_path, cache_dir, sma
             p.kill()
 
 
-def test_a_node_local_output_dir_is_refused_at_start_up(tmp_path, cache_dir, small_corpus):
-    # Two "machines" on this host, each given its own --output_dir: what a node-local path is.
+@pytest.mark.parametrize("node_local", ["--output_dir", "--train_file"])
+def test_a_node_local_path_is_refused_at_start_up(node_local, tmp_path, cache_dir, small_corpus):
+    # Two "machines" on this host, each given its own path: what a node-local --output_dir is, or a
+    # --train_file whose copy on the second node holds another text (of the same size).
+    train = small_corpus[0].read_text()
+    (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
     port = 29000 + os.getpid() % 1000
-    jobs = [subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-         "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), str(REPO / "recipes/llama.py"), "--output_dir", str(tmp_path / f"node{rank}"),
-         *map(str, corpus_args(small_corpus)), *map(str, RUN30)],
-        cwd=REPO, env={**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+
+    def machine(rank):
+        flags = {"--output_dir": tmp_path / (f"node{rank}" if node_local == "--output_dir" else "shared")}
+        if node_local == "--train_file" and rank == 1:
+            flags["--train_file"] = tmp_path / "other.txt"
+        return subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             str(REPO / "accelerate_configs/ddp.yaml"), "--num_machines", "2", "--machine_rank", str(rank),
+             "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+             str(REPO / "recipes/llama.py"), *map(str, corpus_args(small_corpus)), *map(str, RUN30),
+             *(str(x) for kv in flags.items() for x in kv)],  # later flags win
+            cwd=REPO, env={**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    jobs = [machine(0), machine(1)]
     outputs = [job.communicate(timeout=300)[0] for job in jobs]
     for rank, (job, output) in enumerate(zip(jobs, outputs)):
         assert job.returncode != 0
-        assert (f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: rank {rank}"
-                in output), output[-3000:]
-        assert not (tmp_path / f"node{rank}" / "checkpoint-10").exists()
+        if node_local == "--output_dir":
+            want = f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: rank {rank}"
+        else:
+            want = "error: the training data (text, tokenizer, block size) differs between ranks: rank(s) 1 read"
+        assert want in output, output[-3000:]
+    assert not list(tmp_path.glob("*/checkpoint-10"))
 
 
 def test_resume_auto_rules(tmp_path, monkeypatch):
