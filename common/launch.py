@@ -69,7 +69,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
                          f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
     # torchrun's --max_restarts with the rendezvous store shared between attempts (the default): the
     # restarted ranks read the dead attempt's gloo/NCCL addresses from it and hang or fail to connect
-    # (pytorch/pytorch#135712; measured: 6 restarts in 6 failed). The static rendezvous of the accelerate
+    # (pytorch/pytorch#135712; measured: 7 restarts in 8 failed). The static rendezvous of the accelerate
     # configs always shares it; the c10d one with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
     # attempt a fresh store (6 in 6 worked).
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
