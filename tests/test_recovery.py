@@ -17,6 +17,7 @@ import pytest
 from common.args import parse_args
 from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 from conftest import REPO, RUN30, corpus_args, launch, read_metrics
+from test_multinode import free_port
 
 
 def start(config, out, corpus, cache_dir, *extra, launcher=(), env=None, log=None):
@@ -156,7 +157,7 @@ def test_a_node_local_path_is_refused_at_start_up(node_local, tmp_path, cache_di
     # --train_file whose copy on the second node holds another text (of the same size).
     train = small_corpus[0].read_text()
     (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
-    port = 29000 + os.getpid() % 1000
+    port = free_port()
 
     def machine(rank):
         flags = {"--output_dir": tmp_path / (f"node{rank}" if node_local == "--output_dir" else "shared")}
