@@ -45,12 +45,12 @@ def ranks(job):
     return found
 
 
-def wait_until(condition, job, what, timeout=300):
+def wait_until(condition, job, what, timeout=300, poll=0.05):
     deadline = time.time() + timeout
     while not condition():
         assert job.poll() is None, f"the job ended (exit {job.returncode}) before {what}"
         assert time.time() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def last_step(out):
@@ -104,15 +104,20 @@ def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_d
     print(f"{config}: killed at {killed_at:.0f}, resumed from step {resumed.group(2)}")
 
 
-def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(tmp_path, cache_dir, small_corpus,
-                                                                      reference_run):
-    reference = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
+@pytest.mark.parametrize("config, when", [("ddp", "at step 14"), ("fsdp", "during the save of checkpoint-10")])
+def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(config, when, tmp_path, cache_dir,
+                                                                      small_corpus, reference_run):
+    reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
     out = tmp_path / "run"
-    job = start("ddp", out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto")
+    job = start(config, out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto")
+    saving = out / "checkpoint-10.tmp"
     try:
-        wait_until(lambda: last_step(out) >= 14, job, "step 14")
+        if when == "at step 14":
+            wait_until(lambda: last_step(out) >= 14, job, "step 14")
+        else:
+            wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10", poll=0.005)
         job.send_signal(signal.SIGTERM)  # to the launcher, as SLURM, Kubernetes or a user would
-        signalled_after = last_step(out)
+        signalled_after, signalled_while_saving = last_step(out), saving.exists()
         workers = list(ranks(job).values())
         assert finish(job, timeout=60) != 0  # a preempted run is not a finished one
         assert not psutil.wait_procs(workers, timeout=10)[1]
@@ -122,11 +127,15 @@ def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(tmp_path, c
     preempted = re.search(r"preempted \(SIGTERM\) at step (\d+): saved (\S+);", log)
     assert preempted, log[-3000:]
     step = int(preempted.group(1))
-    assert signalled_after <= step <= signalled_after + 2 and step % 10  # at the next boundary, not a --save_steps one
+    if when == "at step 14":
+        assert signalled_after <= step <= signalled_after + 2 and step % 10  # the next boundary, not a --save_steps one
+    else:  # the save it interrupted finished, and the next step saved again
+        assert signalled_while_saving and step == 11
+        assert verify_checkpoint(out / "checkpoint-10")["step"] == 10
     assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in log or "Received 15 death signal" in log
     # The same command line again (a requeue): it resumes from that checkpoint and ends as if never stopped.
-    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
+    proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
                   "--resume_from_checkpoint", "auto", cache_dir=cache_dir, mixed_precision="no")
     assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in proc.stdout
     assert_same_run(out, reference)
