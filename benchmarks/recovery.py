@@ -3,18 +3,17 @@
     python benchmarks/recovery.py                    # accelerate_configs/ddp.yaml, about 4 minutes on 2 CPU cores
     python benchmarks/recovery.py --config fsdp --skip_hung
 
-Every scenario is a real `accelerate launch` of `recipes/llama.py` with the tests' RUN30 flags
-(tests/conftest.py: 30 fp32 steps, checkpoints every 10, blocks of 64, 2 per device x 2 ranks) on
-the bundled Shakespeare corpus (`--max_eval_samples 8`), each in a fresh output directory:
-  1. baseline: an uninterrupted run;
-  2. rank 1 SIGKILLed right after checkpoint-10, under `--rdzv_backend c10d --max_restarts 1`
-     (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; common/launch.py refuses restarts without them);
-  3. SIGTERM to the launcher at step 15 (`--resume_from_checkpoint auto`), then the same command again;
-  4. rank 1 SIGSTOPped after checkpoint-10 with `--ddp_timeout 30`, without and with restarts
-     (about 2.5 minutes; `--skip_hung` leaves it out);
-  5. the launcher SIGKILLed: how long its workers outlive it.
-Times are the wall-clock moments at which a line first shows in the launcher's combined log (or
-in metrics.jsonl), polled every 50 ms. Prints a markdown table and writes it to `--results`.
+Each scenario is a real `accelerate launch` of `recipes/llama.py` in a fresh directory, with the
+tests' RUN30 flags (30 fp32 steps, checkpoints every 10, blocks of 64, 2 per device x 2 ranks) on
+the bundled corpus (`--max_eval_samples 8`):
+  1. uninterrupted (the baseline);
+  2. rank 1 SIGKILLed after checkpoint-10, under `--rdzv_backend c10d --max_restarts 1` and
+     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (common/launch.py refuses restarts without them);
+  3. SIGTERM to the launcher at step 15, then the same command again (`--resume_from_checkpoint auto`);
+  4. rank 1 SIGSTOPped after checkpoint-10, `--ddp_timeout 30`, without and with restarts (2.5 min);
+  5. the launcher SIGKILLed.
+Times are when a line first shows in the launcher's combined log (or metrics.jsonl), polled every
+50 ms. Prints a markdown table and writes it to `--results`.
 """
 
 import argparse
@@ -50,7 +49,7 @@ parser.add_argument("--results", default=str(REPO / "benchmarks/results/recovery
 args = parser.parse_args()
 work = Path(tempfile.mkdtemp(prefix="recovery-"))
 cache = os.environ.get("ACCELERATE_RECIPES_CACHE") or str(work / "cache")  # tokenizer and packed blocks
-jobs = []
+jobs, rows = [], []
 
 
 def losses(out):
@@ -141,9 +140,6 @@ def gap(job):
     return f"{job.proc.returncode} / {max(abs(got[s] - base[s]) / abs(base[s]) for s in got):.1e}"
 
 
-rows = []
-
-
 def add(scenario, *pairs):
     rows.extend([scenario if i == 0 else "", what, value] for i, (what, value) in enumerate(pairs))
 
@@ -217,10 +213,10 @@ finally:  # whatever happened, nothing keeps running
         job.proc.wait()
 
 report = (f"# Recovery costs, `accelerate_configs/{args.config}.yaml`\n\n"
-          f"`python benchmarks/recovery.py {' '.join(sys.argv[1:])}`, {datetime.now():%Y-%m-%d %H:%M}: "
+          f"`{' '.join(['python benchmarks/recovery.py', *sys.argv[1:]])}`, {datetime.now():%Y-%m-%d %H:%M}: "
           f"{os.cpu_count()} CPU cores, 2 gloo ranks, torch {version('torch')}, accelerate {version('accelerate')}; "
-          "the bundled corpus with the RUN30 flags (30 fp32 steps, checkpoints every 10). One run each on a "
-          "host shared with other jobs: the timings are noisy.\n\n"
+          "the bundled corpus with the RUN30 flags (30 fp32 steps, checkpoints every 10). One run each on a host "
+          f"shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end): the timings are noisy.\n\n"
           "| scenario | measured | value |\n|---|---|---|\n" + "".join(f"| {a} | {b} | {c} |\n" for a, b, c in rows))
 print(report)
 Path(args.results).write_text(report)
