@@ -10,8 +10,8 @@ Assumes `output_dir` is one filesystem seen by every rank (a shared disk on mult
 
 Recovery: `--resume_from_checkpoint auto` resumes from the newest complete checkpoint, or starts
 fresh when there is none, so one command line serves the first attempt and every restart
-(torchrun's `--max_restarts`, a SLURM requeue). `stop_on_sigterm` turns the SIGTERM that SLURM,
-Kubernetes and torchrun send before they kill into a checkpoint at the next step boundary.
+(torchrun's `--max_restarts`, a SLURM requeue). `stop_on_signal` turns the SIGTERM (or Ctrl-C's SIGINT) that SLURM,
+Kubernetes, torchrun and users send before they kill into a checkpoint at the next step boundary.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import threading
 import time
 import uuid
 import warnings
@@ -191,7 +190,16 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
     or what the data position depends on (seed, blocks, global batch): a difference there means
     the resumed run would not be the run the flags and logs describe.
     """
-    return [f"{k} {saved[k]} -> {v}" for k, v in current.items() if k in saved and saved[k] != v]
+    changes = []
+    for k, v in current.items():
+        if k not in saved or saved[k] == v:
+            continue
+        if isinstance(v, dict) and isinstance(saved[k], dict):  # e.g. the model config: name the keys
+            changes += [f"{k}.{key} {saved[k].get(key)} -> {v.get(key)}"
+                        for key in sorted(set(v) | set(saved[k])) if saved[k].get(key) != v.get(key)]
+        else:
+            changes.append(f"{k} {saved[k]} -> {v}")
+    return changes
 
 
 def start_fresh(accelerator, output_dir: str) -> None:
@@ -237,8 +245,8 @@ def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]
                        "converts one to plain weights)")
     if not changes:
         return None
-    return (f"cannot resume from {path}: {'; '.join(changes)}. Resume with the saved settings, or start over from "
-            "its weights (--model_name_or_path)")
+    return (f"cannot resume from {path}: {'; '.join(changes)}. Resume with the saved settings, or start a new run "
+            "(into another --output_dir) from its weights")
 
 
 def check_shared_dir(accelerator, output_dir: str) -> None:
@@ -273,36 +281,43 @@ def check_shared_dir(accelerator, output_dir: str) -> None:
                          "shared filesystem path")
 
 
-def stop_on_sigterm(accelerator, timeout_s: float):
-    """Turn SIGTERM into "save at the next step boundary, then exit"; returns `preempted()`.
+def stop_on_signal(accelerator, timeout_s: float):
+    """Turn SIGTERM, SIGINT and SIGHUP into "save at the next step boundary, then exit"; returns `preempted()`.
 
-    SLURM (preemption, a time limit, `scancel --signal=TERM`), Kubernetes and torchrun (when its
-    own launcher gets SIGTERM, SIGINT or SIGHUP) all send SIGTERM, then SIGKILL after a grace
-    period: torchrun 30 s, SLURM `KillWait` (often 30 s), Kubernetes
-    `terminationGracePeriodSeconds` (30 s by default). The handler only sets a flag. Call
-    `preempted()` on every rank at every optimizer-step boundary: it all-reduces the flag (MAX)
-    over a gloo group, so every rank stops at the same step even when the signal reaches the
-    ranks at different moments. That is one 1-byte CPU collective per step, with no device sync.
-    Install it right before the training loop: until then SIGTERM ends the process as usual.
+    SLURM (preemption, a time limit, `scancel --signal=TERM`), Kubernetes (eviction) and a user
+    (`kill`, Ctrl-C, a closed terminal) send one of these before anything harder; torchrun passes
+    the one its launcher got on to every worker, then SIGKILLs them after 30 s (SLURM: `KillWait`,
+    often 30 s; Kubernetes: `terminationGracePeriodSeconds`, 30 s by default). The handler only
+    records the signal. Call `preempted()` on every rank at every optimizer-step boundary: it
+    all-reduces the signal number (MAX) over a gloo group, so every rank stops at the same step
+    even when the signal reaches the ranks at different moments. That is one 4-byte CPU
+    collective per step, with no device sync. Install it right before the training loop: until
+    then these signals end the process as usual.
 
     Args:
         timeout_s: collective timeout in seconds (`--ddp_timeout`).
 
     Returns:
-        `preempted() -> bool`, True on every rank once any rank received SIGTERM.
+        `preempted() -> str | None`: the signal's name (e.g. "SIGTERM") on every rank once any rank
+        received one, else None.
     """
     import torch
     import torch.distributed as dist
 
-    requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: requested.set())
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handler)
     group = None
     if dist.is_initialized() and accelerator.num_processes > 1:  # a CPU group, whatever the device backend
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
-    def preempted() -> bool:
-        flag = torch.tensor([int(requested.is_set())], dtype=torch.int32)
+    def preempted() -> str | None:
+        signum = torch.tensor([received[0] if received else 0], dtype=torch.int32)
         if group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+            dist.all_reduce(signum, op=dist.ReduceOp.MAX, group=group)
+        return signal.Signals(int(signum)).name if int(signum) else None
     return preempted

@@ -4,6 +4,8 @@ the decoder blocks that FSDP must shard one by one."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import LlamaConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -186,6 +188,18 @@ def fsdp_block_units(model: torch.nn.Module) -> dict:
     name = type(inner).__name__.removeprefix("FSDP") if isinstance(inner, FSDPModule) else type(inner).__name__
     units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
     return {"block_class": name, "blocks": len(blocks), "units": units}
+
+
+def config_state(config) -> dict:
+    """The model config as plain JSON values, for a checkpoint's marker (`checkpoint.resume_error`).
+
+    `to_diff_dict` (what differs from the class defaults), without `transformers_version` and
+    `_name_or_path`, which change with the install and the directory, not with the model. A resume
+    under another `--config_overrides` (a norm epsilon, a dropout rate) loads the same tensor
+    shapes and trains another model, silently: comparing this dict refuses it, naming the keys.
+    """
+    values = json.loads(config.to_json_string(use_diff=True))
+    return {k: v for k, v in values.items() if k not in ("transformers_version", "_name_or_path")}
 
 
 def uses_dropout(model) -> bool:

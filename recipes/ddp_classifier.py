@@ -242,7 +242,8 @@ data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": arg
 # The optimizer's LR and decay come back from its state whatever the flags say, and BERT's dropout
 # masks depend on how a step's samples are split over ranks and micro batches.
 same_run = {"learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-            "mixed_precision": accelerator.mixed_precision,
+            "mixed_precision": accelerator.mixed_precision, "max_grad_norm": args.max_grad_norm,
+            "model_config": models.config_state(model.config),
             "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
             "world_size": world_size}
 run_state = {"distributed_type": strategy, **data_state, **same_run}
@@ -297,8 +298,8 @@ model.train()
 t_start, skipped_in_a_row, accuracy = time.perf_counter(), 0, None
 epoch = step // steps_per_epoch
 seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
-# SIGTERM (preemption, a time limit, a stopped job) saves a checkpoint at the next step boundary.
-preempted = checkpoint.stop_on_sigterm(accelerator, args.ddp_timeout)
+# SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
+preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
 while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
     done_in_epoch = step % steps_per_epoch  # > 0 only right after a mid-epoch resume
@@ -352,13 +353,13 @@ while step < max_steps:
                 metrics.append_jsonl(metrics_path, {"step": step, "epoch": epoch, "eval_accuracy": accuracy})
             accelerator.print(f"step {step} (epoch {epoch}) | held-out accuracy {accuracy:.3f} "
                               f"(majority baseline {baseline_accuracy:.3f})")
-        preempt = preempted()  # a collective: every rank stops at the same step
+        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         if preempt or (args.save_steps and step % args.save_steps == 0):  # after the eval, which a resume does not redo
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,
                                                   run_state={**run_state, "skipped_steps": skipped_steps},
                                                   hf_files=(accelerator.unwrap_model(model).config, tokenizer))
         if preempt:
-            accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
+            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:

@@ -176,8 +176,8 @@ with accelerator.main_process_first():
 if error is not None:
     sys.exit(f"error: {error}")
 # Each node reads --train_file from its own path: another copy there would train on other samples.
-if mismatch := checks.rank_mismatch(accelerator, "training data (text, tokenizer, block size)",
-                                    data.packing_digest(raw, tokenizer, args.block_size, args.packing)):
+data_digest = data.packing_digest(raw, tokenizer, args.block_size, args.packing)
+if mismatch := checks.rank_mismatch(accelerator, "data (train and validation text, tokenizer, block size)", data_digest):
     sys.exit(f"error: {mismatch}")
 if token_id_changes and (args.config_name or args.model_name_or_path):  # (a preset has none of its own)
     accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(token_id_changes)}")
@@ -256,12 +256,14 @@ strategy = accelerator.distributed_type.value + (  # the ZeRO stage / FSDP versi
     f"_ZERO{accelerator.state.deepspeed_plugin.zero_stage}" if is_deepspeed else "2" if is_fsdp and accelerator.is_fsdp2
     else "1" if is_fsdp else "")
 # What fixes the data order besides the global batch: the seed, the blocks and their number.
-data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing, "train_blocks": len(train_set)}
+data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing, "train_blocks": len(train_set),
+              "data_digest": data_digest}
 # What a resume restores whatever the flags say: the optimizer's own LR, decay and betas; and with
 # dropout, masks that depend on how each step's samples are split over ranks and micro batches.
 same_run = {"learning_rate": peak_lr, "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1,
             "adam_beta2": args.adam_beta2, "adam_epsilon": args.adam_epsilon, "warmup_steps": args.warmup_steps,
             "mixed_precision": accelerator.mixed_precision,  # another precision is another run
+            "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(model.config),
             **({"per_device_train_batch_size": args.per_device_train_batch_size, "world_size": world_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps} if models.uses_dropout(model) else {})}
 run_state = {"world_size": world_size, "global_batch": global_batch, "distributed_type": strategy,
@@ -349,8 +351,8 @@ epoch = step // updates_per_epoch
 skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
 skipped_in_a_row = 0
 tokens_seen = (step - empty_windows) * global_batch * args.block_size
-# SIGTERM (preemption, a time limit, a stopped job) saves a checkpoint at the next step boundary.
-preempted = checkpoint.stop_on_sigterm(accelerator, args.ddp_timeout)
+# SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
+preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
 while step < max_steps:
     train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
@@ -427,14 +429,14 @@ while step < max_steps:
                 metrics.append_jsonl(metrics_path, record)  # NaN (an empty window) is written as null
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
-        preempt = preempted()  # a collective: every rank stops at the same step
+        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         if preempt or (args.save_steps and step % args.save_steps == 0):
             saved_to = checkpoint.save_checkpoint(
                 accelerator, args.output_dir, step, args.save_total_limit,
                 {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
                 hf_files=(accelerator.unwrap_model(model).config, tokenizer))
         if preempt:
-            accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
+            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:

@@ -261,7 +261,8 @@ model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
 run_state = {"precision": mode, "distributed_type": accelerator.distributed_type.value,
              "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
              # the optimizer state brings its own LR and decay back, whatever the flags say
-             "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps}
+             "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
+             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(model.config)}
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:
@@ -320,8 +321,8 @@ model.train()
 start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
 window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
 epoch = step // updates_per_epoch
-# SIGTERM (preemption, a time limit, a stopped job) saves a checkpoint at the next step boundary.
-preempted = checkpoint.stop_on_sigterm(accelerator, args.ddp_timeout)
+# SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
+preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
 while step < max_steps:
     train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
@@ -391,13 +392,13 @@ while step < max_steps:
             accelerator.free_memory()
             accelerator.end_training()
             sys.exit(f"error: {stop}")
-        preempt = preempted()  # a collective: every rank stops at the same step
+        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         if preempt or (args.save_steps and step % args.save_steps == 0):
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
                                                   run_state={**run_state, "skipped_steps": skipped_steps,
                                                              "skipped_in_a_row": skipped_in_a_row})
         if preempt:
-            accelerator.print(f"preempted (SIGTERM) at step {step}: saved {saved_to}; "
+            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch

@@ -1,5 +1,5 @@
-"""Jobs that recover on their own: a killed rank under `--max_restarts`, SIGTERM (preemption)
-saving at the next step boundary, a SIGKILLed launcher leaving no workers behind, a node-local
+"""Jobs that recover on their own: a killed rank under `--max_restarts`, SIGTERM (preemption) or
+Ctrl-C saving at the next step boundary, a SIGKILLed launcher leaving no workers behind, a node-local
 --output_dir refused, and `--resume_from_checkpoint auto`. Every resumed run is compared with
 one uninterrupted run (`reference_run`, shared with tests/test_slurm.py)."""
 
@@ -104,8 +104,9 @@ def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_d
     print(f"{config}: killed at {killed_at:.0f}, resumed from step {resumed.group(2)}")
 
 
-@pytest.mark.parametrize("config, when", [("ddp", "at step 14"), ("fsdp", "during the save of checkpoint-10")])
-def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(config, when, tmp_path, cache_dir,
+@pytest.mark.parametrize("config, when, sig", [("ddp", "at step 14", signal.SIGTERM),
+                                               ("fsdp", "during the save of checkpoint-10", signal.SIGINT)])
+def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, when, sig, tmp_path, cache_dir,
                                                                       small_corpus, reference_run):
     reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
     out = tmp_path / "run"
@@ -116,7 +117,7 @@ def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(config, whe
             wait_until(lambda: last_step(out) >= 14, job, "step 14")
         else:
             wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10", poll=0.005)
-        job.send_signal(signal.SIGTERM)  # to the launcher, as SLURM, Kubernetes or a user would
+        job.send_signal(sig)  # to the launcher, as SLURM, Kubernetes or a user (Ctrl-C: SIGINT) would
         signalled_after, signalled_while_saving = last_step(out), saving.exists()
         workers = list(ranks(job).values())
         assert finish(job, timeout=60) != 0  # a preempted run is not a finished one
@@ -124,7 +125,7 @@ def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(config, whe
     finally:
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
     log = open(f"{out}.log").read()
-    preempted = re.search(r"preempted \(SIGTERM\) at step (\d+): saved (\S+);", log)
+    preempted = re.search(rf"preempted \({sig.name}\) at step (\d+): saved (\S+);", log)
     assert preempted, log[-3000:]
     step = int(preempted.group(1))
     if when == "at step 14":
@@ -133,7 +134,17 @@ def test_sigterm_saves_at_the_next_step_and_the_same_command_resumes(config, whe
         assert signalled_while_saving and step == 11
         assert verify_checkpoint(out / "checkpoint-10")["step"] == 10
     assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step
-    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in log or "Received 15 death signal" in log
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in log or f"Received {int(sig)} death signal" in log
+    if config == "ddp":  # what would make the resumed run another one is refused, each named (reviewer's finds)
+        train = small_corpus[0].read_text()
+        (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
+        proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
+                      "--resume_from_checkpoint", "auto", "--max_grad_norm", 0.5, "--config_overrides",
+                      "rms_norm_eps=1e-3", "--train_file", tmp_path / "other.txt", cache_dir=cache_dir,
+                      mixed_precision="no", check=False)
+        assert proc.returncode != 0
+        for change in ("data_digest ", "max_grad_norm 1.0 -> 0.5", "model_config.rms_norm_eps 1e-06 -> 0.001"):
+            assert change in proc.stderr, proc.stderr[-3000:]
     # The same command line again (a requeue): it resumes from that checkpoint and ends as if never stopped.
     proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
                   "--resume_from_checkpoint", "auto", cache_dir=cache_dir, mixed_precision="no")
