@@ -262,7 +262,7 @@ run_state = {"precision": mode, "distributed_type": accelerator.distributed_type
              "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
              # the optimizer state brings its own LR and decay back, whatever the flags say
              "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(model.config)}
+             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(config)}
 try:
     resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 except (ValueError, FileNotFoundError) as err:

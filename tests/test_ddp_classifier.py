@@ -82,6 +82,8 @@ def test_exactly_one_writer_per_file(run):
     assert set(on_disk) <= set(writes), f"files written by code the audit does not see: {set(on_disk) - set(writes)}"
     for path, ranks in writes.items():
         owner = int(path[len("sample_ids/rank"):-len(".json")]) if path.startswith("sample_ids/") else 0
+        if path.startswith(".shared-check-"):  # each rank's mark that it sees --output_dir (removed at once)
+            owner = int(path.rsplit("-", 1)[1])
         assert set(ranks) == {owner}, (path, ranks)
     assert writes["final/model.safetensors"] == [0]  # the checkpoint is written once
     assert {"metrics.jsonl", "final/config.json", "final/model.safetensors",
