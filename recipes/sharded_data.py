@@ -27,21 +27,24 @@ Flags: training takes the core `transformers.TrainingArguments` flags (common/ar
 usual meaning: --output_dir, --overwrite_output_dir, --seed, --per_device_train_batch_size,
 --gradient_accumulation_steps, --learning_rate, --weight_decay (never on norm weights),
 --warmup_steps (linear warmup, then the constant --learning_rate), --max_steps, --logging_steps,
---max_grad_norm, --report_to. It keeps no checkpoints (a streaming loader's position is not
-restored here), and each rank's epoch has its own length, so --save_steps,
---resume_from_checkpoint and --num_train_epochs are refused with an error rather than ignored.
+--max_grad_norm, --report_to, and --save_steps / --resume_from_checkpoint {PATH|latest|auto} as
+in llama.py (common/checkpoint.py: SIGTERM, SIGINT or SIGHUP saves at the next step and exits 143).
+Each rank's epoch has its own length, so --num_train_epochs is refused, and a checkpoint records
+every rank's data position (its epoch and the batches it consumed of it) to resume exactly.
 `accelerate launch --mixed_precision fp16` on CPU ranks trains in real fp16 with a loss-scaling
 GradScaler (common/launch.py); each logged line then has `loss_scale` and `skipped_steps`, and a
 skipped step does not advance the LR schedule.
 
 Outputs in --output_dir (standard JSON: a non-finite number is written as null and named in the
-record's "nonfinite" list): metrics.jsonl (logging steps, then a summary with the table), and with
---record_sample_ids, sample_ids/rank{r}.json (written by rank r alone: block ids per epoch).
+record's "nonfinite" list): metrics.jsonl (logging steps, then a summary with the table),
+checkpoint-N/ (--save_steps), and with --record_sample_ids, sample_ids/rank{r}.json (written by
+rank r alone: the block ids this process trained on, per epoch).
 """
 
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,7 +58,7 @@ import torch
 from transformers import HfArgumentParser, LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
 from common.args import parse_args, unsupported  # noqa: E402
 
 MANIFEST = "manifest.json"
@@ -257,6 +260,14 @@ class RankShards(torch.utils.data.IterableDataset):
                 tokens, ids = tokens[self.batch_size:], ids[self.batch_size:]
 
 
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """DataLoader worker init: ignore SIGTERM, SIGINT and SIGHUP. torchrun signals each rank's whole
+    process group, and Ctrl-C the terminal's: a worker killed by one failed its rank's next batch
+    before the rank could save. The rank saves at the next step, then shuts its workers down."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, seed: int, buffer_size: int):
     """The same shards through `datasets`: streaming parquet, one file per shard, split by node.
 
@@ -284,8 +295,7 @@ def main():
     if sys.argv[1:2] == ["prepare"]:
         return prepare(parse_prepare_args(sys.argv[2:]))
     args = parse_args(TrainArgs, **TRAIN_DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
-    no_checkpoints = "it keeps no checkpoints (a streaming loader's position is not restored here)"
-    unsupported(args, "sharded_data.py", save_steps=no_checkpoints, resume_from_checkpoint=no_checkpoints,
+    unsupported(args, "sharded_data.py",
                 num_train_epochs="each rank streams its own shards, whose epochs differ in length: give --max_steps")
     if args.max_steps < 1:
         sys.exit("error: sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
@@ -294,7 +304,7 @@ def main():
         sys.exit("error: training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     # Import Accelerate only now: `prepare` runs without a launcher or process group.
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+    from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object, set_seed
 
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     try:
@@ -312,6 +322,8 @@ def main():
     try:
         launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
         launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
+        os.makedirs(args.output_dir, exist_ok=True)
+        checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
     except ValueError as err:
         sys.exit(f"error: {err}")
     # DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
@@ -337,21 +349,26 @@ def main():
         dataset, batch_size=loader_batch, drop_last=loader_batch is not None, num_workers=workers,
         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),  # page-locked: async host-to-GPU copies
         prefetch_factor=args.dataloader_prefetch_factor if workers else None,  # batches queued per worker
-        persistent_workers=args.dataloader_persistent_workers and workers > 0)  # no re-fork every epoch
+        persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-fork every epoch
+        generator=torch.Generator(),  # iter() draws its seed here, not from the global RNG a resume restores
+        worker_init_fn=leave_signals_to_the_rank)
 
-    def epochs():
-        """(epoch, batch) forever; a new permutation (set_epoch) whenever the loader runs dry."""
-        epoch = 0
+    def epochs(epoch: int, done: int):
+        """(epoch, batches of it consumed, batch) forever, from `done` batches into `epoch`; a new permutation
+        (set_epoch) whenever the loader runs dry. The order is a function of (--seed, epoch, rank), so a
+        resume re-creates its epoch and reads and discards the `done` batches already trained on: no loader
+        state to save, for up to one epoch of this rank's shards read (not trained on) at loader speed."""
         while True:
             dataset.set_epoch(epoch)
             n = 0
             for n, b in enumerate(loader, 1):
-                yield epoch, {"input_ids": b["input_ids"].long().to(device, non_blocking=True),
-                              "block_id": b["block_id"]}
+                if n > done:
+                    yield epoch, n, {"input_ids": b["input_ids"].long().to(device, non_blocking=True),
+                                     "block_id": b["block_id"]}
             if n == 0:
                 raise ValueError(f"rank {rank}: shards {[p.name for p in paths]} hold less than one batch of {batch} "
                                  f"per loader worker ({workers}); prepare more blocks or lower the batch size")
-            epoch += 1
+            epoch, done = epoch + 1, 0
 
     # -----------------------------------------------------------------------------------------
     # Model, and accelerator.prepare for the model, optimizer and LR schedule (the loader stays ours).
@@ -377,14 +394,39 @@ def main():
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot read the micro batch off a loader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
+    # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
+    run_state = {"distributed_type": accelerator.distributed_type.value, "world_size": world_size,
+                 "global_batch": batch * accumulation * world_size, "per_device_train_batch_size": batch,
+                 "seed": args.seed, "loader": args.loader, "dataloader_num_workers": workers,
+                 "shuffle_buffer_size": args.shuffle_buffer_size, "block_size": block_size,
+                 "manifest_sha256": hashlib.sha256((Path(args.data_dir) / MANIFEST).read_bytes()).hexdigest(),
+                 "model_config": models.config_state(config), "learning_rate": args.learning_rate,
+                 "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
+                 "max_grad_norm": args.max_grad_norm, "mixed_precision": accelerator.mixed_precision}
+    try:
+        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"error: cannot resume: {err}")
+    if resume_path:
+        if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):  # all of it must match
+            sys.exit(f"error: {error}")
+        # model, optimizer, scheduler, scaler, RNG; the micro-step count follows the step
+        checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=saved["step"])
+        accelerator.print(f"resumed from {resume_path} at step {saved['step']}"
+                          + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+    else:
+        checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
     accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {args.loader} loader | "
                       f"{len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB corpus | "
                       f"{workers} workers | batch {batch} x {block_size} tokens x {accumulation} accumulation per rank"
                       f" | {accelerator.mixed_precision}")
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        open(metrics_path, "w").close()
+    if accelerator.is_main_process:  # a resume keeps the step lines up to its step; a fresh run starts the file
+        kept = [line for line in open(metrics_path) if not json.loads(line).get("summary") and
+                json.loads(line)["step"] <= saved["step"]] if resume_path and os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
     accelerator.init_trackers("sharded_data", config={k: v for k, v in vars(args).items() if v is not None})
 
     # 1. The loader alone: tokens/s it delivers with nothing else running (start-up excluded).
@@ -399,14 +441,31 @@ def main():
 
     # 2. Training: what one step consumes, and how long the step waits for data.
     model.train()
-    seen, wait_s, compute_s, skipped_steps, skipped_in_a_row = [], 0.0, 0.0, 0, 0
-    batches = epochs()
-    for step in range(1, args.max_steps + 1):
+    seen, wait_s, compute_s, start = [], 0.0, 0.0, saved["step"]
+    # fp16 bookkeeping the scaler does not keep, and this rank's data position: from COMPLETE.json
+    skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
+    epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]
+    batches = epochs(epoch, done)
+
+    def teardown():
+        """Orderly: no rank destroys the process group while a peer still uses it, and the DDP reducer
+        (which holds the group) goes first; freeing it after the group's destruction, as main()
+        returns, hung now and then in the gloo destructor (torch 2.13, CPU)."""
+        nonlocal model, optimizer
+        batches.close()  # release the loader's iterator (and its workers' queues)
+        accelerator.wait_for_everyone()
+        del model, optimizer
+        accelerator.free_memory()
+        accelerator.end_training()
+
+    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
+    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
+    for step in range(start + 1, args.max_steps + 1):
         lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
         window_loss = torch.zeros((), device=device)
         for _ in range(accumulation):
             t0 = time.perf_counter()
-            epoch, b = next(batches)
+            epoch, done, b = next(batches)
             t1 = time.perf_counter()
             with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
                 loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
@@ -421,8 +480,7 @@ def main():
                 torch.cuda.synchronize(device)
             wait_s, compute_s = wait_s + t1 - t0, compute_s + time.perf_counter() - t1
             window_loss += loss.detach() / accumulation
-            if len(seen) <= epoch:
-                seen.append([])
+            seen += [[] for _ in range(epoch + 1 - len(seen))]  # (a resumed run starts in a later epoch)
             seen[epoch] += b["block_id"].tolist()
         skipped = accelerator.optimizer_step_was_skipped
         skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
@@ -431,11 +489,7 @@ def main():
             if (warning := precision.skipped_step_warning(scale, skipped_in_a_row)) and accelerator.is_main_process:
                 print(f"step {step}: {warning}", file=sys.stderr, flush=True)
         except ValueError as err:  # orderly teardown first: no rank leaves while the model holds the group
-            batches.close()
-            accelerator.wait_for_everyone()
-            del model, optimizer
-            accelerator.free_memory()
-            accelerator.end_training()
+            teardown()
             sys.exit(f"error: step {step}: {err}")
         if step % args.logging_steps == 0 or step == args.max_steps:
             record = {"step": step, "epoch": epoch,
@@ -447,16 +501,27 @@ def main():
             accelerator.log(record, step=step)
             if accelerator.is_main_process:
                 metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
+        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
+        if preempt or (args.save_steps and step % args.save_steps == 0):
+            # every rank's own position (epochs differ in length per rank), for rank 0's COMPLETE.json
+            position = gather_object([[epoch, done]])
+            saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state={
+                **run_state, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,
+                "data_position": position})
+        if preempt:
+            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                              "relaunch with --resume_from_checkpoint auto to continue")
+            teardown()
+            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
 
     # 3. Resident memory now, with the persistent workers still alive. RSS counts pages a forked
     # worker still shares with its parent (libraries, torch); USS counts only the pages a process
     # alone holds, so the workers' cost is their USS.
     me = psutil.Process()
     kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
-    step_tps = args.max_steps * accumulation * batch * block_size / compute_s
-    row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_s / (wait_s + compute_s),
+    step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s if compute_s else float("nan")
+    row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_s / (wait_s + compute_s or float("nan")),
            me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
-    batches.close()  # release the loader's iterator (and its workers' queues) before shutdown
     table = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=device)).cpu().tolist()
     if args.record_sample_ids:  # one file per rank, each written by its own rank only
         os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
@@ -477,13 +542,7 @@ def main():
                   f"| {r['loader_tokens_per_second']:,.0f} | {r['step_tokens_per_second']:,.0f} "
                   f"| {r['loader_to_step_ratio']:.0f} | {r['data_wait_share']:.1%} | {r['rss_bytes'] / 2**20:.0f} "
                   f"| {r['uss_bytes'] / 2**20:.0f} | {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |")
-    # Orderly teardown: no rank destroys the process group while a peer still uses it, and the DDP
-    # reducer (which holds the group) goes first; freeing it after the group's destruction, as
-    # main() returns, hung now and then in the gloo destructor (torch 2.13, CPU).
-    accelerator.wait_for_everyone()
-    del model, optimizer
-    accelerator.free_memory()
-    accelerator.end_training()
+    teardown()
 
 
 if __name__ == "__main__":  # the guard keeps spawned DataLoader workers from re-running main()

@@ -133,8 +133,9 @@ def test_exactly_one_writer_per_file(run):
     on_disk = files_under(run["out"])
     assert set(on_disk) <= set(writes), set(on_disk) - set(writes)
     assert set(on_disk) == {"metrics.jsonl", "sample_ids/rank0.json", "sample_ids/rank1.json"}
-    for path, ranks in writes.items():
-        owner = int(path[len("sample_ids/rank"):-len(".json")]) if path.startswith("sample_ids/") else 0
+    for path, ranks in writes.items():  # each rank touches its own `.shared-check-{token}-{rank}` (check_shared_dir)
+        owner = int(path[len("sample_ids/rank"):-len(".json")]) if path.startswith("sample_ids/") else \
+            int(path.rsplit("-", 1)[1]) if path.startswith(".shared-check-") else 0
         assert set(ranks) == {owner}, (path, ranks)
 
 
@@ -175,10 +176,6 @@ def test_fp16_on_cpu_ranks_is_real_and_logs_the_loss_scale(tiny, tmp_path, cache
 @pytest.mark.parametrize("argv, expected", [
     (["prepare", "--output_dir", "{out}", "--no_such_flag", "1"],
      "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"),
-    (["--output_dir", "{out}", "--save_steps", 10], "error: sharded_data.py does not take --save_steps: it keeps no "
-                                                     "checkpoints"),
-    (["--output_dir", "{out}", "--resume_from_checkpoint", "latest"],
-     "error: sharded_data.py does not take --resume_from_checkpoint: it keeps no checkpoints"),
     (["--output_dir", "{out}", "--max_steps", -1, "--num_train_epochs", 2],
      "error: sharded_data.py does not take --num_train_epochs: each rank streams its own shards"),
     (["--output_dir", "{out}", "--max_steps", -1], "error: sharded_data.py needs --max_steps"),
@@ -195,6 +192,45 @@ def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, 
     assert message.startswith(f"error: --output_dir {tmp_path} already holds files (metrics.jsonl)"), message
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'
+
+
+@pytest.fixture(scope="module")
+def uneven(tiny, tmp_path_factory):
+    """tiny with shard 1 cut to 59 rows (row groups 16, 16, 16, 11): with 2 workers x batches of 8,
+    a rank holding it has 15-batch epochs (one worker's 59 rows make 7 batches), the other 16.
+    parquet route: always rank 1; datasets route: whichever rank the epoch deals it to."""
+    out = tmp_path_factory.mktemp("uneven") / "shards"
+    shutil.copytree(tiny[0], out)
+    path, manifest = out / "shard_0001.parquet", json.loads((out / "manifest.json").read_text())
+    pq.write_table(pq.read_table(path).slice(0, 59), path, row_group_size=16)
+    manifest["shards"][1].update(rows=59, tokens=59 * 64, bytes=path.stat().st_size,
+                                 sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_resume_continues_every_rank_exactly(uneven, tmp_path, cache_dir):
+    """20 steps saving checkpoint-16, against a run resumed from it into another --output_dir. At step
+    16 one rank has just used up its 16-batch first epoch and the other is 1 batch into its second
+    (15-batch epochs), so each rank skips its own count: the same blocks, batch for batch, and the
+    same losses, grad norms and LRs (fp32, 1e-6 relative; warmup still running across the resume).
+    The parquet route only: with `--loader datasets` the same test passes (bit-exact) but takes 60 s."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--max_steps", 20, "--logging_steps", 1, "--warmup_steps", 18,
+             "--loader_benchmark_batches", 2, "--record_sample_ids"]
+    train("ddp", uneven, full, *flags, "--save_steps", 16, cache_dir=cache_dir)
+    position = json.loads((full / "checkpoint-16" / "COMPLETE.json").read_text())["data_position"]
+    assert position == [[0, 16], [1, 1]]  # [epoch, batches consumed in it] per rank
+    proc = train("ddp", uneven, resumed, *flags, "--resume_from_checkpoint", full / "checkpoint-16", cache_dir=cache_dir)
+    assert f"resumed from {full / 'checkpoint-16'} at step 16" in proc.stdout, proc.stdout[-3000:]
+    (a, _), (b, _) = strict_metrics(full), strict_metrics(resumed)
+    assert [r["step"] for r in a] == list(range(1, 21)) and [r["step"] for r in b] == [17, 18, 19, 20]
+    for x, y in zip(a[16:], b):
+        for key in ("loss", "grad_norm", "lr"):
+            assert y[key] == pytest.approx(x[key], rel=1e-6, abs=0), (key, x, y)
+    for r in range(WORLD):
+        ids = [json.loads((d / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for d in (full, resumed)]
+        assert sum(ids[1], []) == sum(ids[0], [])[16 * BATCH:]
 
 
 def damaged(tiny, tmp_path, damage):
