@@ -396,9 +396,9 @@ def main():
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
-    run_state = {"distributed_type": accelerator.distributed_type.value, "world_size": world_size,
+    run_state = {"distributed_type": accelerator.distributed_type.value, "world_size": world_size, "seed": args.seed,
                  "global_batch": batch * accumulation * world_size, "per_device_train_batch_size": batch,
-                 "seed": args.seed, "loader": args.loader, "dataloader_num_workers": workers,
+                 "loader": args.loader, "dataloader_num_workers": workers,
                  "shuffle_buffer_size": args.shuffle_buffer_size, "block_size": block_size,
                  "manifest_sha256": hashlib.sha256((Path(args.data_dir) / MANIFEST).read_bytes()).hexdigest(),
                  "model_config": models.config_state(config), "learning_rate": args.learning_rate,
@@ -503,11 +503,10 @@ def main():
                 metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         if preempt or (args.save_steps and step % args.save_steps == 0):
-            # every rank's own position (epochs differ in length per rank), for rank 0's COMPLETE.json
-            position = gather_object([[epoch, done]])
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state={
                 **run_state, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,
-                "data_position": position})
+                # every rank's own [epoch, batches consumed in it] (epochs differ in length per rank)
+                "data_position": gather_object([[epoch, done]])})
         if preempt:
             accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
