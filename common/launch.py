@@ -98,7 +98,7 @@ def die_with_launcher() -> None:
 
     torchrun (which `accelerate launch` runs) stops its workers when it exits normally or on a
     signal it can catch; SIGKILLed (the OOM killer, `kill -9`, a node agent), it cannot, and the
-    workers ran on: measured here, 22 minutes until killed by hand. Linux's parent-death signal
+    workers ran on (reported: 22 minutes, until killed by hand). Linux's parent-death signal
     (`prctl(PR_SET_PDEATHSIG, SIGKILL)`) has the kernel kill this process when its parent, the
     launcher, goes. SIGKILL rather than SIGTERM: nobody would be left to restart the job, and the
     last complete checkpoint is what a relaunch resumes from anyway. Only under torchrun
