@@ -249,7 +249,6 @@ def install_cpu_grad_scaler(accelerator) -> bool:
 if __name__ == "__main__":
     # Shorthand that checks the config name first: python common/launch.py fsdp recipes/llama.py [ARGS]
     # runs `accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py [ARGS]`.
-    import sys
     from pathlib import Path
 
     configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
