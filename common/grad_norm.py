@@ -8,6 +8,9 @@ so the same gradients got norms that differed by up to 2.6e-4 across strategies.
 strategy sums squares in fp64 over what the rank holds, adds the shards up over the ranks
 where the gradients are sharded, and clips with torch's own `clip_grads_with_norm_`. DeepSpeed
 clips inside its engine (norm in fp64 already), so for it this only reads the norm back.
+
+On a GPU: no fp64 copy of a whole gradient (the fp64 sums run over slices), and no host sync:
+the norm and the clip factor stay on the device, and recipes read the norm on logging steps only.
 """
 
 from __future__ import annotations
@@ -33,12 +36,26 @@ def clip_threshold_error(accelerator, max_norm: float | None) -> str | None:
             "DeepSpeed does the clipping, so make them equal")
 
 
-def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> float:
+FP64_CHUNK_ELEMENTS = 1 << 24  # fp64 temporaries per gradient are at most this many elements (128 MB)
+
+
+def _sum_of_squares_fp64(grad: torch.Tensor) -> torch.Tensor:
+    """sum(grad.double() ** 2) without a full fp64 copy: `vector_norm` casts its input to fp64,
+    so it runs over slices of at most FP64_CHUNK_ELEMENTS (a 1B-parameter embedding would
+    otherwise need 4 GB of fp64 temporaries for its norm). 0-dim fp64 tensor on grad's device."""
+    flat = grad.reshape(-1)  # a view for contiguous gradients
+    if flat.numel() <= FP64_CHUNK_ELEMENTS:
+        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
+    return sum(torch.linalg.vector_norm(part, dtype=torch.float64) ** 2 for part in flat.split(FP64_CHUNK_ELEMENTS))
+
+
+def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients of `model` in place to a global L2 norm of at most `max_norm`.
 
     Call it where `accelerator.clip_grad_norm_` would go: after the window's last backward, before
     `optimizer.step()`. Under fp16 it unscales the gradients first (Accelerate's GradScaler), so
-    the norm and the threshold are in true gradient units.
+    the norm and the threshold are in true gradient units. No host sync: the norm stays on the
+    device, so read it (`float(norm)`) only on logging steps.
 
     Args:
         accelerator: the `Accelerator` that prepared `model`.
@@ -48,9 +65,11 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
             `gradient_clipping: 0` in DeepSpeed.
 
     Returns:
-        The global L2 norm of all gradients before clipping, as a Python float (the same value on
-        every rank; inf or nan if a gradient overflowed). The norm is
-        sqrt(sum over ranks and tensors of sum(g.double() ** 2)); the clip factor is torch's,
+        The global L2 norm of all gradients before clipping: a 0-dim fp64 tensor on
+        `accelerator.device` (DeepSpeed: whatever its engine reports, as a 0-dim tensor), the
+        same value on every rank; inf or nan if a gradient overflowed. The norm is
+        sqrt(sum over ranks and tensors of sum(g.double() ** 2)), each tensor's sum taken in
+        slices of at most `FP64_CHUNK_ELEMENTS`; the clip factor is torch's,
         min(1, max_norm / (norm + 1e-6)).
 
     Raises:
@@ -64,7 +83,7 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
         if error := clip_threshold_error(accelerator, max_norm):
             raise ValueError(error)
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
-        return float("nan") if norm is None else float(norm)
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64)
     accelerator.unscale_gradients()  # no-op unless fp16 loss scaling is on
     params = [p for p in model.parameters() if p.grad is not None]
     sum_of_squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -75,7 +94,7 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
                 raise NotImplementedError("clip_grad_norm_ supports FSDP2 sharded over all ranks (1-D mesh), "
                                           f"got mesh {grad.device_mesh}")
             grad = grad.to_local()
-        sum_of_squares += torch.linalg.vector_norm(grad, dtype=torch.float64).to(sum_of_squares.device) ** 2
+        sum_of_squares += _sum_of_squares_fp64(grad).to(sum_of_squares.device)
     strategy = getattr(model, "sharding_strategy", None)  # FSDP1 only
     if strategy is not None and "HYBRID" in strategy.name:
         raise NotImplementedError(f"clip_grad_norm_ supports FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, "
@@ -83,9 +102,9 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> flo
     sharded = accelerator.distributed_type == DistributedType.FSDP and getattr(strategy, "name", "") != "NO_SHARD"
     if sharded:  # each rank holds a disjoint shard: add them up
         sum_of_squares = accelerator.reduce(sum_of_squares, reduction="sum")
-    total_norm = sum_of_squares.sqrt().item()
-    # torch's own scaling, grad *= min(1, max_norm / (norm + 1e-6)); a 0-dim CPU tensor is accepted
-    # by plain and DTensor gradients alike.
+    total_norm = sum_of_squares.sqrt()
+    # torch's own scaling, grad *= min(1, max_norm / (norm + 1e-6)), with the norm on the gradients'
+    # device (a CPU norm would send CUDA gradients down the per-tensor slow path).
     if max_norm is not None and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total_norm, dtype=torch.float64))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm

@@ -8,9 +8,11 @@ counted once, so views (transposes, reshapes, slices of one buffer) are not doub
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -103,3 +105,69 @@ def local_tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         total += t.numel() * t.element_size()
     return total
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Context manager: the peak bytes of tensor storage allocated inside it and alive at once.
+
+    A byte meter for any device, CPU included (where no allocator statistics exist): every
+    tensor that an operator returns inside the context is seen (`TorchDispatchMode`); a storage
+    first seen there counts from its first tensor until the last tensor on it (views included)
+    is garbage. Storages that existed before the context (parameters, inputs) count zero, so
+    `peak` is the extra memory a piece of code needs on top of what is already held.
+
+    What is not seen: kernels' internal scratch that never becomes a tensor, and tensors made
+    outside torch's dispatcher (e.g. `torch.from_numpy`).
+
+    Attributes:
+        peak: the maximum of `current` while open (int, bytes).
+        current: bytes allocated inside and still alive (int, bytes).
+        peak_by_dtype: {dtype: bytes} of that dtype alive at the moment of its own maximum.
+
+    Example:
+        with PeakTensorBytes() as meter:
+            loss = model(**batch).loss
+        meter.peak
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.peak = self.current = 0
+        self.peak_by_dtype: dict[torch.dtype, int] = {}
+        self._live: dict[int, list] = {}  # storage data_ptr -> [bytes, dtype, live tensors]
+        self._by_dtype: dict[torch.dtype, int] = {}
+        self._preexisting: set[int] = set()
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._live[key]
+            self.current -= entry[0]
+            self._by_dtype[entry[1]] -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for t in inputs:  # storages that were there before we saw them allocated
+            if t.untyped_storage().data_ptr() not in self._live:
+                self._preexisting.add(t.untyped_storage().data_ptr())
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0 or key in self._preexisting:
+                continue
+            if key not in self._live:
+                nbytes = t.untyped_storage().nbytes()
+                self._live[key] = [nbytes, t.dtype, 0]
+                self.current += nbytes
+                self._by_dtype[t.dtype] = self._by_dtype.get(t.dtype, 0) + nbytes
+                self.peak = max(self.peak, self.current)
+                self.peak_by_dtype[t.dtype] = max(self.peak_by_dtype.get(t.dtype, 0), self._by_dtype[t.dtype])
+            self._live[key][2] += 1
+            weakref.finalize(t, self._release, key)
+        return out

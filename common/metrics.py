@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory figures, torchtitan-style, plus the metrics.jsonl writer."""
+"""Throughput, MFU and memory figures, torchtitan-style, the evaluation loss, and the metrics.jsonl writer."""
 
 from __future__ import annotations
 
@@ -126,6 +126,37 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+LOSS_CHUNK_ELEMENTS = 1 << 26  # fp32 logits converted at once by `token_nll`: 256 MB (tokens x vocab)
+
+
+def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token negative log-likelihood per sample, without fp32 copies of the whole logits.
+
+    Position t predicts labels[:, t + 1], as transformers' causal-LM loss does: the labels are
+    shifted (a [B, T] copy) rather than the logits sliced (a [B, T, V] copy), and the
+    cross-entropy runs over slices of at most `LOSS_CHUNK_ELEMENTS` logits, each cast to fp32
+    on its own. At 8 x 2048 tokens and a 128k vocabulary, the whole-batch `.float()`, slice and
+    log-softmax would each be 8.4 GB; here the fp32 temporaries are ~2 x 256 MB.
+
+    Args:
+        logits: [B, T, V], any float dtype (bf16 under autocast), on any device.
+        labels: [B, T] int64 token ids; -100 marks tokens that are not targets.
+
+    Returns:
+        (nats, tokens): [B] fp32 summed NLL in nats and [B] int64 target-token counts, on
+        `logits.device`. The mean loss is nats.sum() / tokens.sum() (nats/token).
+    """
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+    flat = logits.flatten(0, 1)  # a view for contiguous logits
+    nats = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+    rows = max(1, LOSS_CHUNK_ELEMENTS // logits.shape[-1])
+    for start in range(0, len(targets), rows):
+        part = slice(start, start + rows)
+        nats[part] = torch.nn.functional.cross_entropy(flat[part].float(), targets[part], reduction="none",
+                                                       ignore_index=-100)
+    return nats.view(labels.shape).sum(1), (targets != -100).view(labels.shape).sum(1)
 
 
 def local_parameter_elements(model: torch.nn.Module) -> int:

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
@@ -71,7 +70,7 @@ class Args:
     max_eval_samples: int = field(default=None, metadata={"help": "cap on validation blocks per evaluation"})
     cache_dir: str = data.DEFAULT_CACHE_DIR
     # optimisation, beyond the core flags
-    per_device_eval_batch_size: int = 8
+    per_device_eval_batch_size: int = field(default=None, metadata={"help": "default: --per_device_train_batch_size"})
     scale_lr: bool = field(default=False, metadata={"help": "linear scaling rule vs --reference_global_batch"})
     reference_global_batch: int = field(default=16, metadata={"help": "global batch --learning_rate was tuned at"})
     adam_beta1: float = 0.9
@@ -83,10 +82,15 @@ class Args:
     save_total_limit: int = None
     peak_tflops: float = field(default=None, metadata={"help": "device peak for MFU; default from a GPU table"})
     ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
+    save_logits_probe: bool = field(default=False, metadata={
+        "help": "write final_logits.safetensors (the live model's logits on 2 validation blocks; tests compare the export)"})
+    sample_tokens: int = field(default=None, metadata={
+        "help": "tokens sampled from the reloaded export at the end; default 40 below 1B parameters, else 0 (off)"})
 
 
 args = parse_args(Args, output_dir="runs/llama", per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
                   warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
+args.per_device_eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
 from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
 if from_scratch and args.config_name is None and args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
@@ -103,6 +107,9 @@ for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 try:
+    # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
+    if warning := precision.launch_precision_error():
+        print(warning)
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
@@ -110,7 +117,8 @@ accelerator = Accelerator(
     # we prefetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
                                                             sync_with_dataloader=False),
-    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     step_scheduler_with_optimizer=False,  # we step the LR once per optimizer update, on every world size
     log_with=None if args.report_to == "none" else args.report_to,
     project_dir=args.output_dir,
@@ -138,12 +146,14 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 
 # ---------------------------------------------------------------------------------------------
-# Model config, then data: tokenize and pack once (rank 0 first, the others read its cache).
+# Model config, then data: tokenize and pack once per node (each node's first rank, then the
+# others read its cache): home directories are often node-local. On a shared filesystem the nodes
+# build at the same time, and the first complete cache wins (common/data.py renames atomically).
 # ---------------------------------------------------------------------------------------------
 # Bad input (missing file, broken tokenizer, tiny corpus, oversized block) exits with one clear
 # line on every rank: rank 0 meets it first and still releases the others, which meet it too.
 error = None
-with accelerator.main_process_first():
+with accelerator.local_main_process_first():
     try:
         if args.config_name or args.model_name_or_path:  # any causal-LM type: Qwen2, GPT-2, Mistral, ...
             config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path)
@@ -196,10 +206,11 @@ if len(train_set) < global_batch:
 # optimizer step a full global batch.
 # Private generators: each iter() of a loader draws a seed from its generator, else from the global
 # RNG that dropout uses, and a resume opens an extra iterator mid-epoch (every later mask would shift).
+pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size,
-                                           shuffle=True, drop_last=True, generator=torch.Generator())
+                                           shuffle=True, drop_last=True, generator=torch.Generator(), pin_memory=pin)
 eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                          generator=torch.Generator())
+                                          generator=torch.Generator(), pin_memory=pin)
 
 # ---------------------------------------------------------------------------------------------
 # Model
@@ -327,12 +338,12 @@ def evaluate():
     model.eval()
     loss_sum, n_tokens = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits.float()
-        targets = batch["labels"][:, 1:]
-        per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
-        per_sample = per_token.view(targets.shape).sum(1)  # nats per block
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
+        per_sample, targets = metrics.token_nll(logits, batch["labels"])
+        del logits
         # gather_for_metrics drops the samples Accelerate duplicated to even out the last batch
-        sums, counts = accelerator.gather_for_metrics((per_sample, (targets != -100).sum(1)))
+        sums, counts = accelerator.gather_for_metrics((per_sample, targets))
         loss_sum += sums.sum()
         n_tokens += counts.sum()
     model.train()
@@ -411,7 +422,7 @@ while step < max_steps:
                 "step": step, "epoch": epoch,
                 "loss": accelerator.reduce(loss_total, reduction="sum").item(),  # mean nats/token of the window
                 "lr": lr,
-                "grad_norm": norm_before_clip,
+                "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
                 "tokens_per_second": window_tokens / elapsed,  # per device
                 "data_wait_share": data_wait / elapsed,
                 "peak_memory_bytes": metrics.peak_memory_bytes(device),
@@ -460,27 +471,35 @@ unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process
                           save_function=accelerator.save, state_dict=state_dict)
 if accelerator.is_main_process:
     tokenizer.save_pretrained(final_dir)
-# A fixed batch's logits from the live (still sharded) model: tests compare the export to them.
-with torch.no_grad():
-    probe = eval_set[:2]["input_ids"].to(device)
-    model.eval()
-    live_logits = model(input_ids=probe).logits.float().cpu()
+# --save_logits_probe: a fixed batch's logits from the live (still sharded) model, for tests that
+# compare the export to them (2 x block x vocab fp32: 2.1 GB at 2048 tokens and a 128k vocabulary).
+if args.save_logits_probe:
+    with torch.no_grad():
+        probe = eval_set[:2]["input_ids"].to(device)
+        model.eval()
+        live_logits = model(input_ids=probe).logits.float().cpu()
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:
-    from safetensors.torch import save_file
-    save_file({"input_ids": probe.cpu(), "logits": live_logits}, os.path.join(args.output_dir, "final_logits.safetensors"))
+    if args.save_logits_probe:
+        from safetensors.torch import save_file
+        save_file({"input_ids": probe.cpu(), "logits": live_logits},
+                  os.path.join(args.output_dir, "final_logits.safetensors"))
     summary = {"summary": True, "step": step, "total_tokens": tokens_seen, "wall_seconds": time.perf_counter() - t_start,
                "peak_memory_bytes": metrics.peak_memory_bytes(device), "empty_windows": empty_windows,
                **({"skipped_steps": skipped_steps} if precision.loss_scale(accelerator, model) is not None else {})}
     metrics.append_jsonl(metrics_path, summary)
-    # Reload with plain transformers (no project code) and sample, proving the export works.
+# Reload with plain transformers (no project code) and sample, proving the export works. Rank 0
+# alone, on its device, while the others wait at the final barrier: off by default above 1B.
+sample_tokens = args.sample_tokens if args.sample_tokens is not None else 40 if n_params < 1e9 else 0
+if accelerator.is_main_process and sample_tokens > 0:
     if is_deepspeed:
         from transformers.integrations import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()  # else from_pretrained would build a ZeRO-3-partitioned model
-    reloaded = AutoModelForCausalLM.from_pretrained(final_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(final_dir, device_map=device)
     first = eval_set[0]  # prompt: the first 16 tokens of the validation data, whatever the corpus
     prompt = first["input_ids"][first["attention_mask"].bool()][:16] if "attention_mask" in first else first["input_ids"][:16]
-    sample = reloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=40,
+    prompt = prompt.to(device)
+    sample = reloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=sample_tokens,
                                do_sample=True, top_k=50, pad_token_id=config.pad_token_id)
     print(f"--- sample from {final_dir}, prompt from the validation data ---\n"
           f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt):])}\n---")

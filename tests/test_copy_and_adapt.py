@@ -108,7 +108,7 @@ def runs(tmp_path_factory, user_files, cache_dir):
     out, logs = tmp_path_factory.mktemp("runs"), {}
     for arch in ARCHS:
         args = ["--config_name", user_files / arch / "config.json", "--config_overrides", OVERRIDES[arch],
-                "--train_file", user_files / "my_text.txt", "--vocab_size", 512, *FLAGS]
+                "--train_file", user_files / "my_text.txt", "--vocab_size", 512, "--save_logits_probe", *FLAGS]
         logs[arch, "single"] = launch_in(copies["the parity check against one process"], "single", *args,
                                          "--per_device_train_batch_size", 4, "--output_dir", out / f"{arch}-single",
                                          cache_dir=cache_dir).stdout

@@ -20,7 +20,7 @@ SHARDED = {"fsdp", "fsdp1", "deepspeed_zero3"}  # parameters split across ranks
 def test_every_config_trains_and_exports(config, tmp_path, cache_dir):
     out = tmp_path / "run"
     launch(config, "recipes/llama.py", "--output_dir", out, "--max_steps", 12, "--warmup_steps", 2,
-           "--learning_rate", 3e-3, "--logging_steps", 1, "--eval_steps", 12, *FAST,
+           "--learning_rate", 3e-3, "--logging_steps", 1, "--eval_steps", 12, "--save_logits_probe", *FAST,
            cache_dir=cache_dir)  # the config alone picks the precision
 
     # In-run facts: the run really was distributed the way the config says.

@@ -109,8 +109,8 @@ def test_clip_grad_norm_is_exact_and_clips():
         p.grad = grad.clone()
     exact = math.sqrt(sum(grad.double().pow(2).sum().item() for grad in grads))
     for max_norm in (exact * 2, 0.0):  # below the threshold, or clipping off: the norm, gradients untouched
-        assert clip_grad_norm_(accelerator, model, max_norm=max_norm) == pytest.approx(exact, rel=1e-12)
+        assert float(clip_grad_norm_(accelerator, model, max_norm=max_norm)) == pytest.approx(exact, rel=1e-12)
         assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), grads))
-    assert clip_grad_norm_(accelerator, model, max_norm=1.0) == pytest.approx(exact, rel=1e-12)
+    assert float(clip_grad_norm_(accelerator, model, max_norm=1.0)) == pytest.approx(exact, rel=1e-12)
     clipped = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
     assert clipped == pytest.approx(1.0, rel=1e-5)

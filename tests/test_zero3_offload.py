@@ -15,7 +15,7 @@ from conftest import FAST, launch, read_metrics
 
 STEPS = 12
 ARGS = ["--max_steps", STEPS, "--warmup_steps", 2, "--learning_rate", 3e-3, "--logging_steps", 1,
-        "--eval_steps", STEPS, *FAST]
+        "--eval_steps", STEPS, "--save_logits_probe", *FAST]
 
 
 def test_offload_trains_exactly_like_zero3(tmp_path, cache_dir):
