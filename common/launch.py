@@ -19,6 +19,15 @@ What each strategy needs (checked with accelerate 1.15, deepspeed 0.19.8, torch 
 On a host with CUDA (or any device Accelerate knows) nothing here changes anything: the only
 effect is the collective timeout, which every run gets.
 
+A host that *has* NVIDIA GPUs but whose torch sees none (a CPU-only wheel, a driver too old for
+the wheel's CUDA, a container started without `--gpus`) would otherwise land on the CPU path
+above and train there, slowly and silently. `cpu_process_group_kwargs` refuses that (see
+`host_nvidia_gpus`) unless the user opts in with `ACCELERATE_RECIPES_ALLOW_CPU=1`. Accelerate's
+own CPU switches cannot be that opt-in: `accelerate launch --cpu` starts one plain process, not
+the config's ranks, and drops FSDP/DeepSpeed; `use_cpu: true` in the YAML never reaches the
+ranks of a multi-GPU, FSDP or DeepSpeed launch (both checked with accelerate 1.15). An
+`ACCELERATE_USE_CPU=true` already in the environment (`--cpu`'s one process) is accepted too.
+
 Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU offload) and
 `install_cpu_grad_scaler` (Accelerate builds no GradScaler or fp16 autocast on CPU, so
 `mixed_precision="fp16"` silently trained in fp32 there).
@@ -28,6 +37,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -38,6 +49,40 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def host_nvidia_gpus(proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0) -> tuple[int, str]:
+    """How many NVIDIA GPUs this host has, whatever torch makes of them.
+
+    Reads the driver's `/proc/driver/nvidia/gpus` (one entry per GPU), else runs `nvidia-smi -L`
+    if it is on PATH and counts its `GPU ...` lines. Neither needs CUDA to work, so this sees the
+    GPUs that a CPU-only torch wheel, a driver/CUDA mismatch or `CUDA_VISIBLE_DEVICES=""` hide.
+
+    Args:
+        proc_dir: the driver's per-GPU folder (a parameter for tests).
+        timeout_s: seconds to wait for `nvidia-smi`; a hung driver can block it indefinitely.
+
+    Returns:
+        (number of GPUs, where they were seen: `proc_dir` or "nvidia-smi"); (0, "") when neither
+        shows one. An `nvidia-smi` that fails, hangs past `timeout_s` or cannot run counts as none.
+    """
+    try:
+        if n := len(os.listdir(proc_dir)):
+            return n, proc_dir
+    except OSError:
+        pass
+    if (smi := shutil.which("nvidia-smi")) is None:
+        return 0, ""
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, ""
+    n = sum(line.startswith("GPU ") for line in out.splitlines())
+    return (n, "nvidia-smi") if n else (0, "")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
@@ -57,10 +102,26 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
 
     Raises:
         ValueError: if `timeout_s` is not positive, the accelerate config's DeepSpeed JSON is missing,
-            or torchrun restarts (`--max_restarts`) would reuse the rendezvous store of the dead attempt.
+            torchrun restarts (`--max_restarts`) would reuse the rendezvous store of the dead attempt,
+            or the host has NVIDIA GPUs that torch cannot see and the user did not opt in to CPU
+            (`ACCELERATE_RECIPES_ALLOW_CPU=1`, or `ACCELERATE_USE_CPU=true`): with or without a launcher.
     """
     if timeout_s <= 0:
         raise ValueError(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
+    # Read the opt-in before anything below sets ACCELERATE_USE_CPU for DDP.
+    if not _has_accelerator() and not (_env_true("ACCELERATE_RECIPES_ALLOW_CPU") or _env_true("ACCELERATE_USE_CPU")):
+        n_gpus, seen_by = host_nvidia_gpus()
+        if n_gpus:
+            if torch.version.cuda is None:
+                why = "it is a CPU-only build: install a CUDA one"
+            else:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                hiding = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
+                why = f"likely causes: a driver too old for CUDA {torch.version.cuda}, a container started without --gpus{hiding}"
+            raise ValueError(
+                f"this host has {n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)} ({seen_by}) but torch {torch.__version__} sees "
+                f"none; {why}. Fix that, or set ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway "
+                "(`accelerate launch --cpu` would run one process, not the config's ranks)")
     allow_mixed_precision_with_deepspeed_json()
     # A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
     # with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.

@@ -7,7 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import accelerate
+# The suite asserts the CPU paths (MULTI_CPU, gloo, the CPU GradScaler), so on a GPU host it hides
+# the GPUs, before anything initialises CUDA, from itself and from every process it starts (which
+# inherit os.environ: launches, subprocess.run, sbatch jobs), and opts in to CPU ranks, which
+# common/launch.py otherwise refuses on a host with GPUs that torch cannot see.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["ACCELERATE_RECIPES_ALLOW_CPU"] = "1"
+
+import accelerate  # only now: nothing may initialise CUDA before the lines above
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
