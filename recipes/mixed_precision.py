@@ -59,7 +59,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs, set_seed
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
@@ -87,7 +86,7 @@ class Args:
     validation_split_percentage: int = 5
     max_eval_samples: int = 64
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    per_device_eval_batch_size: int = 8
+    per_device_eval_batch_size: int = field(default=None, metadata={"help": "default: --per_device_train_batch_size"})
     # fp16 loss scaling (torch.amp.GradScaler arguments)
     init_scale: float = 2.0 ** 16
     growth_interval: int = field(default=2000, metadata={"help": "clean steps before the scale doubles"})
@@ -101,6 +100,7 @@ class Args:
 DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
 args = parse_args(Args, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+args.per_device_eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
 if args.precision not in precision.MODES:
     sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
 if args.model_config not in models.PRESETS:
@@ -189,7 +189,8 @@ accelerator = Accelerator(
     # each epoch is cut into whole windows below, so sync on the micro-step count, not the loader's end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
                                                             sync_with_dataloader=False),
-    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     step_scheduler_with_optimizer=False,  # we step the LR ourselves, and not after a skipped step
     log_with=None if args.report_to == "none" else args.report_to,
     project_dir=args.output_dir,
@@ -215,9 +216,10 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 
 # ---------------------------------------------------------------------------------------------
-# Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches.
+# Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches. Each
+# node's first rank builds the cache (home directories are often node-local), then its others read it.
 # ---------------------------------------------------------------------------------------------
-with accelerator.main_process_first():
+with accelerator.local_main_process_first():
     raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
     tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
     lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
@@ -231,10 +233,11 @@ if updates_per_epoch == 0:
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 # Private generators: each iter() of a loader draws a seed from its generator, else from the global
 # RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
+pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                           drop_last=True, generator=torch.Generator())
+                                           drop_last=True, generator=torch.Generator(), pin_memory=pin)
 eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                          generator=torch.Generator())
+                                          generator=torch.Generator(), pin_memory=pin)
 
 # ---------------------------------------------------------------------------------------------
 # Model: fp32 master weights in every mode; the precision only changes the compute.
@@ -304,13 +307,18 @@ def poison_gradients():
 def evaluate():
     """Mean held-out loss in nats/token (every eval block counted once, blocks are full length)."""
     model.eval()
-    losses = []
+    nats, tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"]).logits.float()
-        per_block = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none").mean(1)
-        losses.append(accelerator.gather_for_metrics(per_block))
+        logits = model(input_ids=batch["input_ids"]).logits
+        # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
+        per_block, targets = metrics.token_nll(logits, batch["labels"])
+        del logits
+        # gather_for_metrics drops the blocks Accelerate duplicated to even out the last batch
+        per_block, targets = accelerator.gather_for_metrics((per_block, targets))
+        nats += per_block.sum()
+        tokens += targets.sum()
     model.train()
-    return torch.cat(losses).mean().item()
+    return (nats / tokens).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,6 +366,7 @@ while step < max_steps:
         step_skipped = accelerator.optimizer_step_was_skipped
         skipped_steps += step_skipped
         skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
+        # None in fp32/bf16 (no read); fp16: a host read, but scaler.step has already synced for its inf check
         scale = precision.loss_scale(accelerator, model)
         stop = None  # the same verdict on every rank: the scale and the skips are the same everywhere
         try:
@@ -372,7 +381,7 @@ while step < max_steps:
         if step % args.logging_steps == 0 or step == max_steps or stop:
             loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
             record = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": step_lr,
-                      "grad_norm": norm_before_clip,
+                      "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
                       "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
             nonfinite_losses += not math.isfinite(loss_mean)
             if not math.isfinite(loss_mean) and accelerator.is_main_process:
