@@ -126,13 +126,17 @@ accumulation = args.gradient_accumulation_steps
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 try:
+    # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
+    if warning := precision.launch_precision_error():
+        print(warning)
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
 accelerator = Accelerator(
     # we fetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     step_scheduler_with_optimizer=False,  # else the LR scheduler advances world_size times per step
     log_with=None if args.report_to == "none" else args.report_to,
     project_dir=args.output_dir,
@@ -162,7 +166,9 @@ except ValueError as err:
 # ---------------------------------------------------------------------------------------------
 # Data: passages of block_size tokens; each work's tail is held out.
 # ---------------------------------------------------------------------------------------------
-with accelerator.main_process_first():  # rank 0 trains (or loads) the cached tokenizer first
+# Each node's first rank trains (or loads) the cached tokenizer first: home directories are often
+# node-local. On a shared filesystem the nodes may build at once; the first complete cache wins.
+with accelerator.local_main_process_first():
     corpus = data.load_shakespeare()
     # The LM recipe's BPE (trained on raw text, no labels): one shared cache for all recipes.
     tokenizer = data.get_tokenizer(args.tokenizer_name_or_path, data.load_text_dataset(), args.vocab_size, args.cache_dir)
@@ -205,10 +211,11 @@ if len(train_set) < global_batch:
 # Each loader gets a private generator: every iter() of a DataLoader draws one number (its worker
 # seed) from the generator it was given, else from the global torch RNG that drives dropout; a
 # resume opens a fresh iterator mid-epoch, which would shift every later dropout mask by one draw.
+pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size,
-                                           shuffle=True, drop_last=True, generator=torch.Generator())
+                                           shuffle=True, drop_last=True, generator=torch.Generator(), pin_memory=pin)
 eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                          generator=torch.Generator())
+                                          generator=torch.Generator(), pin_memory=pin)
 
 # ---------------------------------------------------------------------------------------------
 # Model: a small BERT encoder; its classification head reads the final state at the [CLS] position.
@@ -324,8 +331,8 @@ while step < max_steps:
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
                 optimizer.zero_grad()
-        if args.record_sample_ids:  # a host copy per step, so only when asked for
-            seen[-1] += [i for b in window for i in b["sample_id"].tolist()]
+        if args.record_sample_ids:  # kept on the device: a host copy here would wait for the GPU every step
+            seen[-1] += [b["sample_id"] for b in window]
         step += 1
         scale = precision.loss_scale(accelerator, model)  # None unless fp16
         if scale is not None:
@@ -338,7 +345,7 @@ while step < max_steps:
                 sys.exit(f"error: step {step}: {err}")
         if step % args.logging_steps == 0:
             record = {"step": step, "epoch": epoch, "loss": accelerator.reduce(window_loss, reduction="mean").item(),
-                      "grad_norm": norm_before_clip, "lr": lr}
+                      "grad_norm": float(norm_before_clip), "lr": lr}  # on the device until now: no sync elsewhere
             if scale is not None:
                 record.update(loss_scale=scale, skipped_steps=skipped_steps)
             accelerator.log(record, step=step)
@@ -364,6 +371,8 @@ while step < max_steps:
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:
             break
+    if args.record_sample_ids:  # one host copy per epoch, at its end (after the evaluation, which syncs anyway)
+        seen[-1] = torch.cat(seen[-1]).tolist()
     epoch += 1
 
 if args.record_sample_ids:  # one file per rank, each written by its own rank only
