@@ -24,9 +24,18 @@ For each depth L (the debug preset with num_hidden_layers=L) every variant train
 seeded model on the same batches, one variant after the other in the same run, in
 --timing_rounds rounds of alternating order. Step 1 is measured exactly: the bytes autograd saves for backward
 (`torch.autograd.graph.saved_tensors_hooks`, unique storages, split into decoder blocks and the
-rest: embedding, final norm, LM head and loss), the gradients (compared with `none`), and the
-peak CUDA memory on GPUs. The later steps are timed; the fastest counts (the least disturbed
-by other processes).
+rest: embedding, final norm, LM head and loss), and the gradients (compared with `none`). The
+later steps are timed; the fastest counts (the least disturbed by other processes).
+
+The peak column is the memory of forward + backward alone, at its worst moment, above what each
+micro batch started with (parameters, Adam's state and, after a window's first micro batch, the
+gradients): activations, gradients and temporaries. The optimizer step is left out (Adam's state
+and its foreach temporaries would swamp the activations), and so is step 1 (it allocates Adam's
+state and warms the allocator). On CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`,
+reset before each forward, read right after backward), on every later step. On CPU, which keeps
+no allocator statistics: common/memory.py's PeakTensorBytes (the profiler's allocator events),
+on step 2 of the first round only; the profiler slows that step, so it is not timed (on CPU,
+--max_steps is at least 3).
 
 The rule of thumb (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"):
 checkpointing every block stores L block inputs instead of L blocks' activations, cutting
@@ -52,7 +61,7 @@ import json
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +75,7 @@ from transformers import LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
 from common.args import parse_args, unsupported  # noqa: E402
-from common.memory import SavedTensorBytes  # noqa: E402
+from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -107,6 +116,8 @@ except ValueError:
 if min(depths) < 1 or args.max_steps < 2 or args.timing_rounds < 1:
     sys.exit(f"error: need --num_layers >= 1 (got {args.num_layers}), --max_steps >= 2 (got {args.max_steps}) "
              f"and --timing_rounds >= 1 (got {args.timing_rounds})")
+if precision.detect_device()[0] == "cpu" and args.max_steps < 3:  # step 1 untimed, step 2 metered: one more to time
+    sys.exit(f"error: --max_steps {args.max_steps}: on CPU step 2 is metered for memory, not timed; need at least 3")
 if args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
 
@@ -115,6 +126,9 @@ if args.model_config not in models.PRESETS:
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 try:
+    # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
+    if warning := precision.launch_precision_error():
+        print(warning)
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
@@ -123,7 +137,8 @@ accelerator = Accelerator(
     # the measured batches are a list, not a live loader: sync on the micro-step count
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
                                                             sync_with_dataloader=False),
-    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
+    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     kwargs_handlers=[pg_kwargs, ddp_kwargs])
 launch.check_distributed(accelerator)
 # DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
@@ -147,14 +162,16 @@ if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
 device = accelerator.device
 
 # ---------------------------------------------------------------------------------------------
-# Data: the first max_steps windows of the seeded epoch, reused by every variant and depth.
+# Data: the first max_steps windows of the seeded epoch, reused by every variant and depth. Each
+# node's first rank builds the cache (home directories are often node-local), then its others read it.
 # ---------------------------------------------------------------------------------------------
-with accelerator.main_process_first():
+with accelerator.local_main_process_first():
     raw = data.load_text_dataset()
     tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
     train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"].with_format("torch")
-train_loader = accelerator.prepare(torch.utils.data.DataLoader(
-    train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True))
+train_loader = accelerator.prepare(torch.utils.data.DataLoader(  # pinned: page-locked, for the non-blocking copies
+    train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
+    pin_memory=device.type == "cuda"))
 train_loader.set_epoch(0)
 accumulation = args.gradient_accumulation_steps
 micro_batches = list(itertools.islice(train_loader, args.max_steps * accumulation))  # this rank's share
@@ -205,9 +222,30 @@ def strict_row(row: dict) -> dict:
     return row
 
 
+@contextmanager
+def forward_backward_peak(run: dict, on: bool):
+    """Meter the forward + backward run inside (a no-op unless `on`): run["peak_bytes"] becomes the
+    larger of its value (None: 0) and the bytes allocated at the worst moment inside, above what was
+    allocated on entry (int, bytes). CUDA: the allocator's peak, reset on entry (no device sync:
+    the allocator counts on the host); CPU: PeakTensorBytes, the profiler's allocator events."""
+    if not on:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        yield
+        peak = torch.cuda.max_memory_allocated(device) - start
+    else:
+        with PeakTensorBytes() as meter:
+            yield
+        peak = meter.peak
+    run["peak_bytes"] = max(run["peak_bytes"] or 0, peak)
+
+
 results = []
 for num_layers in depths:
-    runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_cuda_bytes": None} for v in variants}
+    runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_bytes": None} for v in variants}
     # Rounds in alternating order (none,hf,manual then manual,hf,none, ...) so that a drift in the
     # machine's load does not favour one variant; one variant alive at a time, so each memory
     # reading is that variant's alone.
@@ -222,22 +260,25 @@ for num_layers in depths:
 
             # ---------------------------------------------------------------------------------
             # Training loop. Round 0, step 0 is measured (the saved-tensor hooks cost time); the
-            # steps after each round's first (optimizer-state allocation) are timed.
+            # steps after each round's first (optimizer-state allocation) are timed. The peak of
+            # forward + backward: every step but the first on CUDA (reading it is free); on CPU,
+            # the second step of round 0 (the profiler slows it: not timed).
             # ---------------------------------------------------------------------------------
             model.train()
             for step, window in enumerate(windows):
+                cpu_metered = device.type == "cpu" and rnd == 0 and step == 1
+                meter_peak = step > 0 and (device.type == "cuda" or cpu_metered)
                 accelerator.wait_for_everyone()  # every rank starts the timed step together
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats(device)
-                    start_bytes = torch.cuda.memory_allocated(device)
                 t0 = time.perf_counter()
                 step_loss = torch.zeros((), device=device)
                 for micro, batch in enumerate(window):
                     with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
-                        with run["saved"] if rnd == 0 and step == 0 and micro == 0 else nullcontext():
-                            loss = model(**batch).loss
-                        accelerator.backward(loss)
+                        with forward_backward_peak(run, meter_peak):  # not the optimizer step
+                            with run["saved"] if rnd == 0 and step == 0 and micro == 0 else nullcontext():
+                                loss = model(**batch).loss
+                            accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             if rnd == 0 and step == 0:  # after the all-reduce / reduce-scatter, before clipping
                                 run["grads"] = local_grads(model)
@@ -246,10 +287,8 @@ for num_layers in depths:
                         optimizer.zero_grad()
                     step_loss += loss.detach() / accumulation
                 if device.type == "cuda":
-                    torch.cuda.synchronize()  # peak above what the step started with: activations + gradients
-                    run["peak_cuda_bytes"] = max(run["peak_cuda_bytes"] or 0,
-                                                 torch.cuda.max_memory_allocated(device) - start_bytes)
-                if step > 0:
+                    torch.cuda.synchronize()  # the clock reads the step's kernels, not just their launch
+                if step > 0 and not cpu_metered:
                     run["times"].append(time.perf_counter() - t0)
                 if rnd == 0:  # later rounds repeat the same steps from the same seed
                     run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
@@ -273,7 +312,7 @@ for num_layers in depths:
             "step_seconds": min(run["times"]), "time_ratio": min(run["times"]) / min(ref["times"]),
             "max_abs_grad_diff": diff, "max_abs_grad": scale, "losses": run["losses"],
             "max_abs_loss_diff": max(abs(x - y) for x, y in zip(run["losses"], ref["losses"])),
-            "peak_cuda_bytes": run["peak_cuda_bytes"],
+            "peak_bytes": run["peak_bytes"],
         })
 
 # ---------------------------------------------------------------------------------------------
@@ -286,14 +325,14 @@ lines = [f"{str(accelerator.distributed_type).split('.')[-1]} x{accelerator.num_
          f"{accelerator.mixed_precision}, {args.model_config} Llama, per-device batch "
          f"{args.per_device_train_batch_size} x {args.block_size} tokens, {device.type}", "",
          "| L | variant | saved for backward MiB | blocks MiB | rest MiB | blocks at backward peak MiB (derived) "
-         "| blocks ÷ (rule: ÷L) | step s | time × (rule: ×1.33) | max abs grad diff | peak CUDA MiB |",
+         "| blocks ÷ (rule: ÷L) | step s | time × (rule: ×1.33) | max abs grad diff | forward+backward peak MiB |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in results:
     base = next(b for b in results if b["num_layers"] == r["num_layers"] and b["variant"] == "none")
     per_block = base["saved_block_bytes"] / r["num_layers"]
     r["blocks_peak_bytes"] = r["saved_block_bytes"] + (0 if r["variant"] == "none" else per_block)
     r["blocks_reduction"] = base["saved_block_bytes"] / r["blocks_peak_bytes"]
-    peak = f"{r['peak_cuda_bytes'] / MIB:.1f}" if r["peak_cuda_bytes"] is not None else "n/a (CPU)"
+    peak = f"{r['peak_bytes'] / MIB:.1f}" if r["peak_bytes"] is not None else "n/a"
     lines.append(f"| {r['num_layers']} | {r['variant']} | {r['saved_bytes'] / MIB:.2f} | "
                  f"{r['saved_block_bytes'] / MIB:.2f} | {r['saved_rest_bytes'] / MIB:.2f} | "
                  f"{r['blocks_peak_bytes'] / MIB:.2f} | {r['blocks_reduction']:.1f} (÷{r['num_layers']}) | "

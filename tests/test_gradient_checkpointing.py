@@ -8,6 +8,7 @@ from conftest import launch, run_in_process
 
 RECIPE = "recipes/gradient_checkpointing.py"
 BATCH, BLOCK, HIDDEN = 2, 128, 256  # per-device batch, tokens per sequence, the debug preset's width
+VOCAB, FFN = 4096, 688  # the recipe's vocabulary and the debug preset's MLP width (tied embedding)
 DEPTHS = (1, 2, 4)
 
 
@@ -32,6 +33,13 @@ def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, 
     message = run_in_process(monkeypatch, RECIPE, "--output_dir", tmp_path, "--max_steps", 3)
     assert message.startswith(f"error: --output_dir {tmp_path} already holds files (table.md)"), message
     assert [p.name for p in tmp_path.iterdir()] == ["table.md"]
+
+
+def test_on_cpu_a_step_is_left_for_timing_after_the_metered_one(tmp_path, monkeypatch):
+    """Step 1 is untimed (Adam's state), step 2 metered for memory (the profiler slows it): on CPU
+    --max_steps 2 would leave no step to time."""
+    message = run_in_process(monkeypatch, RECIPE, "--output_dir", tmp_path / "out", "--max_steps", 2)
+    assert message == "error: --max_steps 2: on CPU step 2 is metered for memory, not timed; need at least 3", message
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp"])
@@ -69,8 +77,18 @@ def test_checkpointing_changes_memory_not_gradients(config, tmp_path, cache_dir)
         assert r["max_abs_grad_diff"] <= 1e-7 + 1e-5 * r["max_abs_grad"], r
         assert len(r["losses"]) == 3 and r["max_abs_loss_diff"] <= 1e-6, r
         assert r["losses"][-1] < r["losses"][0]  # it trains
+        # The forward+backward peak (CPU: the profiler's allocator events, step 2): everything
+        # saved for backward is alive at the end of the forward.
+        assert r["saved_bytes"] <= r["peak_bytes"], r
+        if config == "ddp":  # each rank holds whole gradients, and Adam's state is two gradient-sizes more
+            # No optimizer step in it (Adam's state, its foreach temporaries): below the saved bytes,
+            # the gradients and one more gradient-size of temporaries.
+            grad_bytes = 4 * (VOCAB * HIDDEN + depth * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN) + HIDDEN)
+            assert r["peak_bytes"] < r["saved_bytes"] + 2 * grad_bytes, (r, grad_bytes)
         if variant == "none":
             continue
+        if depth > 1:  # checkpointing lowers the peak too (at depth 1 by ~3 MiB, near FSDP2's run-to-run 1.5 MiB)
+            assert r["peak_bytes"] < none["peak_bytes"], (r, none)
         # A checkpointed block keeps exactly its input: batch x block x hidden fp32 values.
         assert r["saved_block_bytes"] == depth * BATCH * BLOCK * HIDDEN * 4, r
         assert r["saved_rest_bytes"] == none["saved_rest_bytes"]  # embedding, norm, head: untouched
