@@ -11,15 +11,20 @@ tokens, deal block b to shard b % num_shards (so every shard samples the whole c
 `shard_{i:04d}.parquet` plus `manifest.json` (rows, tokens, bytes and SHA-256 per shard, the
 tokenizer, the block size). --repeat K repeats the corpus K times to make a bigger one.
 
-Train: shard i belongs to rank i % world_size. Every rank checks the manifest (the shard count
-must be a multiple of the world size; a missing, truncated or corrupt shard is named), then
-streams its own shards row group by row group from memory-mapped files, so resident memory stays
-flat as the corpus grows. The DataLoader has workers, prefetching, persistent workers, and pinned
-memory where a GPU exists. It is NOT passed to accelerator.prepare: Accelerate 1.15 has no
-"already sharded" switch (split_batches slices each batch across ranks; dispatch_batches, the
-default for iterable datasets, has rank 0 read everything and send it out), so each rank
-iterates its own loader and moves batches to its device. --loader datasets does the same with
-`datasets` streaming and `split_dataset_by_node` (which re-deals whole files every epoch).
+Train: shard i belongs to rank i % world_size. Every rank checks its manifest (the shard count
+must be a multiple of the world size; a missing, truncated or corrupt shard of its own is named)
+and all ranks compare their manifests, then each streams its own shards row group by row group
+from memory-mapped files, so resident memory stays flat as the corpus grows. Several nodes: a
+node needs `manifest.json` and only the shards of its own ranks (node-local disks work: node n of
+k processes each runs ranks n*k ... n*k + k - 1), and every node's manifest must be the same file
+(else every rank stops at start-up with one line); `--loader datasets` needs every shard everywhere.
+The DataLoader has workers, prefetching, persistent workers, and pinned memory where a GPU
+exists (batches then go to the device without blocking the host). It is NOT passed to
+accelerator.prepare: Accelerate 1.15 has no "already sharded" switch (split_batches slices each
+batch across ranks; dispatch_batches, the default for iterable datasets, has rank 0 read
+everything and send it out), so each rank iterates its own loader and moves batches to its
+device. --loader datasets does the same with `datasets` streaming and `split_dataset_by_node`
+(which re-deals whole files every epoch).
 It trains the `debug` Llama for --max_steps and prints, per rank, the loader's tokens/s alone
 against the tokens/s a training step consumes, and the resident memory of the rank and its workers.
 
@@ -170,15 +175,17 @@ def prepare(args: PrepareArgs) -> None:
 # ---------------------------------------------------------------------------------------------
 # Train-time checks: every rank validates the manifest before it touches any data.
 # ---------------------------------------------------------------------------------------------
-def own_shards(data_dir: str, world_size: int, rank: int, verify: bool) -> tuple[dict, list[Path]]:
+def own_shards(data_dir: str, world_size: int, rank: int, verify: bool,
+               every_shard: bool = False) -> tuple[dict, list[Path]]:
     """Validate `{data_dir}/manifest.json` and return (manifest, paths of the shards `rank` owns).
 
-    Shard i belongs to rank i % world_size. Every shard's presence is checked on every rank (so
-    all ranks fail alike); size, parquet footer, row count and (with `verify`) SHA-256 only for
-    the rank's own shards, which only it reads.
+    Shard i belongs to rank i % world_size. Presence, size, parquet footer, row count and (with
+    `verify`) SHA-256 are checked for the rank's own shards, which only it reads (so a node-local
+    folder may hold only its ranks' shards); with `every_shard`, every listed shard's presence too.
 
     Raises:
-        FileNotFoundError: no manifest, or a listed shard is missing (names the file).
+        FileNotFoundError: no manifest, or one of the rank's shards (with `every_shard`: any listed
+            shard) is missing (names the file).
         ValueError: the shard count is not a multiple of `world_size`, or a shard is truncated,
             corrupt or does not match the manifest (names the file and the numbers).
     """
@@ -197,6 +204,8 @@ def own_shards(data_dir: str, world_size: int, rank: int, verify: bool) -> tuple
     mine = []
     for i, shard in enumerate(manifest["shards"]):
         path = root / shard["name"]
+        if i % world_size != rank and not every_shard:
+            continue
         if not path.is_file():
             raise FileNotFoundError(f"missing shard {path}: shard {i} of the {n} listed in {manifest_path}")
         if i % world_size != rank:
@@ -308,6 +317,9 @@ def main():
 
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     try:
+        # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
+        if warning := precision.launch_precision_error():
+            print(warning)
         pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
     except ValueError as err:
         sys.exit(f"error: {err}")
@@ -336,7 +348,20 @@ def main():
     # -----------------------------------------------------------------------------------------
     # Data: this rank's shards only, through a DataLoader that overlaps reading with compute.
     # -----------------------------------------------------------------------------------------
-    manifest, paths = own_shards(args.data_dir, world_size, rank, args.verify_checksums)
+    # Each rank checks its own manifest and shards (a node-local folder holds only its ranks' shards;
+    # the datasets route re-deals every file each epoch, so it needs them all), then all ranks
+    # compare: one rank's bad shard, or a node whose manifest differs, stops every rank alike.
+    manifest_path, error = Path(args.data_dir) / MANIFEST, None
+    try:
+        manifest, paths = own_shards(args.data_dir, world_size, rank, args.verify_checksums,
+                                     every_shard=args.loader == "datasets")
+    except (FileNotFoundError, ValueError) as err:
+        error = f"rank {rank}: {err}"
+    if error := next(filter(None, gather_object([error])), None):
+        sys.exit(f"error: {error}")
+    manifest_sha256 = hashlib.sha256(manifest_path.read_bytes()).hexdigest()
+    if error := checks.rank_mismatch(accelerator, f"shard manifest {manifest_path}", manifest_sha256[:16]):
+        sys.exit(f"error: {error}")
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
     if args.loader == "parquet":
         dataset = RankShards(paths, batch, args.seed, rank)
@@ -347,7 +372,7 @@ def main():
     workers = args.dataloader_num_workers
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=loader_batch, drop_last=loader_batch is not None, num_workers=workers,
-        pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),  # page-locked: async host-to-GPU copies
+        pin_memory=args.dataloader_pin_memory and device.type == "cuda",  # page-locked: async host-to-GPU copies
         prefetch_factor=args.dataloader_prefetch_factor if workers else None,  # batches queued per worker
         persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-fork every epoch
         generator=torch.Generator(),  # iter() draws its seed here, not from the global RNG a resume restores
@@ -375,8 +400,8 @@ def main():
     # -----------------------------------------------------------------------------------------
     config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
     if block_size > config.max_position_embeddings:
-        raise ValueError(f"the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
-                         f"max_position_embeddings {config.max_position_embeddings}")
+        sys.exit(f"error: the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
+                 f"max_position_embeddings {config.max_position_embeddings}")
     set_seed(args.seed)  # same initial weights on every rank
     model = LlamaForCausalLM(config)
     # From here each rank draws its own random numbers (dropout, if a config has any). The data
@@ -400,7 +425,7 @@ def main():
                  "global_batch": batch * accumulation * world_size, "per_device_train_batch_size": batch,
                  "loader": args.loader, "dataloader_num_workers": workers,
                  "shuffle_buffer_size": args.shuffle_buffer_size, "block_size": block_size,
-                 "manifest_sha256": hashlib.sha256((Path(args.data_dir) / MANIFEST).read_bytes()).hexdigest(),
+                 "manifest_sha256": manifest_sha256,
                  "model_config": models.config_state(config), "learning_rate": args.learning_rate,
                  "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
                  "max_grad_norm": args.max_grad_norm, "mixed_precision": accelerator.mixed_precision}
@@ -439,9 +464,11 @@ def main():
     loader_tps = n * batch * block_size / (time.perf_counter() - t0)
     del stream
 
-    # 2. Training: what one step consumes, and how long the step waits for data.
+    # 2. Training: what one step consumes, and how long the step waits for data. GPU work is
+    # asynchronous: no per-step synchronize (it would stall the host every step); the step time is
+    # the loop's wall time, the queued GPU work included at the end, less the waits and the saves.
     model.train()
-    seen, wait_s, compute_s, start = [], 0.0, 0.0, saved["step"]
+    seen, wait_s, save_s, start, t_loop = [], 0.0, 0.0, saved["step"], time.perf_counter()
     # fp16 bookkeeping the scaler does not keep, and this rank's data position: from COMPLETE.json
     skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
     epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]
@@ -466,7 +493,7 @@ def main():
         for _ in range(accumulation):
             t0 = time.perf_counter()
             epoch, done, b = next(batches)
-            t1 = time.perf_counter()
+            wait_s += time.perf_counter() - t0
             with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
                 loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
                 accelerator.backward(loss)  # under fp16: backward of loss x scale
@@ -476,12 +503,10 @@ def main():
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
                 optimizer.zero_grad()
-            if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
-                torch.cuda.synchronize(device)
-            wait_s, compute_s = wait_s + t1 - t0, compute_s + time.perf_counter() - t1
             window_loss += loss.detach() / accumulation
-            seen += [[] for _ in range(epoch + 1 - len(seen))]  # (a resumed run starts in a later epoch)
-            seen[epoch] += b["block_id"].tolist()
+            if args.record_sample_ids:  # block_id stays on the host (only input_ids goes to the device)
+                seen += [[] for _ in range(epoch + 1 - len(seen))]  # (a resumed run starts in a later epoch)
+                seen[epoch] += b["block_id"].tolist()
         skipped = accelerator.optimizer_step_was_skipped
         skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
         scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
@@ -494,7 +519,7 @@ def main():
         if step % args.logging_steps == 0 or step == args.max_steps:
             record = {"step": step, "epoch": epoch,
                       "loss": accelerator.reduce(window_loss, reduction="mean").item(), "lr": lr,
-                      "grad_norm": norm_before_clip,
+                      "grad_norm": float(norm_before_clip),  # on the device until now: no sync elsewhere
                       **({"loss_scale": scale, "skipped_steps": skipped_steps} if scale is not None else {})}
             accelerator.print(f"step {step} | epoch {epoch} | loss {record['loss']:.3f} | lr {lr:.3g}" + (
                 f" | loss scale {scale:g} | skipped steps {skipped_steps}" if scale is not None else ""))
@@ -503,15 +528,21 @@ def main():
                 metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         if preempt or (args.save_steps and step % args.save_steps == 0):
+            t_save = time.perf_counter()
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state={
                 **run_state, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,
                 # every rank's own [epoch, batches consumed in it] (epochs differ in length per rank)
                 "data_position": gather_object([[epoch, done]])})
+            save_s += time.perf_counter() - t_save
         if preempt:
             accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
             teardown()
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the GPU work still queued belongs to the steps
+    compute_s = time.perf_counter() - t_loop - wait_s - save_s
 
     # 3. Resident memory now, with the persistent workers still alive. RSS counts pages a forked
     # worker still shares with its parent (libraries, torch); USS counts only the pages a process

@@ -4,9 +4,12 @@
 import hashlib
 import json
 import math
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -257,12 +260,80 @@ def test_bad_shard_gives_a_clear_error(case, tiny, tmp_path, cache_dir):
     }[case]
     d = damaged(tiny, tmp_path, damage)
     proc = train("ddp", d, tmp_path / "run", "--max_steps", 2, *extra, cache_dir=cache_dir, check=False)
-    assert proc.returncode != 0
-    assert expected.format(d=d) in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    assert_one_error_line(proc, expected.format(d=d))
+
+
+def assert_one_error_line(proc, expected):
+    """Failed with one `error:` line (the same from every rank, whichever rank met the problem) and no traceback."""
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
+    assert proc.returncode != 0 and len(errors) == 1 and expected in errors.pop(), proc.stderr[-3000:]
+    assert 'sharded_data.py", line' not in proc.stderr  # no traceback from the recipe (only the launcher's)
 
 
 def test_shard_count_not_a_multiple_of_world_size(tmp_path, cache_dir):
     prepare(tmp_path / "three", "--num_shards", 3, "--block_size", 64, "--max_blocks", 96, cache_dir=cache_dir)
     proc = train("ddp", tmp_path / "three", tmp_path / "run", "--max_steps", 2, cache_dir=cache_dir, check=False)
-    assert proc.returncode != 0
-    assert "lists 3 shards for a world size of 2" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    assert_one_error_line(proc, "lists 3 shards for a world size of 2")
+
+
+def two_machines(data_dirs, out, *flags, logs, cache_dir, timeout=300):
+    """Train as 2 machines x 1 process on this host (one `accelerate launch` each, over loopback),
+    machine m reading `--data_dir data_dirs[m]`: each machine's own disk. Returns, per machine,
+    (exit code, its stdout and stderr)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    logs.mkdir()
+    procs = []
+    for m, data_dir in enumerate(data_dirs):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+               "--num_machines", 2, "--machine_rank", m, "--num_processes", 2, "--main_process_ip", "127.0.0.1",
+               "--main_process_port", port, "--mixed_precision", "no", REPO / RECIPE, "--data_dir", data_dir,
+               "--output_dir", out, "--per_device_train_batch_size", BATCH, "--ddp_timeout", 60, *flags]
+        with open(logs / f"machine{m}.log", "w") as log:
+            procs.append(subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + timeout
+    try:
+        codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
+    finally:
+        for p in procs:  # a killed launcher takes its rank with it (launch.die_with_launcher)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(code, (logs / f"machine{m}.log").read_text()) for m, code in enumerate(codes)]
+
+
+def test_each_node_needs_only_its_own_shards(tiny, tmp_path, cache_dir):
+    """Node-local disks: machine m holds manifest.json and only its rank's shards (m and m + 2).
+    Before, every rank required every shard: `missing shard .../shard_0001.parquet` on machine 0."""
+    nodes = [tmp_path / f"node{m}" for m in range(WORLD)]
+    for m, node in enumerate(nodes):
+        node.mkdir()
+        for name in ["manifest.json", *(f"shard_{s:04d}.parquet" for s in range(m, 4, WORLD))]:
+            shutil.copy(tiny[0] / name, node / name)
+    results = two_machines(nodes, tmp_path / "run", "--max_steps", 2, "--logging_steps", 1, "--record_sample_ids",
+                           "--dataloader_num_workers", 0, "--loader_benchmark_batches", 2,
+                           logs=tmp_path / "logs", cache_dir=cache_dir)
+    assert [code for code, _ in results] == [0, 0], "\n".join(text[-3000:] for _, text in results)
+    assert [r["step"] for r in strict_metrics(tmp_path / "run")[0]] == [1, 2]
+    for r in range(WORLD):
+        rec = json.loads((tmp_path / "run" / "sample_ids" / f"rank{r}.json").read_text())
+        assert rec["shards"] == [f"shard_{s:04d}.parquet" for s in range(r, 4, WORLD)]
+        blocks = sum(rec["epochs"], [])
+        assert len(set(blocks)) == 2 * BATCH and {b % 4 for b in blocks} <= set(range(r, 4, WORLD)), blocks
+
+
+def test_nodes_with_other_shard_sets_are_refused(tiny, uneven, tmp_path, cache_dir):
+    """Machine 1's disk holds another shard set (`uneven`: shard 1 cut to 59 rows, its manifest to
+    match), so each machine's shards verify against its own manifest: only comparing the manifests
+    across ranks finds it. Before, both machines trained, each on its own data, and exited 0."""
+    dirs = [tiny[0], uneven]
+    results = two_machines(dirs, tmp_path / "run", "--max_steps", 2, "--dataloader_num_workers", 0,
+                           logs=tmp_path / "logs", cache_dir=cache_dir)
+    for m, (code, text) in enumerate(results):
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert code != 0 and len(errors) == 1, text[-3000:]
+        assert errors[0].startswith(f"error: the shard manifest {dirs[m] / 'manifest.json'} differs between ranks: "
+                                    "rank(s) 1 read another one than rank 0"), errors
+        assert 'sharded_data.py", line' not in text  # no traceback from the recipe (only the launcher's)
