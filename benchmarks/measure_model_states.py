@@ -137,7 +137,7 @@ def communication_setup(accelerator, model, deepspeed: bool) -> dict:
     if deepspeed:
         stage = accelerator.state.deepspeed_plugin.zero_stage
         kind = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[stage]
-        grad_bytes = torch.empty((), dtype=model.communication_data_type).element_size()
+        grad_bytes = model.communication_data_type.itemsize
         lp = next(model.module.parameters())
         param_bytes = getattr(lp, "ds_tensor", lp).element_size()
         return {"comm_kind": kind, "grad_comm_bytes": grad_bytes, "param_comm_bytes": param_bytes}
@@ -152,8 +152,8 @@ def communication_setup(accelerator, model, deepspeed: bool) -> dict:
         param_dtype = getattr(policy, "param_dtype", None)
         reduce_dtype = getattr(policy, "reduce_dtype", None)
         return {"comm_kind": kind,
-                "grad_comm_bytes": torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else fp32_bytes,
-                "param_comm_bytes": torch.empty((), dtype=param_dtype).element_size() if param_dtype else fp32_bytes}
+                "grad_comm_bytes": reduce_dtype.itemsize if reduce_dtype else fp32_bytes,
+                "param_comm_bytes": param_dtype.itemsize if param_dtype else fp32_bytes}
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     return {"comm_kind": "ddp", "grad_comm_bytes": grad.element_size(), "param_comm_bytes": None}
 
@@ -206,8 +206,10 @@ def main():
             optimizer.zero_grad()
 
     categories = ["params", "grads", "fp32_master", "adam_moments"]
-    per_rank = accelerator.gather(torch.tensor([ledger.bytes[c] for c in categories], dtype=torch.float64)).view(
-        accelerator.num_processes, len(categories)).long().tolist()  # plain ints: no tensor outlives gloo
+    # On accelerator.device: NCCL takes device tensors only (and Accelerate gathers onto the device).
+    per_rank = accelerator.gather(torch.tensor([ledger.bytes[c] for c in categories], dtype=torch.int64,
+                                               device=accelerator.device))
+    per_rank = per_rank.view(accelerator.num_processes, len(categories)).tolist()  # plain ints: no tensor outlives gloo
     if accelerator.is_main_process:
         inner = model.optimizer.optimizer if deepspeed else optimizer.optimizer
         zero = model.optimizer if deepspeed else None

@@ -45,7 +45,9 @@ def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision
         cmd += ["--mixed_precision", mixed_precision]
     cmd += [str(REPO / script), *map(str, args)]
     env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           # every process runs tests/device_guard: project code may not hand a collective a host tensor
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
