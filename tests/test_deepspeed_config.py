@@ -62,7 +62,8 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def free_port():
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for the engines' process group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
