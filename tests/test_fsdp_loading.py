@@ -62,8 +62,8 @@ def _start(config, output_dir, args, cache_dir):
     As conftest.launch, but without tests/device_guard on PYTHONPATH: under it, fine-tunes from
     --model_name_or_path (not runs from --config_name) changed their losses from run to run."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           REPO / "accelerate_configs" / f"{config}.yaml", "--mixed_precision", "no", RECIPE, "--output_dir", output_dir,
-           *args]
+           REPO / "accelerate_configs" / f"{config}.yaml", "--mixed_precision", "no",
+           RECIPE, "--output_dir", output_dir, *args]
     env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
