@@ -26,7 +26,9 @@ uses the parameter partition itself as the master copy). Not counted: activation
 communication buckets (DDP's reducer buckets, DeepSpeed's `reduce_bucket_size` buffers) and
 FSDP's transient all-gather buffers. The DeepSpeed attribute names are those of deepspeed 0.19.8.
 
-Only the main process writes `--output_file` (JSON, per-rank lists gathered from all ranks).
+Only the main process writes `--output_file` (JSON, per-rank lists gathered from all ranks). With
+several shapes in `--config_overrides` ("num_hidden_layers=8;num_key_value_heads=2", each measured
+with a fresh Accelerator in the same process group) it holds one such object per shape, a list.
 """
 
 import json
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 from transformers import HfArgumentParser, LlamaForCausalLM
 
@@ -48,6 +51,10 @@ from common import data, launch, models  # noqa: E402
 class Args:
     output_file: str = field(default=None, metadata={"help": "JSON written by the main process (required)"})
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    config_overrides: str = field(default="", metadata={"help": (
+        "LlamaConfig changes, 'key=value,key=value' (as recipes/llama.py); several model shapes measured in this "
+        "one launch: separate them with ';' (an empty entry is the preset itself); --output_file then holds a list"
+    )})
     vocab_size: int = 4096
     block_size: int = 256
     per_device_train_batch_size: int = 8
@@ -158,28 +165,23 @@ def communication_setup(accelerator, model, deepspeed: bool) -> dict:
     return {"comm_kind": "ddp", "grad_comm_bytes": grad.element_size(), "param_comm_bytes": None}
 
 
-def main():
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
-    if not args.output_file:
-        sys.exit("error: --output_file is required")
-    accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
-    launch.check_distributed(accelerator)
+def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> dict | None:
+    """Build, prepare and train the model with `overrides` two steps; the main process gets the result dict."""
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.mixed_precision != "no":
         # as recipes/llama.py does: bf16/fp16 compute, fp32 gradient reduction
         plugin = accelerator.state.fsdp_plugin
         plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
     torch.manual_seed(args.seed)
-
-    with accelerator.main_process_first():  # the recipe's cached tokenizer and packed blocks
-        raw = data.load_text_dataset()
-        tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
-        train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"].with_format("torch")
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
                                          drop_last=True)
-
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    if overrides:
+        try:
+            config = models.apply_overrides(config, overrides)
+        except ValueError as err:
+            sys.exit(f"error: {err}")
     model = LlamaForCausalLM(config)
     model.config.use_cache = False
     n_params = sum(p.numel() for p in model.parameters())
@@ -210,13 +212,14 @@ def main():
     per_rank = accelerator.gather(torch.tensor([ledger.bytes[c] for c in categories], dtype=torch.int64,
                                                device=accelerator.device))
     per_rank = per_rank.view(accelerator.num_processes, len(categories)).tolist()  # plain ints: no tensor outlives gloo
+    result = None
     if accelerator.is_main_process:
         inner = model.optimizer.optimizer if deepspeed else optimizer.optimizer
         zero = model.optimizer if deepspeed else None
         result = {
             "distributed_type": str(accelerator.distributed_type).split(".")[-1],
             "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
-            "n_params": n_params, "loss": loss.item(),
+            "config_overrides": overrides, "n_params": n_params, "loss": loss.item(),
             **{f"{c}_bytes": [rank[i] for rank in per_rank] for i, c in enumerate(categories)},
             "devices": {c: sorted(d) for c, d in ledger.devices.items()},  # of rank 0
             "optimizer": type(inner).__name__,
@@ -225,9 +228,6 @@ def main():
             "offload_param": bool(zero and getattr(zero, "offload_param", False)),
             **comm,
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
-        with open(args.output_file, "w") as f:
-            json.dump(result, f, indent=1)
         print(json.dumps(result))
     # Tear down in order. Left to the garbage collector, the DDP reducer's gloo group was once
     # destroyed (joining its worker threads while holding the GIL) as a worker thread waited for
@@ -235,6 +235,31 @@ def main():
     accelerator.wait_for_everyone()  # the last collective: a barrier, which holds no Python tensor
     accelerator.free_memory()  # drop the Accelerator's references to the wrapped model/optimizer ...
     del model, optimizer, loader, batches, batch, loss  # ... and ours, while the group is still alive
+    return result
+
+
+def main():
+    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    if not args.output_file:
+        sys.exit("error: --output_file is required")
+    shapes = args.config_overrides.split(";")
+    results = []
+    for i, overrides in enumerate(shapes):
+        if i:  # a fresh Accelerator per shape (DeepSpeed takes one model per Accelerator); the process group stays
+            AcceleratorState._reset_state()
+        accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
+        launch.check_distributed(accelerator)
+        if i == 0:
+            with accelerator.main_process_first():  # the recipe's cached tokenizer and packed blocks
+                raw = data.load_text_dataset()
+                tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+                train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"]
+                train_set = train_set.with_format("torch")
+        results.append(measure_shape(accelerator, args, overrides.strip(), tokenizer, train_set))
+    if accelerator.is_main_process:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
+        with open(args.output_file, "w") as f:
+            json.dump(results if len(shapes) > 1 else results[0], f, indent=1)
     accelerator.end_training()  # then destroy the process group
 
 

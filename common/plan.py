@@ -1,0 +1,464 @@
+"""Will it fit? Bytes per rank for each strategy, before you launch (issue 12).
+
+    python common/plan.py --all --model_config llama-3-8b --block_size 2048 \
+        --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB
+
+Prints, per rank and for each accelerate config: model states, activations, logits and loss
+buffers, communication buffers, the total against the device memory, the communication per
+optimizer step, and a recommendation. `--format json` gives the same numbers in bytes.
+Ψ = parameters, N = ranks (num_processes x num_machines), T = tokens per micro batch (batch x
+block), h hidden, h_kv = kv heads x head dim, I intermediate, a heads, V vocabulary, L layers.
+
+Model states (bytes per rank; ZeRO paper, Rajbhandari et al. 2020, arXiv 1910.02054, with the
+dtypes these configs really hold: measured by benchmarks/measure_model_states.py, equal within
+0.001% for 3 shapes on 2 CPU ranks, tests/test_plan.py):
+
+| strategy            | params          | grads         | fp32 master | Adam (2 moments) |
+|---------------------|-----------------|---------------|-------------|------------------|
+| single / DDP        | 4Ψ fp32         | 4Ψ fp32       | (the params)| 8Ψ               |
+| FSDP2 / FSDP1       | 4Ψ/N fp32 shard | 4Ψ/N fp32     | (the params)| 8Ψ/N             |
+| ZeRO-2 (our JSON)   | 2Ψ bf16, whole  | 4Ψ/N fp32 (*) | 4Ψ/N        | 8Ψ/N             |
+| ZeRO-3 (our JSON)   | 2Ψ/N + 2P bf16  | 4Ψ/N fp32 (*) | 4Ψ/N        | 8Ψ/N             |
+
+(*) "data_types.grad_accum_dtype": "fp32"; bf16 (2Ψ/N) without it. P = parameters of at most
+`stage3_param_persistence_threshold` elements ("auto": 10h), kept whole on every rank. Offload
+moves the master, Adam and (ZeRO-3) gradients, and with offload_param the params, to host RAM.
+Sharded figures are those of the fullest rank (each tensor's dim 0 rounded up per rank).
+With gradient accumulation > 1, FSDP holds the unsharded gradients between micro batches
+(Accelerate's no_sync: FSDP2 `set_requires_gradient_sync(False)` keeps them in the fp32 reduce
+dtype): +4Ψ(1 - 1/N) in the grads row. Not measured here (the measurement runs one micro batch).
+
+Communication buffers (transient, not measured on CPU): DDP's reducer buckets, a second copy of
+the gradients (4Ψ: Accelerate leaves `gradient_as_bucket_view` off); FSDP: the root unit
+(embeddings, final norm, head: FSDP2 does not reshard the root after forward) plus two blocks
+all-gathered in the compute dtype (current + prefetched) and one block's unsharded fp32
+gradients; ZeRO-2: two reduce buckets (overlap_comm) of `reduce_bucket_size` ("auto": h^2
+elements) in the compute dtype; ZeRO-3: one reduce bucket in the communication dtype, the
+prefetch bucket (0.9 h^2) and the largest module gathered with its full gradient (2 x 2 bytes
+x largest module, DeepSpeed's "4 x largest layer").
+
+Activations: bytes autograd saves per micro batch for one Llama block (HF transformers 5,
+SDPA's flash kernel, SwiGLU, RMSNorm, rotary), derived op by op as Korthikanti et al. 2022
+(arXiv 2205.05198, table 2) did for GPT. r = bytes of the residual stream (the params' dtype:
+4 under DDP's fp32 params + autocast, 2 under FSDP/DeepSpeed bf16 params), c = compute bytes
+(2 under bf16/fp16, 4 without mixed precision). Bytes per token:
+
+| op (saved for backward)                          | bytes / token                  |
+|--------------------------------------------------|--------------------------------|
+| 2 RMSNorms: fp32 input (or its fp32 upcast), normed output, rsqrt | 2 x ((4 + r)h + 4) |
+| inputs of q,k,v and gate,up: autocast's 5 casts when r != c, else | 5ch, or 2ch        |
+|   the 2 norm outputs themselves                                   |                    |
+| SDPA: rotated q, rotated k, v, output (= o_proj input)            | c(2h + 2h_kv)      |
+| SDPA: logsumexp, fp32                                             | 4a                 |
+| SwiGLU: gate out, SiLU out, up out, product (= down_proj input)   | 4cI                |
+
+DDP bf16 (r 4, c 2): 30h + 4h_kv + 8I + 4a + 8; FSDP/DeepSpeed bf16 (r = c = 2): 20h + 4h_kv + 8I
++ 4a + 8. Korthikanti's GPT block is 34h + 5as/h in 16 bits: here no
+s^2 attention scores (flash SDPA keeps only the logsumexp), no dropout masks, but fp32 norms and
+(DDP) fp32 residuals. Per model: token ids and labels (16 T), the final norm ((4 + r)h + 4 per
+token), the lm_head input (ch), the loss scalar, rotary cos and sin (2 x s x head_dim x r), and
+under autocast with fp32 params the bf16 weight copies autocast caches for the forward (2 bytes x
+every Linear weight, the head included): held until backward like activations.
+With --gradient_checkpointing (non-reentrant, every block) a block keeps only its input (rh per
+token); the backward recomputes one block at a time (one block's bytes, plus its weight copies).
+Measured with common/memory.SavedTensorBytes: equal to the byte (tests/test_plan.py).
+
+Logits and loss (transient, at the start of backward): HF's loss upcasts the logits to fp32
+and log-softmaxes them: bf16 logits 2TV + fp32 copy 4TV + log-softmax 4TV in the forward, saved
+log-softmax + its gradient + the logits' gradient (4TV each) in the backward: 12TV at the peak
+(measured 12.3TV with common/memory.PeakTensorBytes on CPU). Eval (no grad, metrics.token_nll):
+logits cTV plus at most two fp32 chunks of LOSS_CHUNK_ELEMENTS; not added to training's peak.
+
+Against DeepSpeed's estimators (deepspeed/runtime/zero: stage_1_and_2
+`estimate_zero2_model_states_mem_needs`: 2Ψ + 18Ψ/N; stage3 `estimate_zero3_model_states_mem_needs`:
+4 x largest layer + 18Ψ/N), by design:
+- ZeRO-2: DeepSpeed counts a 16-bit gradient partition (2Ψ/N) besides the fp32 one; our JSON
+  accumulates in fp32 only (measured): planner = estimator - 2Ψ/N.
+- ZeRO-3: the 18Ψ/N terms agree; DeepSpeed puts 4 x largest layer in model states, the planner
+  in communication buffers, and adds the persistent parameters (2P) that DeepSpeed leaves out.
+- DDP (estimator at N = 1: 20Ψ): DDP keeps no 16-bit params or grads (its fp32 params are the
+  masters; autocast's bf16 copies are counted under activations): planner = estimator - 4Ψ.
+- FSDP (ZeRO-3 estimator): FSDP shards fp32 params only and casts at the all-gather, so no
+  16-bit partition: planner = estimator - 2Ψ/N - 4 x largest layer (the gathered units are in
+  communication buffers). Neither counts activations, logits, buckets or DDP's reducer copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from compare_strategies import predicted_comm_bytes  # noqa: E402  (the ZeRO paper's volumes)
+
+from common import metrics, models  # noqa: E402
+
+PRESET_VOCAB = {"debug": 4096, "llama-3.2-1b": 128256, "llama-3-8b": 128256}  # recipe BPE / Llama 3 tokenizer
+CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "comm_buffers", "activations", "logits_loss")
+
+
+def model_shape(config) -> dict:
+    """Shapes the planner needs, read from a model built on the meta device (no memory, any HF causal LM).
+
+    Returns a dict of ints: n_params (Ψ, tied weights once), param_dim0_rest (list of (dim 0, other
+    elements) per parameter), linear_weights (elements of every nn.Linear weight, lm_head included),
+    largest_module (most parameters directly owned by one module, DeepSpeed's "largest layer"),
+    block_params (one decoder block), root_params (outside the blocks), small_params (elements of
+    parameters of at most 10h elements: ZeRO-3's persistent ones), and hidden, layers, heads,
+    kv_dim, head_dim, intermediate, vocab.
+
+    Raises:
+        ValueError: the config has no causal-LM class (from `models.causal_lm_class`).
+    """
+    with torch.device("meta"):
+        model = models.causal_lm_class(config)(config)
+    params = list({id(p): p for p in model.parameters()}.values())
+    blocks = models.decoder_blocks(model)
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None else 0
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    n = sum(p.numel() for p in params)
+    return {
+        "n_params": n,
+        "param_dim0_rest": [(p.shape[0], p.numel() // p.shape[0]) for p in params],
+        "linear_weights": sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)),
+        "largest_module": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        "block_params": block_params,
+        "root_params": n - block_params * config.num_hidden_layers,
+        "small_params": sum(p.numel() for p in params if p.numel() <= 10 * h),
+        "hidden": h, "layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
+        "kv_dim": getattr(config, "num_key_value_heads", heads) * head_dim,
+        "intermediate": getattr(config, "intermediate_size", 4 * h), "vocab": config.vocab_size,
+    }
+
+
+def shard_elements(shape: dict, ranks: int) -> int:
+    """Parameter elements on the fullest rank when each tensor is split along dim 0 over `ranks`."""
+    return sum(math.ceil(d0 / ranks) * rest for d0, rest in shape["param_dim0_rest"])
+
+
+def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, compute_bytes: int,
+                     checkpointing: bool, weight_copies: bool) -> dict:
+    """Bytes autograd saves in one micro batch's forward (the module docstring's table).
+
+    Args:
+        shape: `model_shape(config)`.
+        batch, seq: micro batch size and tokens per sample (T = batch x seq).
+        residual_bytes: r, element size of the params and residual stream (4 fp32, 2 bf16/fp16).
+        compute_bytes: c, element size autocast computes in (2 bf16/fp16, 4 without mixed precision).
+        checkpointing: every block checkpointed (non-reentrant): a block keeps its input only.
+        weight_copies: autocast casts fp32 weights to c bytes (params fp32 and c == 2).
+
+    Returns:
+        {"blocks": all L blocks, "head": ids, labels, final norm, head input cast, cos/sin,
+        "log_softmax": the fp32 log-softmax the loss saves (4TV), "weight_copies", "recompute":
+        one block's bytes rebuilt during backward (checkpointing only), "saved": the sum of the
+        first four (what `common.memory.SavedTensorBytes` counts)}; ints, bytes.
+    """
+    r, c, t = residual_bytes, compute_bytes, batch * seq
+    h, hkv, i, a = shape["hidden"], shape["kv_dim"], shape["intermediate"], shape["heads"]
+    casts = r != c
+    block = t * (2 * ((4 + r) * h + 4) + (5 if casts else 2) * c * h + c * (2 * h + 2 * hkv) + 4 * a + 4 * c * i)
+    block_weights = 2 * (shape["linear_weights"] - shape["vocab"] * h) // shape["layers"] if weight_copies else 0
+    head = t * (16 + (4 + r) * h + 4 + c * h) + 4 + (0 if checkpointing else 2 * seq * shape["head_dim"] * r)
+    copies = 2 * (shape["vocab"] * h if checkpointing else shape["linear_weights"]) if weight_copies else 0
+    blocks = shape["layers"] * (t * r * h if checkpointing else block)
+    out = {"blocks": blocks, "head": head, "log_softmax": 4 * t * shape["vocab"], "weight_copies": copies,
+           "recompute": block + block_weights if checkpointing else 0}
+    out["saved"] = blocks + head + out["log_softmax"] + copies
+    return out
+
+
+def read_strategy(config_path: Path) -> dict:
+    """The planner's view of an accelerate YAML (and its DeepSpeed JSON).
+
+    Returns {"name", "kind": "single" | "ddp" | "fsdp" | "fsdp1" | "zero2" | "zero3", "mixed_precision",
+    "num_processes", "num_machines", "reshard" (FSDP), "offload_optimizer", "offload_param",
+    "grad_accum_bytes", "comm_bytes" (DeepSpeed gradient reduction), "ds" (the zero_optimization dict)}.
+
+    Raises:
+        ValueError: an unreadable file, or a strategy the planner does not know (one line, naming the file).
+    """
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(config_path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--config {config_path}: cannot read it: {' '.join(str(err).split())}") from None
+    dtype_bytes = {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2, "float16": 2}
+    out = {"name": config_path.stem, "mixed_precision": str(cfg.get("mixed_precision", "no")),
+           "num_processes": int(cfg.get("num_processes", 1)), "num_machines": int(cfg.get("num_machines", 1)),
+           "reshard": True, "offload_optimizer": False, "offload_param": False, "grad_accum_bytes": None,
+           "comm_bytes": None, "ds": {}}
+    kind = str(cfg.get("distributed_type", "NO"))
+    if kind == "NO":
+        out["kind"] = "single"
+    elif kind in ("MULTI_GPU", "MULTI_CPU"):
+        out["kind"] = "ddp"
+    elif kind == "FSDP":
+        fsdp = cfg.get("fsdp_config") or {}
+        out["kind"] = "fsdp1" if int(fsdp.get("fsdp_version", 1)) == 1 else "fsdp"
+        reshard = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
+        out["reshard"] = reshard is True or str(reshard).upper() in ("TRUE", "FULL_SHARD", "HYBRID_SHARD")
+        out["offload_param"] = out["offload_optimizer"] = bool(fsdp.get("fsdp_offload_params", False))
+    elif kind == "DEEPSPEED":
+        path = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        json_path = REPO / path if path else None
+        try:
+            ds = json.loads(json_path.read_text())
+        except (TypeError, OSError, ValueError) as err:
+            raise ValueError(f"--config {config_path}: deepspeed_config_file {path!r}: {err}") from None
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        out["kind"] = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[stage]
+        out["ds"] = zero
+        out["offload_optimizer"] = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+        out["offload_param"] = (zero.get("offload_param") or {}).get("device", "none") != "none"
+        out["grad_accum_bytes"] = dtype_bytes.get(str((ds.get("data_types") or {}).get("grad_accum_dtype")))
+        out["comm_bytes"] = dtype_bytes.get(str(ds.get("communication_data_type")))
+    else:
+        raise ValueError(f"--config {config_path}: distributed_type {kind!r} is not one the planner knows")
+    return out
+
+
+def _ds_size(zero: dict, key: str, auto: float) -> float:
+    value = zero.get(key, "auto")
+    return auto if value == "auto" else float(value)
+
+
+def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
+                  checkpointing: bool, mixed_precision: str) -> dict:
+    """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
+
+    Args:
+        strategy: `read_strategy(...)`. shape: `model_shape(...)`. ranks: N (all machines).
+        batch, seq: micro batch and block size; accumulation: micro batches per optimizer step.
+        checkpointing: `--gradient_checkpointing`. mixed_precision: "no", "bf16" or "fp16".
+
+    Returns:
+        A dict of ints in bytes: the CATEGORIES on the device, "host" (offloaded states), "total"
+        (device), plus "comm_per_step" (ring collectives, bytes sent per rank), "comm_pattern",
+        and "activations_detail" (`activation_bytes`).
+    """
+    kind, n, h = strategy["kind"], shape["n_params"], shape["hidden"]
+    low = 4 if mixed_precision == "no" else 2
+    shard = shard_elements(shape, ranks)
+    zero = strategy["ds"]
+    states = {"params": 4 * n, "grads": 4 * n, "fp32_master": 0, "adam_moments": 8 * n}
+    host = 0
+    if kind == "single":
+        ranks = 1
+    if kind in ("fsdp", "fsdp1"):
+        states = {"params": 4 * shard, "grads": 4 * shard, "fp32_master": 0, "adam_moments": 8 * shard}
+        if accumulation > 1:  # unsharded fp32 gradients held between micro batches (no_sync)
+            states["grads"] += 4 * (n - shard)
+    elif kind in ("zero2", "zero3"):
+        part = math.ceil(n / ranks)
+        grad_bytes = strategy["grad_accum_bytes"] or low
+        persistent = shape["small_params"] if kind == "zero3" else 0
+        states = {"params": low * (part + persistent) if kind == "zero3" else low * n,
+                  "grads": grad_bytes * part, "fp32_master": 4 * part if low == 2 or kind == "zero2" else 0,
+                  "adam_moments": 8 * part}
+    if strategy["offload_optimizer"]:
+        moved = ["fp32_master", "adam_moments"] + (["grads"] if kind == "zero3" else [])
+        if kind in ("fsdp", "fsdp1"):
+            moved = ["params", "grads", "adam_moments"]
+        host += sum(states[k] for k in moved)
+        states.update({k: 0 for k in moved})
+    if strategy["offload_param"] and kind == "zero3":
+        host += states["params"]
+        states["params"] = low * persistent
+
+    # communication buffers (transient)
+    if kind in ("single", "ddp"):
+        buffers = 0 if kind == "single" else 4 * n  # DDP reducer buckets: a second copy of the grads
+    elif kind in ("fsdp", "fsdp1"):
+        buffers = low * shape["root_params"] + 2 * low * shape["block_params"] + 4 * shape["block_params"]
+    elif kind == "zero2":
+        buffers = 2 * low * _ds_size(zero, "reduce_bucket_size", h * h)
+    else:
+        buffers = ((strategy["comm_bytes"] or low) * _ds_size(zero, "reduce_bucket_size", h * h)
+                   + low * _ds_size(zero, "stage3_prefetch_bucket_size", 0.9 * h * h) + 2 * low * shape["largest_module"])
+
+    residual = 4 if kind in ("single", "ddp") else low  # FSDP / DeepSpeed compute on low-precision params
+    act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2)
+    activations = act["saved"] - act["log_softmax"] + act["recompute"]
+    logits = 12 * batch * seq * shape["vocab"]  # peak at the loss: see the module docstring
+    out = {**states, "comm_buffers": int(buffers), "activations": activations, "logits_loss": logits}
+    out["total"] = sum(out[k] for k in CATEGORIES)
+    out["host"] = host
+    eval_tokens = batch * seq
+    out["eval_peak"] = (sum(states.values()) + low * eval_tokens * shape["vocab"]
+                        + 2 * 4 * min(metrics.LOSS_CHUNK_ELEMENTS, eval_tokens * shape["vocab"]))
+
+    # communication per optimizer step (ZeRO paper volumes, ring share (N-1)/N, each in its dtype)
+    grad_comm = 4 if kind in ("single", "ddp", "fsdp", "fsdp1") else (strategy["comm_bytes"] or low)
+    if kind in ("single", "ddp"):
+        comm, pattern = predicted_comm_bytes("ddp", n, grad_comm, world_size=ranks), f"AR 2Ψ×{grad_comm}B"
+    else:
+        gathers = 2 if kind == "zero3" or (kind.startswith("fsdp") and strategy["reshard"]) else 1
+        reduce = predicted_comm_bytes("zero2", n, grad_comm, 0, ranks)  # one reduce-scatter of Ψ
+        gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", n, 0, low, ranks)
+        # DeepSpeed reduces every micro batch; FSDP (no_sync) once per step but gathers every micro batch
+        reduces = accumulation if kind.startswith("zero") else 1
+        gather_times = 1 if kind == "zero2" else accumulation
+        comm = reduce * reduces + gather * gather_times
+        pattern = f"{reduces}×RS Ψ×{grad_comm}B + {gather_times * gathers}×AG Ψ×{low}B"
+    out.update(comm_per_step=int(comm), comm_pattern=pattern, activations_detail=act)
+    return out
+
+
+def parse_memory(text: str) -> int:
+    """'80GB' -> 80e9 bytes, '80GiB' -> 80 x 2^30, '1.5TB', '512MB'; a bare number is bytes.
+
+    Raises:
+        ValueError: an unreadable size (names it).
+    """
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)?\s*", text.upper())
+    if not m:
+        raise ValueError(f"--device_memory {text!r}: expected a size such as 80GB or 141GiB")
+    unit = m.group(2) or "B"
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+
+
+def detect_memory(ranks_per_machine: int) -> tuple[int, str]:
+    """(bytes per rank, where from): the first CUDA device's memory, else the host RAM shared by its ranks."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"detected: {props.name}"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // ranks_per_machine, f"no GPU: host RAM {ram / 1e9:.1f} GB shared by {ranks_per_machine} CPU ranks"
+
+
+def load_model_config(name: str, vocab_size: int | None):
+    """A preset name (vocabulary: PRESET_VOCAB unless `vocab_size`) or a local HF config/model directory or file.
+
+    Raises:
+        ValueError: neither a preset nor a readable local config (one line).
+    """
+    if name in models.PRESETS:
+        return models.llama_config(name, vocab_size or PRESET_VOCAB.get(name, 128256))
+    from transformers import AutoConfig
+
+    if not os.path.exists(name):
+        raise ValueError(f"--model_config {name!r}: not a preset ({', '.join(models.PRESETS)}) and no such local path")
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model_config {name!r}: cannot read a config there: {' '.join(str(err).split())}") from None
+    if vocab_size:
+        config.vocab_size = vocab_size
+    return config
+
+
+def format_table(plans: dict, header: str, device_memory: int, problems: list[str]) -> str:
+    """A markdown table (GB = 1e9 bytes, or MB below 1 GB) per rank, strategies as columns, then the
+    recommendation and the problems (one line each)."""
+    names = list(plans)
+    unit, scale = ("GB", 1e9) if max(plans[s]["total"] for s in names) >= 1e9 else ("MB", 1e6)
+    gb = lambda b: f"{b / scale:,.2f}"  # noqa: E731
+    rows = [("params", "params"), ("grads", "grads"), ("fp32 master", "fp32_master"), ("Adam moments", "adam_moments"),
+            ("comm buffers / gathered units", "comm_buffers"), ("activations (saved + recompute)", "activations"),
+            ("logits + loss (peak)", "logits_loss"), ("**total**", "total"), ("offloaded to host", "host")]
+    lines = [header, "", f"| {unit} per rank | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for label, key in rows:
+        lines.append(f"| {label} | " + " | ".join(gb(plans[s][key]) for s in names) + " |")
+    lines.append(f"| headroom vs {gb(device_memory)} {unit} | "
+                 + " | ".join(gb(device_memory - plans[s]["total"]) for s in names) + " |")
+    lines.append("| fits | " + " | ".join("yes" if plans[s]["total"] <= device_memory else "**no**" for s in names) + " |")
+    lines.append(f"| comm per step and rank ({unit}) | " + " | ".join(gb(plans[s]["comm_per_step"]) for s in names) + " |")
+    lines.append("| collectives per step | " + " | ".join(plans[s]["comm_pattern"] for s in names) + " |")
+    lines += ["", recommend(plans, device_memory)]
+    lines += ["", "Problems:" if problems else "Problems: none found"] + [f"- {p}" for p in problems]
+    return "\n".join(lines)
+
+
+def recommend(plans: dict, device_memory: int) -> str:
+    """One line: the fitting strategy with the least communication per step (ties: the least memory)."""
+    fitting = [s for s in plans if plans[s]["total"] <= device_memory]
+    if len(plans) > 1 and any(plans[s]["ranks"] > 1 for s in plans):  # a single process is no answer for N ranks
+        fitting = [s for s in fitting if plans[s]["ranks"] > 1]
+    if not fitting:
+        return ("Recommendation: nothing fits; try --gradient_checkpointing, a smaller micro batch, more ranks, "
+                "or an offload config (deepspeed_zero3_offload)")
+    best = min(fitting, key=lambda s: (plans[s]["comm_per_step"], plans[s]["total"]))
+    sent = plans[best]["comm_per_step"]
+    sent = f"{sent / 1e9:.2f} GB" if sent >= 1e9 else f"{sent / 1e6:.2f} MB"
+    return (f"Recommendation: {best} (fits, {sent} sent per rank and step, the "
+            "least among those that fit). Confirm with benchmarks/compare_strategies.py before a long run.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", action="append", help="accelerate YAML path or name in accelerate_configs/ (repeatable)")
+    p.add_argument("--all", action="store_true", help="every accelerate_configs/*.yaml")
+    p.add_argument("--model_config", default="debug", help=f"preset ({', '.join(models.PRESETS)}) or local HF config dir")
+    p.add_argument("--vocab_size", type=int, default=None)
+    p.add_argument("--per_device_train_batch_size", type=int, default=8)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--block_size", type=int, default=256)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="default: the YAML's")
+    p.add_argument("--num_processes", type=int, default=None, help="per machine; default: the YAML's")
+    p.add_argument("--num_machines", type=int, default=None)
+    p.add_argument("--device_memory", default=None, help="e.g. 80GB; default: detected GPU, else host RAM / ranks")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    args = p.parse_args(argv)
+    try:
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "block_size"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
+        paths = sorted((REPO / "accelerate_configs").glob("*.yaml")) if args.all else []
+        for c in args.config or ([] if args.all else ["ddp"]):
+            path = Path(c) if c.endswith((".yaml", ".yml")) else REPO / "accelerate_configs" / f"{c}.yaml"
+            if not path.is_file():
+                raise ValueError(f"--config {c!r}: no such file {path}")
+            paths.append(path)
+        strategies = [read_strategy(path) for path in paths]
+        config = load_model_config(args.model_config, args.vocab_size)
+        shape = model_shape(config)
+        problems: list[str] = []  # filled by common/checks.py once it offers the shared start-up checks (issue 12.4)
+        if config.model_type != "llama":
+            problems.append(f"--model_config {args.model_config}: activations use the Llama block formula "
+                            f"({config.model_type} may differ)")
+        plans, memory, source = {}, None, None
+        for s in strategies:
+            per_machine = args.num_processes or (1 if s["kind"] == "single" else s["num_processes"])
+            ranks = per_machine * (args.num_machines or s["num_machines"])
+            if memory is None:
+                memory, source = ((parse_memory(args.device_memory), "--device_memory") if args.device_memory
+                                  else detect_memory(per_machine))
+            precision = args.mixed_precision or s["mixed_precision"]
+            plans[s["name"]] = plan_strategy(s, shape, 1 if s["kind"] == "single" else ranks,
+                                             args.per_device_train_batch_size, args.block_size,
+                                             args.gradient_accumulation_steps, args.gradient_checkpointing, precision)
+            plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    if args.format == "json":
+        print(json.dumps({"model": args.model_config, "n_params": shape["n_params"], "device_memory": memory,
+                          "device_memory_source": source, "plans": plans, "problems": problems,
+                          "recommendation": recommend(plans, memory)}, indent=1))
+        return
+    first = next(iter(plans.values()))
+    header = (f"{args.model_config}: {shape['n_params']:,} parameters (Ψ), vocabulary {shape['vocab']:,}; "
+              f"{first['ranks']} ranks, {first['mixed_precision']}, micro batch {args.per_device_train_batch_size} x "
+              f"{args.block_size} tokens, accumulation {args.gradient_accumulation_steps}, checkpointing "
+              f"{'on' if args.gradient_checkpointing else 'off'}; device memory {memory / 1e9:.1f} GB per rank "
+              f"({source})")
+    print(format_table(plans, header, memory, problems))
+
+
+if __name__ == "__main__":
+    main()
