@@ -288,7 +288,8 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         buffers = 2 * low * _ds_size(zero, "reduce_bucket_size", h * h)
     else:
         buffers = ((strategy["comm_bytes"] or low) * _ds_size(zero, "reduce_bucket_size", h * h)
-                   + low * _ds_size(zero, "stage3_prefetch_bucket_size", 0.9 * h * h) + 2 * low * shape["largest_module"])
+                   + low * _ds_size(zero, "stage3_prefetch_bucket_size", 0.9 * h * h)
+                   + 2 * low * shape["largest_module"])
 
     residual = 4 if kind in ("single", "ddp") else low  # FSDP / DeepSpeed compute on low-precision params
     act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2)
@@ -376,8 +377,10 @@ def format_table(plans: dict, header: str, device_memory: int, problems: list[st
         lines.append(f"| {label} | " + " | ".join(gb(plans[s][key]) for s in names) + " |")
     lines.append(f"| headroom vs {gb(device_memory)} {unit} | "
                  + " | ".join(gb(device_memory - plans[s]["total"]) for s in names) + " |")
-    lines.append("| fits | " + " | ".join("yes" if plans[s]["total"] <= device_memory else "**no**" for s in names) + " |")
-    lines.append(f"| comm per step and rank ({unit}) | " + " | ".join(gb(plans[s]["comm_per_step"]) for s in names) + " |")
+    fits = ("yes" if plans[s]["total"] <= device_memory else "**no**" for s in names)
+    lines.append("| fits | " + " | ".join(fits) + " |")
+    lines.append(f"| comm per step and rank ({unit}) | "
+                 + " | ".join(gb(plans[s]["comm_per_step"]) for s in names) + " |")
     lines.append("| collectives per step | " + " | ".join(plans[s]["comm_pattern"] for s in names) + " |")
     lines += ["", recommend(plans, device_memory)]
     lines += ["", "Problems:" if problems else "Problems: none found"] + [f"- {p}" for p in problems]
@@ -403,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", action="append", help="accelerate YAML path or name in accelerate_configs/ (repeatable)")
     p.add_argument("--all", action="store_true", help="every accelerate_configs/*.yaml")
-    p.add_argument("--model_config", default="debug", help=f"preset ({', '.join(models.PRESETS)}) or local HF config dir")
+    p.add_argument("--model_config", default="debug",
+                   help=f"preset ({', '.join(models.PRESETS)}) or local HF config dir")
     p.add_argument("--vocab_size", type=int, default=None)
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)

@@ -136,11 +136,14 @@ def test_cli_table_json_and_bad_input():
     plans = result["plans"]
     assert result["device_memory"] == 80_000_000_000 and result["n_params"] == 8_030_261_248
     assert plans["ddp"]["total"] > 80e9 and plans["fsdp"]["total"] < 80e9  # 16Ψ = 128 GB of DDP states alone
-    assert plans["fsdp"]["params"] == 4 * plan.shard_elements(plan.model_shape(plan.load_model_config("llama-3-8b", None)), 8)
+    shape = plan.model_shape(plan.load_model_config("llama-3-8b", None))
+    assert plans["fsdp"]["params"] == 4 * plan.shard_elements(shape, 8)
     assert plans["deepspeed_zero3_offload"]["host"] > 0 and plans["deepspeed_zero3_offload"]["adam_moments"] == 0
     assert "deepspeed_zero2" in result["recommendation"]  # fits, and sends 6Ψ bytes against FSDP's 8Ψ
-    table = run_cli("--config", "fsdp", "--config", "accelerate_configs/deepspeed_zero3.yaml", "--gradient_checkpointing")
-    assert table.returncode == 0 and "| fits | yes | yes |" in table.stdout and "benchmarks/compare_strategies.py" in table.stdout
+    table = run_cli("--config", "fsdp", "--config", "accelerate_configs/deepspeed_zero3.yaml",
+                    "--gradient_checkpointing")
+    assert table.returncode == 0 and "| fits | yes | yes |" in table.stdout
+    assert "benchmarks/compare_strategies.py" in table.stdout
     for bad, message in [(["--config", "nope"], "error: --config 'nope': no such file"),
                          (["--device_memory", "80XB"], "error: --device_memory '80XB'"),
                          (["--model_config", "/nonexistent"], "error: --model_config '/nonexistent'"),
