@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers.initialization import no_init_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
@@ -216,7 +217,23 @@ eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_e
 # Model
 # ---------------------------------------------------------------------------------------------
 if args.model_name_or_path:
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32)
+    # fsdp_cpu_ram_efficient_loading (accelerate_configs/fsdp.yaml): prepare broadcasts rank 0's weights,
+    # so the other ranks only build the shapes, in storage nothing writes (no host RAM until sharded).
+    # transformers 5 would read the checkpoint on every rank: a bf16 one in fp32 is a full copy each.
+    # Non-persistent buffers (rotary inv_freq) are computed by __init__, not loaded.
+    rank0_loads = is_fsdp and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
+    try:
+        if rank0_loads and not accelerator.is_main_process:
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.tie_weights()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32)
+        error = None
+    except (OSError, ValueError) as err:
+        error = str(err)
+    if errors := [e for e in gather_object([error]) if e]:  # else the others would wait for rank 0's broadcast
+        sys.exit(f"error: cannot load --model_name_or_path {args.model_name_or_path}: {errors[0]}")
 elif is_deepspeed and accelerator.state.deepspeed_plugin.zero3_init_flag:
     # built already sharded (deepspeed.zero.Init), for models too big for one device; its
     # random init differs from the plain one, so the strategies no longer start identical
