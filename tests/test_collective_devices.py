@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.utils._device import _device_constructors
+
 from device_guard import collective_guard
 
 DEVICE = torch.device("cpu")  # as accelerator.device is on this host
@@ -25,6 +27,7 @@ HERE = os.path.basename(__file__)
 @pytest.fixture
 def guarded_world():
     """The guard, with this file as project code, and a one-rank default process group (gloo)."""
+    _device_constructors.cache_clear()  # as in a fresh rank, where the guard installs before anything lists them
     uninstall = collective_guard.install(roots=[os.path.realpath(__file__)])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -82,3 +85,11 @@ def test_device_tensors_gloo_groups_and_library_calls_pass(guarded_world):
     library = {"torch": torch, "dist": dist}  # code outside the project makes and reduces host tensors unchecked
     exec(compile("t = torch.tensor([1.0]); dist.all_reduce(t)", "/site-packages/lib.py", "exec"), library)
     dist.all_reduce(library["t"])  # and its tensors are not marked
+
+
+def test_device_contexts_still_place_factories(guarded_world):
+    # `with torch.device(...)` finds the factories by identity; transformers builds and re-initialises
+    # models under it (with the wrappers listed instead, its rotary buffers stayed uninitialised memory).
+    with torch.device("meta"):
+        made = [torch.arange(4), torch.tensor([1.0]), torch.zeros(2), torch.empty(3), torch.full((2,), 1.0)]
+    assert [t.device.type for t in made] == ["meta"] * 5
