@@ -12,10 +12,13 @@ $OUT (if set) or the working directory; the exit status is 1 if any check failed
 | eval memory       | 4: eval copied the whole logits three times       | eval's peak < 1/2 a train step's (same batch) |
 | grad-norm memory  | 11: fp64 copies of whole gradients for the norm   | clip_grad_norm_'s extra bytes < 3 fp64 slices |
 | step syncs        | 11: host syncs in an ordinary step                | no CUDA sync from project code in a step      |
-| fsdp loading      | 6: every rank loaded the fp32 weights             | a --model_name_or_path fine-tune under fsdp.yaml matches ddp.yaml's first loss |
-| deepspeed buffers | 7: 5e8-element buckets, bf16 gradient reduction   | the engine's buckets follow the model, reduction in fp32 |
+| deepspeed memory  | 7: 5e8-element buckets (2 GB per rank)           | ZeRO-2's peak exceeds common/plan.py's total by < 1 GiB |
+| fsdp loading      | 6: every rank loaded the fp32 weights             | a --model_name_or_path fine-tune under fsdp.yaml (RAM-efficient loading) matches ddp.yaml's first loss |
 
-GPU model: llama-3.2-1b (128k vocabulary, where logits dominate), 2 x 2048 tokens, bf16 autocast.
+The last two train recipes/llama.py for 3 steps at llama-3.2-1b, 1 x 2048 tokens (1 process,
+bf16) and print the plan beside the measured peak (`max_memory_allocated`) for ddp and ZeRO-2.
+In-process model: llama-3.2-1b with Llama-3's 128k vocabulary (where logits dominate), 2 x 2048
+tokens, bf16 autocast.
 """
 
 import argparse
@@ -149,6 +152,45 @@ if device.type == "cuda":
 else:
     report("step syncs", True, "not applicable on CPU (no device to sync with)")
 del model
+
+# --- 7. DeepSpeed's buffers, and the plan beside the measured peak; 6. FSDP's RAM-efficient loading
+steps = ["--max_steps", 3, "--warmup_steps", 1, "--logging_steps", 1, "--eval_steps", 1000, "--save_steps", 0,
+         "--block_size", seq, "--per_device_train_batch_size", 1, "--max_eval_samples", 2, "--report_to", "none",
+         "--sample_tokens", 0, "--overwrite_output_dir"]
+
+
+def first_loss_and_peak(run: Path) -> tuple[float, int]:
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    return lines[0]["loss"], max(r["peak_memory_bytes"] for r in lines)
+
+
+peaks = {}
+for config in ("ddp", "deepspeed_zero2"):
+    proc = launch(config, "recipes/llama.py", "--model_config", preset, "--output_dir", tmp / config, *steps)
+    if proc.returncode != 0:
+        report(f"{config} run", False, proc.stderr[-1500:])
+        continue
+    plan = json.loads(subprocess.run(
+        [sys.executable, "common/plan.py", "--config", config, "--model_config", preset, "--vocab_size",
+         str(json.load(open(tmp / config / "final" / "config.json"))["vocab_size"]), "--block_size", str(seq),
+         "--per_device_train_batch_size", "1", "--num_processes", "1", "--format", "json"],
+        cwd=REPO, capture_output=True, text=True, check=True).stdout)
+    planned = next(iter(plan["plans"].values()))["total"]
+    peaks[config] = (first_loss_and_peak(tmp / config)[1], planned)
+    print(f"{config}: measured peak {peaks[config][0] / mib:.0f} MiB, planned {planned / mib:.0f} MiB", flush=True)
+if "deepspeed_zero2" in peaks:
+    measured, planned = peaks["deepspeed_zero2"]
+    report("deepspeed memory", measured - planned < 2 ** 30,
+           "; ".join(f"{c}: measured {m / mib:.0f} MiB vs planned {p / mib:.0f} MiB" for c, (m, p) in peaks.items()))
+
+if (tmp / "ddp" / "final").is_dir():
+    losses = {}
+    for config in ("ddp", "fsdp"):
+        proc = launch(config, "recipes/llama.py", "--model_name_or_path", tmp / "ddp" / "final",
+                      "--output_dir", tmp / f"tune-{config}", *steps)
+        losses[config] = first_loss_and_peak(tmp / f"tune-{config}")[0] if proc.returncode == 0 else proc.stderr[-800:]
+    ok = all(isinstance(v, float) for v in losses.values()) and abs(losses["fsdp"] - losses["ddp"]) < 2e-2 * losses["ddp"]
+    report("fsdp loading", ok, f"first fine-tune loss: {losses}")
 
 # --- summary ------------------------------------------------------------------------------------
 table = ["| check | result | figures |", "|---|---|---|"] + [
