@@ -45,7 +45,7 @@ from transformers import HfArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 2  # first steps excluded from step time (allocation, first collectives, JIT)
-COMM_KINDS = ("ddp", "zero2", "zero3")
+COMM_KINDS = ("ddp", "zero2", "zero2_allreduce", "zero3")
 STATE_CATEGORIES = ("params", "grads", "fp32_master", "adam_moments")
 
 
@@ -68,9 +68,11 @@ def predicted_comm_bytes(kind: str, n_params: int, grad_bytes: int, param_bytes:
     """Bytes each rank sends per optimizer step, by the ZeRO paper's analysis (arXiv 1910.02054, §7).
 
     Args:
-        kind: "ddp" (all-reduce of gradients: 2Ψ), "zero2" (ZeRO-1/2: reduce-scatter Ψ +
-            parameter all-gather Ψ) or "zero3" (ZeRO-3 / FSDP FULL_SHARD: reduce-scatter Ψ +
-            two parameter all-gathers 2Ψ).
+        kind: "ddp" (all-reduce of gradients: 2Ψ), "zero2" (ZeRO-1/2 as in the paper, FSDP
+            SHARD_GRAD_OP: reduce-scatter Ψ + parameter all-gather Ψ), "zero2_allreduce"
+            (DeepSpeed 0.19.8's ZeRO-1/2 with its default `use_multi_rank_bucket_allreduce`:
+            it all-reduces the gradients, 2Ψ, then all-gathers the parameters, Ψ) or "zero3"
+            (ZeRO-3 / FSDP FULL_SHARD: reduce-scatter Ψ + two parameter all-gathers 2Ψ).
         n_params: Ψ, the number of parameter elements of the full model.
         grad_bytes: bytes per element of the gradient reduction (4 for fp32, 2 for bf16/fp16).
         param_bytes: bytes per element of the parameter all-gathers (required for zero2/zero3).
@@ -95,7 +97,8 @@ def predicted_comm_bytes(kind: str, n_params: int, grad_bytes: int, param_bytes:
     if kind == "ddp":
         volume = 2 * n_params * grad_bytes
     else:
-        volume = n_params * grad_bytes + (2 if kind == "zero3" else 1) * n_params * param_bytes
+        reduce = (2 if kind == "zero2_allreduce" else 1) * n_params * grad_bytes
+        volume = reduce + (2 if kind == "zero3" else 1) * n_params * param_bytes
     return volume if world_size is None else volume * (world_size - 1) / world_size
 
 
@@ -103,7 +106,8 @@ def comm_pattern(kind: str, grad_bytes: int, param_bytes: int | None = None) -> 
     """Human-readable collectives per step, e.g. "RS Ψ×4B + 2×AG Ψ×2B" (RS reduce-scatter, AG all-gather)."""
     if kind == "ddp":
         return f"AR 2Ψ×{grad_bytes}B"
-    return f"RS Ψ×{grad_bytes}B + {'2×' if kind == 'zero3' else ''}AG Ψ×{param_bytes}B"
+    reduce = f"AR 2Ψ×{grad_bytes}B" if kind == "zero2_allreduce" else f"RS Ψ×{grad_bytes}B"
+    return f"{reduce} + {'2×' if kind == 'zero3' else ''}AG Ψ×{param_bytes}B"
 
 
 def median_step_seconds(records: list[dict], tokens_per_step: int, skip: int = WARMUP_STEPS) -> float:

@@ -136,7 +136,7 @@ def measure(model, optimizer, deepspeed: bool) -> ByteLedger:
 def communication_setup(accelerator, model, deepspeed: bool) -> dict:
     """Which ZeRO communication pattern this run uses and the bytes per element it sends.
 
-    Returns {"comm_kind": "ddp" | "zero2" | "zero3", "grad_comm_bytes": element size of the
+    Returns {"comm_kind": "ddp" | "zero2" | "zero2_allreduce" | "zero3", "grad_comm_bytes": element size of the
     gradient reduction, "param_comm_bytes": element size of the parameter all-gathers (None
     for DDP)}, read from the live run (DeepSpeed's communication dtype, FSDP's
     mixed-precision policy, DDP's gradient dtype).
@@ -144,6 +144,8 @@ def communication_setup(accelerator, model, deepspeed: bool) -> dict:
     if deepspeed:
         stage = accelerator.state.deepspeed_plugin.zero_stage
         kind = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[stage]
+        if kind == "zero2" and getattr(model.optimizer, "use_multi_rank_bucket_allreduce", False):
+            kind = "zero2_allreduce"  # DeepSpeed's default: the gradients are all-reduced, not reduce-scattered
         grad_bytes = model.communication_data_type.itemsize
         lp = next(model.module.parameters())
         param_bytes = getattr(lp, "ds_tensor", lp).element_size()

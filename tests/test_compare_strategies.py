@@ -28,6 +28,9 @@ def test_mixed_dtypes_price_each_collective_separately():
     assert comm_pattern("zero3", 4, 2) == "RS Ψ×4B + 2×AG Ψ×2B"
     assert comm_pattern("zero2", 2, 2) == "RS Ψ×2B + AG Ψ×2B"
     assert comm_pattern("ddp", 4) == "AR 2Ψ×4B"
+    # DeepSpeed's ZeRO-2 all-reduces its gradients by default (use_multi_rank_bucket_allreduce)
+    assert predicted_comm_bytes("zero2_allreduce", 1000, grad_bytes=4, param_bytes=2) == 10000
+    assert comm_pattern("zero2_allreduce", 4, 2) == "AR 2Ψ×4B + AG Ψ×2B"
 
 
 def test_ring_factor():
