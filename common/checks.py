@@ -1,79 +1,367 @@
-"""Start-up checks of the launch config against the recipe's flags: one line per problem.
+"""Start-up checks of a launch (accelerate config, DeepSpeed JSON, flags, model, data, hardware): one line per problem.
 
-A DeepSpeed JSON can hold explicit values that silently win over the flags: Accelerate adopts a
-JSON `gradient_accumulation_steps` over `--gradient_accumulation_steps` (with a warning in the
-log), the engine clips by `gradient_clipping` whatever `--max_grad_norm` says, and an explicit
-`bf16`/`fp16` block ignores `accelerate launch --mixed_precision`. A run whose steps, schedule
-or precision are not the ones its flags and logs say is wrong silently, so each disagreement
-stops the run before any work, naming the file, the key and both values.
+One function, `config_problems`, used by every recipe and by the planner (`common/plan.py`). Its
+inputs are plain values: the accelerate config as a dict in the YAML's keys (the planner reads the
+YAML; a recipe rebuilds it from what `accelerate launch` put in its environment,
+`launch_config_from_env`), the DeepSpeed JSON as a dict, the flags as a dict, and the hardware
+facts. Each check runs when its inputs are given, so a recipe calls it as soon as the launch is
+known (before the Accelerator) and again once the data and the model config exist; `stop_on`
+prints each warning once and exits with every error line.
+
+| check                                                  | severity | why                                     |
+|--------------------------------------------------------|----------|-----------------------------------------|
+| DeepSpeed JSON batch keys vs the batch flags           | error    | Accelerate adopts the JSON's: other     |
+|                                                        |          | steps and schedule than the flags say   |
+| `gradient_clipping` vs `--max_grad_norm`               | error    | the engine clips with the JSON's        |
+| the JSON's explicit `bf16`/`fp16` block vs the launch's| error    | the JSON's wins (or Accelerate raises)  |
+| bf16 on a GPU below compute capability 8.0             | error    | emulated, several times slower          |
+| fp16 on a GPU with bf16                                | warning  | loss scaling and overflow for nothing   |
+| FSDP1 with `fsdp_use_orig_params: false`               | error    | the optimizer steps unused tensors      |
+| `fsdp_offload_params: true` on a CPU-only host         | error    | pinning host memory needs a GPU         |
+| `fsdp_transformer_layer_cls_to_wrap` not in the model  | error    | Accelerate fails deep in `prepare`      |
+| more processes per machine than visible GPUs           | error    | a rank without a device                 |
+| a global batch larger than the training set            | error    | not one optimizer step                  |
+| warmup not shorter than the run                        | warning  | the LR never reaches its peak           |
+| global batch far above `--reference_global_batch`      | warning  | slower or unstable training             |
+|   without `--scale_lr` or warmup                       |          |                                         |
+| ZeRO-3 where the plan fits ZeRO-2 or FSDP without      | warning  | 1.5x the communication for no memory    |
+|   resharding, with less communication                  |          |   that the run needs                    |
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from typing import NamedTuple
 
-from accelerate.utils import DistributedType
-
-from common import grad_norm
+from common import precision
 
 # DeepSpeed batch keys and the flag each must equal (train_batch_size is the product).
-BATCH_KEYS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-              "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+BATCH_KEYS = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+              "gradient_accumulation_steps": "gradient_accumulation_steps"}
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2, "float16": 2}
 
 
-def deepspeed_json_path(accelerator) -> str | None:
-    """The DeepSpeed JSON the accelerate config points to, or None (not DeepSpeed, or keys in the YAML)."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return None
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    return path if path and path.lower() != "none" else None
+class Problem(NamedTuple):
+    """One problem: `severity` "error" (the run stops) or "warning" (printed once); `text` one line."""
+    severity: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.text}"
 
 
-def deepspeed_config_errors(accelerator, micro_batch: int, accumulation: int, max_grad_norm: float,
-                            requested_precision: str | None = None) -> list[str]:
-    """Where the DeepSpeed JSON contradicts the flags. Call on every rank after building the Accelerator.
+def _true(value) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
 
-    Args:
-        accelerator: the `Accelerator` (not yet prepared).
-        micro_batch: `--per_device_train_batch_size`, samples per rank per micro step.
-        accumulation: `--gradient_accumulation_steps`.
-        max_grad_norm: `--max_grad_norm`.
-        requested_precision: the precision the run asks for; default the launch's
-            (`ACCELERATE_MIXED_PRECISION`: the config's `mixed_precision` or `--mixed_precision`).
+
+def launch_config_from_env(env=os.environ) -> dict:
+    """The accelerate config this rank was launched with, in the YAML's keys, from `accelerate launch`'s variables.
 
     Returns:
-        One message per problem (empty when none, and always empty off DeepSpeed):
-        - an explicit `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps` or
-          `train_batch_size` (= micro batch x accumulation x world size) that differs from the flags
-          (`"auto"` or a missing key agrees: Accelerate fills it in from the flags);
-        - `gradient_clipping` that differs from `--max_grad_norm` (`grad_norm.clip_threshold_error`);
-        - a precision other than the one requested: the JSON's `bf16`/`fp16` `enabled: true`
-          wins over it in Accelerate.
+        {"distributed_type": "NO" | "MULTI_GPU" | "FSDP" | "DEEPSPEED", "mixed_precision",
+        "num_processes" (all ranks, Accelerate's meaning), "num_machines", "fsdp_config" (fsdp_version,
+        fsdp_use_orig_params, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap,
+        fsdp_reshard_after_forward), "deepspeed_config" (deepspeed_config_file, or the YAML's own
+        gradient_accumulation_steps / gradient_clipping / zero_stage)}; absent values are left out.
     """
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+    world = int(env.get("WORLD_SIZE", 1))
+    config = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "num_processes": world,
+              "num_machines": max(1, world // int(env.get("LOCAL_WORLD_SIZE", world)))}
+    if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
+        config["distributed_type"] = "DEEPSPEED"
+        ds = {"deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+              "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+              "gradient_clipping": env.get("ACCELERATE_GRADIENT_CLIPPING"),
+              "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")}
+        config["deepspeed_config"] = {k: v for k, v in ds.items() if v not in (None, "none")}
+    elif _true(env.get("ACCELERATE_USE_FSDP")):
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": int(env.get("FSDP_VERSION", 1)),
+            "fsdp_use_orig_params": _true(env.get("FSDP_USE_ORIG_PARAMS", "false")),  # Accelerate's default
+            "fsdp_offload_params": _true(env.get("FSDP_OFFLOAD_PARAMS", "false")),
+            "fsdp_reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true"),
+            **({"fsdp_transformer_layer_cls_to_wrap": env["FSDP_TRANSFORMER_CLS_TO_WRAP"]}
+               if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") else {})}
+    else:
+        config["distributed_type"] = "MULTI_GPU" if world > 1 else "NO"
+    return config
+
+
+def deepspeed_settings(config: dict, root: str = ".") -> tuple[dict | None, str]:
+    """The DeepSpeed settings of an accelerate config: its JSON (relative paths from `root`), else the YAML's keys.
+
+    Returns:
+        (the JSON as a dict, or the YAML's `deepspeed_config` keys in DeepSpeed's names; None off
+        DeepSpeed, where): `where` names the source for messages ("the DeepSpeed JSON PATH").
+
+    Raises:
+        ValueError: the JSON is missing or not JSON (one line, naming it).
+    """
+    if config.get("distributed_type") != "DEEPSPEED":
+        return None, ""
+    yaml_ds = config.get("deepspeed_config") or {}
+    path = yaml_ds.get("deepspeed_config_file")
+    if not path:
+        keys = {"gradient_accumulation_steps": yaml_ds.get("gradient_accumulation_steps", "auto"),
+                "gradient_clipping": yaml_ds.get("gradient_clipping", "auto"),
+                "zero_optimization": {"stage": int(yaml_ds.get("zero_stage", 2))}}
+        return keys, "the accelerate config's deepspeed_config"
+    try:
+        with open(os.path.join(root, path)) as f:
+            return json.load(f), f"the DeepSpeed JSON {path}"
+    except (OSError, ValueError) as err:
+        raise ValueError(f"DeepSpeed config {path} (deepspeed_config_file in the accelerate config) cannot be read "
+                         f"from {os.path.abspath(root)}: {' '.join(str(err).split())}; launch from the project root, "
+                         "and copy ds_configs/ with the recipe") from None
+
+
+def detect_hardware() -> dict:
+    """This rank's hardware: {"device_type": "cuda" | "cpu", "capability": (major, minor) or None, "gpus": int}.
+
+    `gpus` counts the GPUs torch sees (0 without CUDA); a rank whose `LOCAL_RANK` has no GPU reads
+    device 0's capability, so that the process-count check can name the problem.
+    """
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and int(os.environ.get("LOCAL_RANK", 0)) >= gpus:
+        return {"device_type": "cuda", "capability": torch.cuda.get_device_capability(0), "gpus": gpus}
+    device_type, capability = precision.detect_device()
+    return {"device_type": device_type, "capability": capability, "gpus": gpus}
+
+
+def clipping_problem(ds_clip, max_grad_norm: float | None, where: str | None = None) -> str | None:
+    """A line if DeepSpeed's `gradient_clipping` differs from `--max_grad_norm` (the engine clips with its own).
+
+    `"auto"`/None agree (Accelerate fills the flag in); 0 and None both mean no clipping.
+    """
+    if ds_clip in (None, "auto") or float(ds_clip) == float(max_grad_norm or 0):
+        return None
+    return (f"--max_grad_norm {max_grad_norm} differs from the DeepSpeed JSON's gradient_clipping {ds_clip}"
+            f"{f' ({where})' if where else ''}; DeepSpeed does the clipping, so make them equal")
+
+
+def _deepspeed_problems(ds: dict, where: str, flags: dict, ranks: int, mixed_precision: str) -> list[Problem]:
+    out = []
+    if all(flag in flags for flag in BATCH_KEYS.values()):
+        micro, accumulation = flags["per_device_train_batch_size"], flags["gradient_accumulation_steps"]
+        wanted = {"train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
+                  "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
+                  "train_batch_size": (micro * accumulation * ranks, f"the global batch ({micro} per device x "
+                                       f"{accumulation} accumulation x {ranks} ranks)")}
+        for key, (value, flag) in wanted.items():
+            explicit = ds.get(key, "auto")
+            if explicit not in ("auto", None) and int(explicit) != value:
+                out.append(Problem("error", f"{where} sets {key}: {explicit}, but {flag} is {value}; set the key to "
+                                            "\"auto\" (it then follows the flags) or make them equal"))
+    if "max_grad_norm" in flags and (line := clipping_problem(ds.get("gradient_clipping"), flags["max_grad_norm"],
+                                                              where)):
+        out.append(Problem("error", line))
+    for dtype in ("bf16", "fp16"):
+        enabled = str((ds.get(dtype) or {}).get("enabled", "auto")).lower()
+        if (enabled == "true") != (mixed_precision == dtype) and enabled != "auto" and dtype in ds:
+            state = "enables" if enabled == "true" else "disables"
+            out.append(Problem("error", f"the launch asks for mixed precision {mixed_precision}, but {where} {state} "
+                                        f"{dtype} ({dtype}.enabled: {enabled}): its bf16/fp16 \"enabled\" keys win; "
+                                        "set them to \"auto\" so the config's mixed_precision (or --mixed_precision) "
+                                        "decides"))
+    return out
+
+
+def _precision_problems(mixed_precision: str, hardware: dict) -> list[Problem]:
+    capability = hardware.get("capability")
+    if hardware.get("device_type") != "cuda" or capability is None:
         return []
-    path = deepspeed_json_path(accelerator)
-    where = f"the DeepSpeed JSON {path}" if path else "the DeepSpeed config"
-    config = json.load(open(path)) if path else accelerator.state.deepspeed_plugin.deepspeed_config
-    errors = []
-    wanted = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
-              "train_batch_size": micro_batch * accumulation * accelerator.num_processes}
-    flags = {**BATCH_KEYS, "train_batch_size": f"the global batch ({micro_batch} per device x {accumulation} "
-                                                f"accumulation x {accelerator.num_processes} ranks)"}
-    for key, value in wanted.items():
-        explicit = config.get(key, "auto")
-        if explicit != "auto" and int(explicit) != value:
-            errors.append(f"{where} sets {key}: {explicit}, but {flags[key]} is {value}; set the key to \"auto\" "
-                          "(it then follows the flags) or make them equal")
-    if error := grad_norm.clip_threshold_error(accelerator, max_grad_norm):
-        errors.append(f"{error} ({where})")
-    requested = requested_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if requested and requested != accelerator.mixed_precision:
-        errors.append(f"the launch asks for mixed precision {requested}, but {where} enables "
-                      f"{accelerator.mixed_precision}: its bf16/fp16 \"enabled\" keys win; set them to \"auto\" so "
-                      "the config's mixed_precision (or --mixed_precision) decides")
-    return errors
+    cc = f"compute capability {capability[0]}.{capability[1]}"
+    if mixed_precision == "bf16" and tuple(capability) < (8, 0):
+        return [Problem("error", f"mixed_precision bf16 (accelerate config or --mixed_precision): this GPU ({cc}) has "
+                                 "no bf16 arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate "
+                                 "it, several times slower. Launch with --mixed_precision fp16 (loss-scaled) or "
+                                 "--mixed_precision no")]
+    if mixed_precision == "fp16" and tuple(capability) >= (8, 0):
+        return [Problem("warning", f"mixed_precision fp16 on a GPU with bf16 ({cc}): fp16 needs loss scaling and can "
+                                   "still overflow; bf16 keeps fp32's range at the same speed. Launch with "
+                                   "--mixed_precision bf16 unless you must match an fp16 reference")]
+    return []
+
+
+def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes: set | None) -> list[Problem]:
+    out = []
+    if int(fsdp.get("fsdp_version", 1)) == 1 and not _true(fsdp.get("fsdp_use_orig_params", True)):
+        out.append(Problem("error", f"fsdp_use_orig_params: false in {where}: these recipes build the optimizer "
+                                    "before accelerator.prepare, which FSDP1 supports only with "
+                                    "fsdp_use_orig_params: true"))
+    if hardware is not None and _true(fsdp.get("fsdp_offload_params", False)) and hardware["device_type"] == "cpu":
+        out.append(Problem("error", f"fsdp_offload_params: true in {where} needs a GPU (it pins host memory); on a "
+                                    "CPU-only host the parameters are in CPU memory already: set it to false"))
+    wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if model_classes is not None and wrap:
+        names = [wrap] if isinstance(wrap, str) else list(wrap)
+        names = [n.strip() for name in names for n in name.split(",") if n.strip()]
+        if missing := [n for n in names if n not in model_classes]:
+            blocks = sorted(n for n in model_classes if n.endswith(("Layer", "Block")))
+            out.append(Problem("error", f"fsdp_transformer_layer_cls_to_wrap: {', '.join(missing)} in {where}, but the "
+                                        f"model has no such module (its blocks: {', '.join(blocks) or 'none'}); name "
+                                        "one of them, or delete the key to wrap the model's _no_split_modules"))
+    return out
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mixed_precision: str,
+                  device_memory: int) -> Problem | None:
+    """A warning if `common/plan.py` says ZeRO-2, or FSDP2 without resharding, fits in `device_memory` with less
+    communication than this ZeRO-3 config (`ds`, stage 3), else None.
+
+    Args:
+        ds: the DeepSpeed JSON (a dict); where: its name, for the message.
+        shape: `plan.model_shape(model_config)`.
+        flags: needs per_device_train_batch_size and block_size; gradient_accumulation_steps and
+            gradient_checkpointing default to 1 and False.
+        ranks: all processes; mixed_precision: "no", "bf16" or "fp16"; device_memory: bytes per rank.
+    """
+    from common import plan
+
+    zero = ds.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) != 3 or ranks < 2:
+        return None
+    base = {"offload_optimizer": False, "offload_param": False, "reshard": True, "ds": zero,
+            "grad_accum_bytes": DTYPE_BYTES.get(str((ds.get("data_types") or {}).get("grad_accum_dtype"))),
+            "comm_bytes": DTYPE_BYTES.get(str(ds.get("communication_data_type")))}
+    offload = {"offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") != "none",
+               "offload_param": (zero.get("offload_param") or {}).get("device", "none") != "none"}
+    strategies = {"ZeRO-3": {**base, **offload, "kind": "zero3"}, "ZeRO-2": {**base, "kind": "zero2"},
+                  "FSDP2 with fsdp_reshard_after_forward: false": {**base, "kind": "fsdp", "reshard": False}}
+    plans = {name: plan.plan_strategy(s, shape, ranks, flags["per_device_train_batch_size"], flags["block_size"],
+                                      flags.get("gradient_accumulation_steps", 1),
+                                      bool(flags.get("gradient_checkpointing")), mixed_precision)
+             for name, s in strategies.items()}
+    # FSDP2 without resharding keeps every unit's gathered (compute-dtype) parameters from its forward to its
+    # backward; plan_strategy prices resharding in communication only, so add them here.
+    low = 4 if mixed_precision == "no" else 2
+    plans["FSDP2 with fsdp_reshard_after_forward: false"]["total"] += low * (shape["n_params"]
+                                                                            - plan.shard_elements(shape, ranks))
+    this = plans.pop("ZeRO-3")
+    better = [f"{name} fits ({_size(p['total'])} of {_size(device_memory)} per rank) sending "
+              f"{_size(p['comm_per_step'])}" for name, p in plans.items()
+              if p["total"] <= device_memory and p["comm_per_step"] < this["comm_per_step"]]
+    if not better:
+        return None
+    return Problem("warning", f"ZeRO-3 (zero_optimization.stage: 3 in {where}) sends {_size(this['comm_per_step'])} "
+                              f"per rank and step ({_size(this['total'])} per rank), but the plan says "
+                              f"{'; '.join(better)}; prefer that unless you measured otherwise "
+                              "(python common/plan.py, benchmarks/compare_strategies.py)")
+
+
+def config_problems(config: dict, *, where: str = "the accelerate config", ds: dict | None = None,
+                    ds_where: str = "the DeepSpeed JSON", flags: dict | None = None, hardware: dict | None = None,
+                    model_classes: set | None = None, train_size: int | None = None, train_unit: str = "samples",
+                    steps: int | None = None, shape: dict | None = None,
+                    device_memory: int | None = None) -> list[Problem]:
+    """Every problem of a launch that its inputs let us see; each check runs when its inputs are given.
+
+    Args:
+        config: the accelerate config, YAML keys (`yaml.safe_load` of the file, or
+            `launch_config_from_env()`); `num_processes` counts all ranks, as in Accelerate.
+        where: the config's name in messages (its path, or "the accelerate config").
+        ds, ds_where: the DeepSpeed settings and their name (`deepspeed_settings`); None off DeepSpeed.
+        flags: recipe flags by name without dashes, those the recipe has: per_device_train_batch_size,
+            gradient_accumulation_steps, max_grad_norm, warmup_steps, reference_global_batch, scale_lr,
+            block_size, gradient_checkpointing; `mixed_precision` overrides the config's (e.g.
+            mixed_precision.py's --precision).
+        hardware: `detect_hardware()` (device_type, capability, gpus); None skips the hardware checks.
+        model_classes: class names of the model's modules (for fsdp_transformer_layer_cls_to_wrap).
+        train_size, train_unit: samples in the training set, and what one is (for the message).
+        steps: optimizer steps the run will take (for the warmup check).
+        shape, device_memory: `plan.model_shape(model_config)` and bytes per rank (for the ZeRO-3 check).
+
+    Returns:
+        The problems, errors first, each a `Problem` whose text is one line naming the file or flag,
+        the key and both values. Empty when nothing is wrong.
+    """
+    flags = flags or {}
+    ranks = int(config.get("num_processes", 1))
+    mixed_precision = str(flags.get("mixed_precision") or config.get("mixed_precision") or "no")
+    out: list[Problem] = []
+    if hardware is not None:
+        out += _precision_problems(mixed_precision, hardware)
+        per_machine = ranks // max(1, int(config.get("num_machines", 1)))
+        if hardware.get("gpus") and per_machine > hardware["gpus"]:
+            out.append(Problem("error", f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
+                                        f"processes on this machine, but torch sees {hardware['gpus']} GPU(s) "
+                                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                                        "launch at most one process per GPU"))
+    if ds is not None:
+        out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
+    if config.get("distributed_type") == "FSDP":
+        out += _fsdp_problems(config.get("fsdp_config") or {}, where, hardware, model_classes)
+    batch_flags = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    if all(f in flags for f in batch_flags):
+        micro, accumulation = (flags[f] for f in batch_flags)
+        global_batch = micro * accumulation * ranks
+        split = f"(= {micro} per device x {accumulation} accumulation x {ranks} ranks)"
+        if train_size is not None and train_size < global_batch:
+            out.append(Problem("error", f"the training split has {train_size} {train_unit}, fewer than one global "
+                                        f"batch of {global_batch} {split}"))
+        reference = flags.get("reference_global_batch")
+        warmup = flags.get("warmup_steps")
+        if reference and global_batch > reference and (not flags.get("scale_lr") or not warmup):
+            missing = "--scale_lr" if not flags.get("scale_lr") else "--warmup_steps"
+            out.append(Problem("warning", f"global batch {global_batch} > {reference} without {missing}: "
+                                          f"--reference_global_batch {reference} is the batch --learning_rate was "
+                                          f"tuned at, and this run's is {global_batch} {split}; expect slower or "
+                                          "unstable training"))
+    if steps and flags.get("warmup_steps") is not None and flags["warmup_steps"] >= steps:
+        out.append(Problem("warning", f"--warmup_steps {flags['warmup_steps']} >= the run's {steps} steps: the LR "
+                                      "never reaches its peak (--learning_rate)"))
+    if shape is not None and device_memory and ds is not None and "block_size" in flags:
+        if problem := zero3_problem(ds, ds_where, shape, flags, ranks, mixed_precision, device_memory):
+            out.append(problem)
+    return sorted(out, key=lambda p: p.severity != "error")
+
+
+_printed: set[str] = set()
+
+
+def stop_on(problems: list[Problem], main_process: bool | None = None) -> None:
+    """Print each warning once (on the main process: `RANK` 0 unless `main_process` says), then exit with
+    every error line ("error: ..."), on every rank, if there is any."""
+    main_process = int(os.environ.get("RANK", 0)) == 0 if main_process is None else main_process
+    for p in problems:
+        if p.severity == "warning" and str(p) not in _printed:
+            _printed.add(str(p))
+            if main_process:
+                print(p, flush=True)
+    if errors := [str(p) for p in problems if p.severity == "error"]:
+        sys.exit("\n".join(errors))
+
+
+def model_class_names(model_cls, config) -> set[str]:
+    """Class names of every module of `model_cls(config)`, built on the meta device (no memory, no init)."""
+    import torch
+
+    with torch.device("meta"):
+        return {type(m).__name__ for m in model_cls(config).modules()}
+
+
+def model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict:
+    """The model-dependent inputs of `config_problems`, computed only where a check needs them (all on the meta
+    device, no memory): `model_classes` when the config names fsdp_transformer_layer_cls_to_wrap, `shape` and
+    `device_memory` (`plan.detect_memory`: the GPU's, else host RAM / ranks) under a ZeRO-3 DeepSpeed config."""
+    facts = {}
+    if (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap"):
+        facts["model_classes"] = model_class_names(model_cls, model_config)
+    if ds is not None and int((ds.get("zero_optimization") or {}).get("stage", 0)) == 3:
+        from common import plan
+
+        per_machine = int(config.get("num_processes", 1)) // max(1, int(config.get("num_machines", 1)))
+        facts.update(shape=plan.model_shape(model_config), device_memory=plan.detect_memory(per_machine)[0])
+    return facts
 
 
 def rank_mismatch(accelerator, what: str, value: str) -> str | None:

@@ -19,21 +19,7 @@ import torch
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-
-def clip_threshold_error(accelerator, max_norm: float | None) -> str | None:
-    """Under DeepSpeed the engine clips with the JSON's `gradient_clipping`, not with `max_norm`:
-    a message if the two differ (call at start-up and exit with it), else None.
-
-    `"auto"` or a missing key counts as agreeing (Accelerate fills it in); 0 and None both mean
-    no clipping.
-    """
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return None
-    ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
-    if ds_clip in (None, "auto") or float(ds_clip) == float(max_norm or 0):
-        return None
-    return (f"--max_grad_norm {max_norm} differs from the DeepSpeed JSON's gradient_clipping {ds_clip}; "
-            "DeepSpeed does the clipping, so make them equal")
+from common import checks
 
 
 FP64_CHUNK_ELEMENTS = 1 << 24  # fp64 temporaries per gradient are at most this many elements (128 MB)
@@ -74,13 +60,14 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
 
     Raises:
         ValueError: under DeepSpeed, if `max_norm` differs from the JSON's `gradient_clipping`
-            (`clip_threshold_error`).
+            (`checks.clipping_problem`, which the recipes also check at start-up).
         NotImplementedError: for hybrid sharding (FSDP1 HYBRID_SHARD, a 2-D FSDP2 mesh), where a
             sum over all ranks would count replicated shards more than once. (FSDP1 NO_SHARD
             holds full gradients on every rank, like DDP: no sum.)
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        if error := clip_threshold_error(accelerator, max_norm):
+        ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
+        if error := checks.clipping_problem(ds_clip, max_norm):
             raise ValueError(error)
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
         return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64)

@@ -185,7 +185,7 @@ def allow_mixed_precision_with_deepspeed_json() -> None:
     `bf16`/`fp16` blocks would win). Without the key the launch defaults to fp32, so the ZeRO
     configs trained in fp32 where every other config trained in bf16. Our JSONs set those
     blocks to `"auto"`, which follows the requested precision, so nothing is ignored; and a JSON
-    with explicit blocks that disagree is refused at start-up by `checks.deepspeed_config_errors`.
+    with explicit blocks that disagree is refused at start-up by `checks.config_problems`.
     Here we drop `mixed_precision` from the list of YAML fields that Accelerate refuses
     (`ACCELERATE_CONFIG_DS_FIELDS`). Call before building the `Accelerator`; `--mixed_precision`
     on the launch line still wins over the YAML.
@@ -201,8 +201,9 @@ def _destroy_process_group() -> None:
 
 
 def check_distributed(accelerator: Accelerator) -> None:
-    """Refuse to train if Accelerate silently fell back to independent single processes, or if
-    the FSDP settings cannot work with these recipes; and end the process group on every exit.
+    """Refuse to train if Accelerate silently fell back to independent single processes; and end the
+    process group on every exit. (The FSDP settings the recipes cannot use are refused earlier, by
+    `checks.config_problems`.)
 
     Compares Accelerate's view with what the launcher set (`WORLD_SIZE`, and the strategy chosen
     by `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`). Registers an `atexit` hook that
@@ -212,10 +213,6 @@ def check_distributed(accelerator: Accelerator) -> None:
     Raises:
         RuntimeError: if `accelerator.num_processes` differs from `WORLD_SIZE`, or the
             distributed type is not the one the accelerate config asked for.
-        ValueError: FSDP1 with `fsdp_use_orig_params: false` (the recipes build the optimizer
-            before `accelerator.prepare`; without original parameters it would step tensors the
-            wrapped model no longer uses, and nothing would train), or FSDP parameter offload on
-            a host without an accelerator (it pins host memory, which needs a GPU).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world_size:
@@ -235,14 +232,6 @@ def check_distributed(accelerator: Accelerator) -> None:
             f"{accelerator.distributed_type}; common/launch.py no longer matches this Accelerate version"
         )
     atexit.register(_destroy_process_group)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        plugin = accelerator.state.fsdp_plugin
-        if plugin.fsdp_version == 1 and not plugin.use_orig_params:
-            raise ValueError("fsdp_use_orig_params: false in the accelerate config: these recipes build the optimizer "
-                             "before accelerator.prepare, which FSDP1 supports only with fsdp_use_orig_params: true")
-        if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true" and not _has_accelerator():
-            raise ValueError("fsdp_offload_params: true in the accelerate config needs a GPU (it pins host memory); "
-                             "on a CPU-only host the parameters are in CPU memory already: set it to false")
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:

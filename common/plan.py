@@ -100,7 +100,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from compare_strategies import predicted_comm_bytes  # noqa: E402  (the ZeRO paper's volumes)
 
-from common import metrics, models  # noqa: E402
+from common import checks, metrics, models  # noqa: E402
 
 PRESET_VOCAB = {"debug": 4096, "llama-3.2-1b": 128256, "llama-3-8b": 128256}  # recipe BPE / Llama 3 tokenizer
 CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "comm_buffers", "activations", "logits_loss")
@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device_memory", default=None, help="e.g. 80GB; default: detected GPU, else host RAM / ranks")
     p.add_argument("--format", choices=["table", "json"], default="table")
     args = p.parse_args(argv)
+    import yaml
+
     try:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "block_size"):
             if getattr(args, name) < 1:
@@ -432,12 +434,14 @@ def main(argv: list[str] | None = None) -> None:
         strategies = [read_strategy(path) for path in paths]
         config = load_model_config(args.model_config, args.vocab_size)
         shape = model_shape(config)
-        problems: list[str] = []  # filled by common/checks.py once it offers the shared start-up checks (issue 12.4)
+        problems: list[str] = []
+        with torch.device("meta"):
+            model_classes = {type(m).__name__ for m in models.causal_lm_class(config)(config).modules()}
         if config.model_type != "llama":
             problems.append(f"--model_config {args.model_config}: activations use the Llama block formula "
                             f"({config.model_type} may differ)")
         plans, memory, source = {}, None, None
-        for s in strategies:
+        for s, path in zip(strategies, paths):
             per_machine = args.num_processes or (1 if s["kind"] == "single" else s["num_processes"])
             ranks = per_machine * (args.num_machines or s["num_machines"])
             if memory is None:
@@ -448,6 +452,18 @@ def main(argv: list[str] | None = None) -> None:
                                              args.per_device_train_batch_size, args.block_size,
                                              args.gradient_accumulation_steps, args.gradient_checkpointing, precision)
             plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision)
+            # the recipes' start-up checks, on what the planner knows (no training set, no schedule flags);
+            # the hardware ones only for this machine (not with --device_memory, a plan for another one)
+            yaml_config = {**yaml.safe_load(path.read_text()), "num_processes": ranks, "mixed_precision": precision,
+                           "num_machines": args.num_machines or s["num_machines"]}
+            ds, ds_where = checks.deepspeed_settings(yaml_config, root=str(REPO))
+            flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "block_size": args.block_size,
+                     "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                     "gradient_checkpointing": args.gradient_checkpointing}
+            where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+            problems += [str(p) for p in checks.config_problems(
+                yaml_config, where=where, ds=ds, ds_where=ds_where, flags=flags, model_classes=model_classes,
+                hardware=None if args.device_memory else checks.detect_hardware(), shape=shape, device_memory=memory)]
     except ValueError as err:
         sys.exit(f"error: {err}")
     if args.format == "json":

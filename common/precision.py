@@ -93,42 +93,6 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
     return "no", f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly"
 
 
-def launch_precision_error(requested: str | None = None) -> str | None:
-    """Check the launch's mixed precision against this rank's GPU, before the Accelerator exists.
-
-    For the recipes that take the precision from `accelerate launch` (the YAML's `mixed_precision`
-    or `--mixed_precision`; every recipe but mixed_precision.py, which picks it with
-    `choose_precision`). Accelerate accepts bf16 on a GPU without bf16 arithmetic (V100, T4:
-    compute capability < 8.0) and emulates it, so a run would train several times slower and say
-    nothing; fp16 on a GPU that has bf16 buys loss scaling and overflow risk for nothing.
-
-    Args:
-        requested: "no", "bf16" or "fp16"; default: `ACCELERATE_MIXED_PRECISION`, which
-            `accelerate launch` sets (unset: "no").
-
-    Returns:
-        None (no GPU, fp32, or a fitting choice), or one "warning: ..." line for fp16 on a GPU
-        with bf16 (print it once).
-
-    Raises:
-        ValueError: bf16 on a CUDA GPU below compute capability 8.0.
-    """
-    requested = requested or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    device_type, capability = detect_device()
-    if device_type != "cuda" or capability is None or requested not in ("bf16", "fp16"):
-        return None
-    cc = f"compute capability {capability[0]}.{capability[1]}"
-    if requested == "bf16" and capability < (8, 0):
-        raise ValueError(f"mixed_precision bf16 (accelerate config or --mixed_precision): this GPU ({cc}) has no bf16 "
-                         "arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate it, several times "
-                         "slower. Launch with --mixed_precision fp16 (loss-scaled) or --mixed_precision no")
-    if requested == "fp16" and capability >= (8, 0):
-        return (f"warning: mixed_precision fp16 on a GPU with bf16 ({cc}): fp16 needs loss scaling and can still "
-                "overflow; bf16 keeps fp32's range at the same speed. Launch with --mixed_precision bf16 unless you "
-                "must match an fp16 reference")
-    return None
-
-
 def keep_fp32_reduction(accelerator) -> None:
     """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in fp32.
 

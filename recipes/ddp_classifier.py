@@ -125,10 +125,16 @@ accumulation = args.gradient_accumulation_steps
 # shuffle a function of (seed, epoch) alone, so every rank draws the same permutation.
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+# The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
+# a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the flags, bf16 on
+# a GPU without it is emulated, ... (The FSDP wrap class is set below, whatever the config says.)
+launch_config = checks.launch_config_from_env()
+check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
+               accumulation, "max_grad_norm": args.max_grad_norm, "warmup_steps": args.warmup_steps}
 try:
-    # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
-    if warning := precision.launch_precision_error():
-        print(warning)
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware())
+    checks.stop_on(checks.config_problems(launch_config, **facts))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
@@ -147,10 +153,6 @@ try:
     launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
 except ValueError as err:
     sys.exit(f"error: {err}")
-# A DeepSpeed JSON's explicit batch, accumulation, clipping or precision would silently win over the flags.
-if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size, accumulation,
-                                            args.max_grad_norm):
-    sys.exit("\n".join(f"error: {e}" for e in errors))
 if accelerator.distributed_type == DistributedType.FSDP:
     # One FSDP unit per BertLayer, whatever the shared fsdp.yaml says (it is written for the decoder LMs).
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]
@@ -203,9 +205,11 @@ majority = int(train_counts.argmax())  # the baseline: always answer the trainin
 eval_labels = eval_set["labels"][:]
 baseline_accuracy = (eval_labels == majority).float().mean().item()
 global_batch = args.per_device_train_batch_size * accumulation * world_size
-if len(train_set) < global_batch:
-    sys.exit(f"error: {len(train_set)} training passages: fewer than one global batch of {global_batch} (= "
-             f"{args.per_device_train_batch_size} per device x {accumulation} accumulation x {world_size} ranks)")
+steps_per_epoch = len(train_set) // global_batch
+max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+# With the data: the training set against the global batch, warmup against the run (common/checks.py).
+facts.update(train_size=len(train_set), train_unit="passages", steps=max_steps)
+checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
 # shuffle=True + the seedable sampler: a new permutation per epoch (set_epoch), the same on every
 # rank; rank r gets micro batches r, r + world_size, ... of it. drop_last: every step is a full batch.
 # Each loader gets a private generator: every iter() of a DataLoader draws one number (its worker
@@ -232,8 +236,6 @@ n_params = sum(p.numel() for p in model.parameters())
 set_seed(args.seed, device_specific=True)
 # Decay on weight matrices and embeddings only: a LayerNorm gain is centred on 1, a bias is an offset.
 optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
-steps_per_epoch = len(train_set) // global_batch
-max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
 # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so the

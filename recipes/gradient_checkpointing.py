@@ -125,10 +125,18 @@ if args.model_config not in models.PRESETS:
 # Accelerator: strategy and precision come from the accelerate config, as in every recipe.
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+# The launch against the flags, the model and the hardware, before any work (common/checks.py lists
+# the checks): a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the
+# flags, bf16 on a GPU without it is emulated, an FSDP wrap class the model does not have, ...
+launch_config = checks.launch_config_from_env()
 try:
-    # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
-    if warning := precision.launch_precision_error():
-        print(warning)
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    checks.stop_on(checks.config_problems(
+        launch_config, ds=ds_config, ds_where=ds_where, hardware=checks.detect_hardware(),
+        flags={k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                             "max_grad_norm")},
+        **checks.model_facts(launch_config, ds_config, LlamaForCausalLM,
+                             models.llama_config(args.model_config, args.vocab_size))))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
@@ -141,10 +149,6 @@ accelerator = Accelerator(
     dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     kwargs_handlers=[pg_kwargs, ddp_kwargs])
 launch.check_distributed(accelerator)
-# DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
-if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
-                                            args.gradient_accumulation_steps, args.max_grad_norm):
-    sys.exit("\n".join(f"error: {e}" for e in errors))
 try:
     launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
 except ValueError as err:

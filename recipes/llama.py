@@ -107,10 +107,17 @@ for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
 # says how to accumulate and keeps the data order seeded and identical on every rank.
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+# The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
+# a DeepSpeed JSON's explicit batch sizes, clipping or precision would silently win over the flags,
+# bf16 on a GPU without it (V100, T4) is emulated, FSDP settings these recipes cannot use, ...
+launch_config = checks.launch_config_from_env()
+check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                             "max_grad_norm", "warmup_steps", "reference_global_batch", "scale_lr",
+                                             "block_size", "gradient_checkpointing")}
 try:
-    # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
-    if warning := precision.launch_precision_error():
-        print(warning)
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware())
+    checks.stop_on(checks.config_problems(launch_config, **facts))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
@@ -135,10 +142,6 @@ except ValueError as err:
 # FSDP: compute in bf16/fp16 but reduce gradients (and return the loss) in fp32; summing
 # low-precision gradients across ranks is where most of the precision is lost.
 precision.keep_fp32_reduction(accelerator)
-# A DeepSpeed JSON's explicit batch sizes, clipping or precision would silently win over the flags.
-if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
-                                            args.gradient_accumulation_steps, args.max_grad_norm):
-    sys.exit("\n".join(f"error: {e}" for e in errors))
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
 os.makedirs(args.output_dir, exist_ok=True)
 try:
@@ -198,10 +201,14 @@ if args.max_eval_samples:
 
 world_size = accelerator.num_processes
 global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-if len(train_set) < global_batch:
-    sys.exit(f"error: the training split has {len(train_set)} blocks of {args.block_size} tokens, fewer than one "
-                     f"global batch of {global_batch} (= {args.per_device_train_batch_size} per device x "
-                     f"{args.gradient_accumulation_steps} accumulation x {world_size} ranks)")
+updates_per_epoch = len(train_set) // global_batch
+max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+# Now that the data and the model config exist: the training set against the global batch, warmup
+# against the run, the batch against --reference_global_batch, the FSDP wrap class against the model,
+# and a ZeRO-3 config against the plan (common/plan.py). Warnings already printed are not repeated.
+facts.update(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens", steps=max_steps,
+             **checks.model_facts(launch_config, ds_config, model_cls, config))
+checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
 # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
 # ranks; Accelerate gives rank r every world_size-th micro batch of it. drop_last keeps every
 # optimizer step a full global batch.
@@ -258,19 +265,11 @@ peak_lr = schedule.scaled_learning_rate(args.learning_rate, global_batch, args.r
     if args.scale_lr else args.learning_rate
 accelerator.print(f"LR: base {args.learning_rate:g} (tuned at global batch {args.reference_global_batch}), "
                   f"effective {peak_lr:g} at global batch {global_batch}, {args.warmup_steps} warmup steps")
-if global_batch > args.reference_global_batch and (not args.scale_lr or args.warmup_steps == 0):
-    accelerator.print(f"warning: global batch {global_batch} > {args.reference_global_batch} without "
-                      f"{'--scale_lr' if not args.scale_lr else '--warmup_steps'}: expect slower or unstable training")
 
 # AdamW without weight decay on norm weights and biases (1-D tensors), as in most LLM recipes.
 optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=peak_lr,
                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-updates_per_epoch = len(train_set) // global_batch
-max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
-if args.warmup_steps >= max_steps:
-    accelerator.print(f"warning: --warmup_steps {args.warmup_steps} >= the run's {max_steps} steps: the LR never "
-                      f"reaches --learning_rate {peak_lr:g}")
 
 # Resume: a verified, complete checkpoint; the data position follows from the step count, so the
 # global batch must be unchanged (its split may change), and sharded states (FSDP, ZeRO) need the

@@ -169,9 +169,9 @@ if args.compare:
 # Precision for this hardware, decided before the Accelerator exists (it fixes one per process).
 # The model is built on the meta device just to count its parameters.
 # ---------------------------------------------------------------------------------------------
+model_config = models.llama_config(args.model_config, args.vocab_size)
 with torch.device("meta"):
-    n_params = sum(p.numel() for p in LlamaForCausalLM(models.llama_config(args.model_config, args.vocab_size))
-                   .parameters())
+    n_params = sum(p.numel() for p in LlamaForCausalLM(model_config).parameters())
 device_type, capability = precision.detect_device()
 try:
     mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
@@ -179,7 +179,17 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+# The launch against the flags, the model and the hardware (common/checks.py lists the checks): a
+# DeepSpeed JSON's explicit batch, clipping or bf16/fp16 block would silently win over them, ...
+launch_config = checks.launch_config_from_env()
+check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
+               args.gradient_accumulation_steps, "max_grad_norm": args.max_grad_norm, "mixed_precision": mode,
+               "block_size": args.block_size}
 try:
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
+                 **checks.model_facts(launch_config, ds_config, LlamaForCausalLM, model_config))
+    checks.stop_on(checks.config_problems(launch_config, **facts))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
@@ -197,10 +207,6 @@ accelerator = Accelerator(
     kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
 )
 launch.check_distributed(accelerator)
-# DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
-if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
-                                            args.gradient_accumulation_steps, args.max_grad_norm, mode):
-    sys.exit("\n".join(f"error: {e}" for e in errors))
 try:
     if launch.install_cpu_grad_scaler(accelerator):
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
@@ -228,8 +234,8 @@ eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_
 world_size = accelerator.num_processes
 global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
 updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest of an epoch is dropped
-if updates_per_epoch == 0:
-    sys.exit(f"error: {len(train_set)} training blocks are fewer than one global batch of {global_batch}")
+facts.update(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")  # >= one global batch?
+checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
 max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
 # Private generators: each iter() of a loader draws a seed from its generator, else from the global
 # RNG that dropout uses, and a resume opens an extra iterator mid-epoch.

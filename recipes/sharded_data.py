@@ -309,17 +309,26 @@ def main():
     if args.max_steps < 1:
         sys.exit("error: sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
                  "in length, so --num_train_epochs cannot fix one step count for every rank")
+    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
+    # a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the flags, ...
+    launch_config = checks.launch_config_from_env()
+    check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                 "max_grad_norm", "warmup_steps")}
+    try:
+        ds_config, ds_where = checks.deepspeed_settings(launch_config)
+        facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
+                     steps=args.max_steps)
+        checks.stop_on(checks.config_problems(launch_config, **facts))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
         sys.exit("error: training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     # Import Accelerate only now: `prepare` runs without a launcher or process group.
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object, set_seed
 
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     try:
-        # bf16 on a GPU without it (V100, T4) is emulated: refuse; fp16 where bf16 exists: warn
-        if warning := precision.launch_precision_error():
-            print(warning)
         pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
     except ValueError as err:
         sys.exit(f"error: {err}")
@@ -338,10 +347,6 @@ def main():
         checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
     except ValueError as err:
         sys.exit(f"error: {err}")
-    # DeepSpeed: explicit batch, accumulation, clipping or precision keys in its JSON win over the flags
-    if errors := checks.deepspeed_config_errors(accelerator, args.per_device_train_batch_size,
-                                                args.gradient_accumulation_steps, args.max_grad_norm):
-        sys.exit("\n".join(f"error: {e}" for e in errors))
     world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     accumulation = args.gradient_accumulation_steps
 
@@ -402,6 +407,10 @@ def main():
     if block_size > config.max_position_embeddings:
         sys.exit(f"error: the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
                  f"max_position_embeddings {config.max_position_embeddings}")
+    # With the model config: the FSDP wrap class against the model, a ZeRO-3 config against the plan.
+    facts["flags"] = {**check_flags, "block_size": block_size}
+    checks.stop_on(checks.config_problems(launch_config, **facts, **checks.model_facts(
+        launch_config, ds_config, LlamaForCausalLM, config)), accelerator.is_main_process)
     set_seed(args.seed)  # same initial weights on every rank
     model = LlamaForCausalLM(config)
     # From here each rank draws its own random numbers (dropout, if a config has any). The data

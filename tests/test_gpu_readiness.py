@@ -14,7 +14,7 @@ from accelerate.utils import DistributedType
 from conftest import REPO, run_in_process
 
 sys.path.insert(0, str(REPO))
-from common import grad_norm, metrics, precision  # noqa: E402
+from common import checks, grad_norm, metrics, precision  # noqa: E402
 from common.memory import PeakTensorBytes  # noqa: E402
 
 RECIPES = ["llama", "ddp_classifier", "sharded_data", "gradient_checkpointing"]  # precision from the launch config
@@ -34,15 +34,18 @@ def test_every_recipe_refuses_bf16_on_a_gpu_without_it(recipe, tmp_path, monkeyp
 
 
 def test_launch_precision_check_by_hardware(monkeypatch):
-    for device, requested, expected in [(("cuda", (8, 0)), "bf16", None), (("cuda", (7, 5)), "fp16", None),
-                                        (("cpu", None), "bf16", None), (("cuda", (7, 0)), "no", None)]:
+    def problems(requested):
+        return [str(p) for p in checks.config_problems({"mixed_precision": requested},
+                                                       hardware=checks.detect_hardware())]
+    for device, requested in [(("cuda", (8, 0)), "bf16"), (("cuda", (7, 5)), "fp16"), (("cpu", None), "bf16"),
+                              (("cuda", (7, 0)), "no")]:
         monkeypatch.setattr(precision, "detect_device", lambda d=device: d)
-        assert precision.launch_precision_error(requested) is expected, (device, requested)
+        assert problems(requested) == [], (device, requested)
     monkeypatch.setattr(precision, "detect_device", lambda: ("cuda", (9, 0)))
-    assert precision.launch_precision_error("fp16").startswith("warning: mixed_precision fp16 on a GPU with bf16")
+    assert problems("fp16")[0].startswith("warning: mixed_precision fp16 on a GPU with bf16")
     monkeypatch.setattr(precision, "detect_device", lambda: ("cuda", (7, 5)))
-    with pytest.raises(ValueError, match=r"compute capability 7\.5"):
-        precision.launch_precision_error("bf16")
+    [line] = problems("bf16")
+    assert line.startswith("error: mixed_precision bf16") and "compute capability 7.5" in line
 
 
 # --- the gradient norm: on the device, no fp64 copy of a whole gradient ---------------------------

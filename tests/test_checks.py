@@ -1,0 +1,251 @@
+"""common/checks.py: every start-up check gets one bad input (a YAML, JSON or flag written to tmp_path) and
+the exact line; every recipe and the planner really call it. In-process, no launches."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, run_in_process
+
+sys.path.insert(0, str(REPO))
+from common import checks, models, plan  # noqa: E402
+
+CPU = {"device_type": "cpu", "capability": None, "gpus": 0}
+FLAGS = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0}
+
+
+def yaml_config(tmp_path, name, edit=None, **keys):
+    """accelerate_configs/NAME.yaml, with `edit` (old, new) applied to its text and `keys` set, written to tmp_path
+    and read back as the planner reads it."""
+    text = (REPO / "accelerate_configs" / f"{name}.yaml").read_text()
+    if edit:
+        assert edit[0] in text
+        text = text.replace(*edit)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return {**yaml.safe_load(path.read_text()), **keys}
+
+
+def ds_json(tmp_path, source="zero2", **keys):
+    """ds_configs/SOURCE.json with `keys` set, written to tmp_path; returns (config dict for a DeepSpeed YAML
+    pointing to it, the JSON dict, where)."""
+    path = tmp_path / f"{source}.json"
+    path.write_text(json.dumps({**json.loads((REPO / "ds_configs" / f"{source}.json").read_text()), **keys}))
+    config = {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 2,
+              "deepspeed_config": {"deepspeed_config_file": str(path)}}
+    ds, where = checks.deepspeed_settings(config)
+    return config, ds, where
+
+
+def lines(problems):
+    return [str(p) for p in problems]
+
+
+def test_deepspeed_batch_keys_against_the_flags(tmp_path):
+    config, ds, where = ds_json(tmp_path, train_batch_size=16, train_micro_batch_size_per_gpu=2,
+                                gradient_accumulation_steps=4)
+    assert where == f"the DeepSpeed JSON {tmp_path / 'zero2.json'}"
+    assert lines(checks.config_problems(config, ds=ds, ds_where=where, flags=FLAGS)) == [
+        f"error: {where} sets train_micro_batch_size_per_gpu: 2, but --per_device_train_batch_size is 4; set the key "
+        "to \"auto\" (it then follows the flags) or make them equal",
+        f"error: {where} sets gradient_accumulation_steps: 4, but --gradient_accumulation_steps is 1; set the key "
+        "to \"auto\" (it then follows the flags) or make them equal",
+        f"error: {where} sets train_batch_size: 16, but the global batch (4 per device x 1 accumulation x 2 ranks) "
+        "is 8; set the key to \"auto\" (it then follows the flags) or make them equal"]
+    # our JSONs: "auto" everywhere, and the same clipping as the flag's default
+    config, ds, where = ds_json(tmp_path)
+    assert checks.config_problems(config, ds=ds, ds_where=where, flags=FLAGS, hardware=CPU) == []
+
+
+def test_gradient_clipping_against_max_grad_norm(tmp_path):
+    config, ds, where = ds_json(tmp_path, gradient_clipping=0.5)
+    assert lines(checks.config_problems(config, ds=ds, ds_where=where, flags=FLAGS)) == [
+        f"error: --max_grad_norm 1.0 differs from the DeepSpeed JSON's gradient_clipping 0.5 ({where}); DeepSpeed "
+        "does the clipping, so make them equal"]
+
+
+@pytest.mark.parametrize("block, launch, verb", [("bf16", "no", "enables"), ("fp16", "bf16", "enables"),
+                                                 ("bf16", "bf16", "disables")])
+def test_deepspeed_precision_block_against_the_launch(block, launch, verb, tmp_path):
+    config, ds, where = ds_json(tmp_path, **{block: {"enabled": verb == "enables"}})
+    config["mixed_precision"] = launch
+    assert lines(checks.config_problems(config, ds=ds, ds_where=where, flags=FLAGS)) == [
+        f"error: the launch asks for mixed precision {launch}, but {where} {verb} {block} ({block}.enabled: "
+        f"{str(verb == 'enables').lower()}): its bf16/fp16 \"enabled\" keys win; set them to \"auto\" so the "
+        "config's mixed_precision (or --mixed_precision) decides"]
+
+
+def test_deepspeed_json_that_cannot_be_read(tmp_path):
+    config = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "nope/zero9.json"}}
+    with pytest.raises(ValueError, match=r"DeepSpeed config nope/zero9.json \(deepspeed_config_file in the "
+                                         r"accelerate config\) cannot be read from .*No such file"):
+        checks.deepspeed_settings(config)
+
+
+def test_precision_against_the_hardware(tmp_path):
+    config = yaml_config(tmp_path, "ddp")
+    assert config["mixed_precision"] == "bf16"
+    v100 = {"device_type": "cuda", "capability": (7, 0), "gpus": 2}
+    assert lines(checks.config_problems(config, hardware=v100)) == [
+        "error: mixed_precision bf16 (accelerate config or --mixed_precision): this GPU (compute capability 7.0) has "
+        "no bf16 arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate it, several times slower. "
+        "Launch with --mixed_precision fp16 (loss-scaled) or --mixed_precision no"]
+    h100 = {"device_type": "cuda", "capability": (9, 0), "gpus": 2}
+    assert checks.config_problems(config, hardware=h100) == []
+    assert lines(checks.config_problems(config, hardware=h100, flags={"mixed_precision": "fp16"})) == [
+        "warning: mixed_precision fp16 on a GPU with bf16 (compute capability 9.0): fp16 needs loss scaling and can "
+        "still overflow; bf16 keeps fp32's range at the same speed. Launch with --mixed_precision bf16 unless you "
+        "must match an fp16 reference"]
+    assert checks.config_problems(config, hardware={**v100, "capability": (7, 5)}, flags={"mixed_precision": "fp16"}) \
+        == []
+    assert checks.config_problems(config, hardware=CPU) == []
+
+
+def test_wrap_class_that_the_model_does_not_have(tmp_path):
+    config = yaml_config(tmp_path, "fsdp", ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+                                            "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                                            "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"))
+    debug = models.llama_config("debug", 4096)
+    classes = checks.model_class_names(models.causal_lm_class(debug), debug)
+    assert "LlamaDecoderLayer" in classes
+    where = "accelerate_configs/fsdp.yaml"
+    assert lines(checks.config_problems(config, where=where, model_classes=classes)) == [
+        f"error: fsdp_transformer_layer_cls_to_wrap: GPT2Block in {where}, but the model has no such module (its "
+        "blocks: LlamaDecoderLayer); name one of them, or delete the key to wrap the model's _no_split_modules"]
+    config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "LlamaDecoderLayer"
+    assert checks.config_problems(config, where=where, model_classes=classes) == []
+
+
+def test_fsdp1_settings_the_recipes_cannot_use(tmp_path):
+    config = yaml_config(tmp_path, "fsdp1", ("fsdp_use_orig_params: true", "fsdp_use_orig_params: false"))
+    assert lines(checks.config_problems(config)) == [
+        "error: fsdp_use_orig_params: false in the accelerate config: these recipes build the optimizer before "
+        "accelerator.prepare, which FSDP1 supports only with fsdp_use_orig_params: true"]
+    config = yaml_config(tmp_path, "fsdp1", ("fsdp_offload_params: false", "fsdp_offload_params: true"))
+    assert lines(checks.config_problems(config, where="fsdp1.yaml", hardware=CPU)) == [
+        "error: fsdp_offload_params: true in fsdp1.yaml needs a GPU (it pins host memory); on a CPU-only host the "
+        "parameters are in CPU memory already: set it to false"]
+    assert checks.config_problems(config, hardware={"device_type": "cuda", "capability": (9, 0), "gpus": 2}) == []
+
+
+def test_more_processes_than_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    config = yaml_config(tmp_path, "ddp", num_processes=8, num_machines=2)  # 4 per machine
+    gpus = {"device_type": "cuda", "capability": (9, 0), "gpus": 2}
+    assert lines(checks.config_problems(config, where="ddp.yaml", hardware=gpus)) == [
+        "error: num_processes 8 in ddp.yaml (or --num_processes) starts 4 processes on this machine, but torch sees "
+        "2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1); launch at most one process per GPU"]
+    assert checks.config_problems(config, hardware={**gpus, "gpus": 4}) == []
+
+
+def test_global_batch_larger_than_the_training_set():
+    config = {"num_processes": 2}
+    assert lines(checks.config_problems(config, flags=FLAGS, train_size=7, train_unit="blocks of 64 tokens")) == [
+        "error: the training split has 7 blocks of 64 tokens, fewer than one global batch of 8 (= 4 per device x 1 "
+        "accumulation x 2 ranks)"]
+    assert checks.config_problems(config, flags=FLAGS, train_size=8) == []
+
+
+def test_warmup_not_shorter_than_the_run():
+    assert lines(checks.config_problems({}, flags={"warmup_steps": 30}, steps=30)) == [
+        "warning: --warmup_steps 30 >= the run's 30 steps: the LR never reaches its peak (--learning_rate)"]
+    assert checks.config_problems({}, flags={"warmup_steps": 29}, steps=30) == []
+
+
+def test_global_batch_above_the_reference_without_scale_lr_or_warmup():
+    flags = {**FLAGS, "reference_global_batch": 2, "warmup_steps": 0}
+    line = ("warning: global batch 8 > 2 without {}: --reference_global_batch 2 is the batch --learning_rate was "
+            "tuned at, and this run's is 8 (= 4 per device x 1 accumulation x 2 ranks); expect slower or unstable "
+            "training")
+    assert lines(checks.config_problems({"num_processes": 2}, flags=flags)) == [line.format("--scale_lr")]
+    assert lines(checks.config_problems({"num_processes": 2}, flags={**flags, "scale_lr": True})) == [
+        line.format("--warmup_steps")]
+    assert checks.config_problems({"num_processes": 2}, flags={**flags, "scale_lr": True, "warmup_steps": 2}) == []
+    assert checks.config_problems({"num_processes": 1}, flags={**flags, "reference_global_batch": 4}) == []
+
+
+def test_zero3_where_the_plan_fits_something_cheaper():
+    config = {**yaml.safe_load((REPO / "accelerate_configs/deepspeed_zero3.yaml").read_text()), "num_processes": 8}
+    ds, where = checks.deepspeed_settings(config, root=str(REPO))
+    shape = plan.model_shape(models.llama_config("debug", 4096))
+    flags = {**FLAGS, "per_device_train_batch_size": 1, "block_size": 128}
+
+    def problems(memory):
+        return lines(checks.config_problems(config, ds=ds, ds_where=where, flags=flags, shape=shape,
+                                            device_memory=memory))
+    # the numbers are common/plan.py's, for the same inputs (FSDP2 without resharding also holds the gathered
+    # bf16 parameters between forward and backward: 2 bytes x the 7/8 of them it does not own)
+    strategy = plan.read_strategy(REPO / "accelerate_configs/deepspeed_zero3.yaml")
+    args = (shape, 8, 1, 128, 1, False, "bf16")
+    zero3 = plan.plan_strategy(strategy, *args)
+    zero2 = plan.plan_strategy({**strategy, "kind": "zero2"}, *args)
+    fsdp = plan.plan_strategy({**strategy, "kind": "fsdp", "reshard": False}, *args)
+    fsdp["total"] += 2 * (shape["n_params"] - plan.shard_elements(shape, 8))
+    assert zero3["total"] < zero2["total"] < fsdp["total"]  # 26.6 < 29.7 < 36.8 MB
+    mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
+    head = (f"warning: ZeRO-3 (zero_optimization.stage: 3 in the DeepSpeed JSON ds_configs/zero3.json) sends "
+            f"{mb(zero3['comm_per_step'])} per rank and step ({mb(zero3['total'])} per rank), but the plan says ")
+    tail = "; prefer that unless you measured otherwise (python common/plan.py, benchmarks/compare_strategies.py)"
+    zero2_line = f"ZeRO-2 fits ({mb(zero2['total'])} of {{}} per rank) sending {mb(zero2['comm_per_step'])}"
+    fsdp_line = (f"FSDP2 with fsdp_reshard_after_forward: false fits ({mb(fsdp['total'])} of {{}} per rank) sending "
+                 f"{mb(fsdp['comm_per_step'])}")
+    assert problems(10**9) == [head + zero2_line.format("1.00 GB") + "; " + fsdp_line.format("1.00 GB") + tail]
+    assert problems(zero2["total"]) == [head + zero2_line.format(mb(zero2["total"])) + tail]
+    assert problems(zero2["total"] - 1) == []  # room for ZeRO-3 only: nothing to say
+    assert checks.config_problems(config, ds=ds, ds_where=where, flags=flags, shape=shape, device_memory=10**9,
+                                  hardware=CPU)[0].text.startswith("ZeRO-3")
+
+
+def test_launch_config_from_env_and_stop_on(capsys):
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
+           "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false",
+           "FSDP_OFFLOAD_PARAMS": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"}
+    assert checks.launch_config_from_env(env) == {
+        "mixed_precision": "bf16", "num_processes": 4, "num_machines": 2, "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_version": 1, "fsdp_use_orig_params": False, "fsdp_offload_params": True,
+                        "fsdp_reshard_after_forward": "true", "fsdp_transformer_layer_cls_to_wrap": "GPT2Block"}}
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json"}
+    assert checks.launch_config_from_env(env)["deepspeed_config"] == {"deepspeed_config_file": "ds_configs/zero2.json"}
+    # a warning prints once however often it comes back, on the main process only; errors exit, all of them
+    warning = checks.Problem("warning", "w1 (test_checks)")
+    checks.stop_on([warning])
+    checks.stop_on([warning])
+    checks.stop_on([checks.Problem("warning", "w2 (test_checks)")], main_process=False)
+    assert capsys.readouterr().out == "warning: w1 (test_checks)\n"
+    with pytest.raises(SystemExit) as exc:
+        checks.stop_on([checks.Problem("error", "e1"), warning, checks.Problem("error", "e2")])
+    assert exc.value.code == "error: e1\nerror: e2"
+
+
+def test_the_planner_prints_the_problems(tmp_path, capsys):
+    yaml_config(tmp_path, "fsdp", ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+                                   "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                                   "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"))
+    line = (f"error: fsdp_transformer_layer_cls_to_wrap: GPT2Block in {tmp_path / 'fsdp.yaml'}, but the model has "
+            "no such module")
+    plan.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB"])
+    out = capsys.readouterr().out
+    assert "\nProblems:\n- " + line in out, out[-2000:]
+    plan.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB", "--format", "json"])
+    assert json.loads(capsys.readouterr().out)["problems"][0].startswith(line)
+
+
+# --- every recipe calls the shared check, before its Accelerator -----------------------------------
+
+RECIPE_ARGS = {"llama": [], "ddp_classifier": [], "mixed_precision": [], "gradient_checkpointing": [],
+               "sharded_data": ["--data_dir", "/nonexistent", "--loader", "parquet"]}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_ARGS))
+def test_every_recipe_calls_the_shared_check(recipe, tmp_path, monkeypatch):
+    """A DeepSpeed launch whose JSON sets another micro batch than the flag: only common/checks.py sees it, and
+    the recipe must stop with its line before building the Accelerator (conftest's stub fails the test there)."""
+    _, _, where = ds_json(tmp_path, train_micro_batch_size_per_gpu=3)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "zero2.json"))
+    message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--output_dir", tmp_path / "out", "--max_steps", 3,
+                             "--per_device_train_batch_size", 2, *RECIPE_ARGS[recipe])
+    assert message == (f"error: {where} sets train_micro_batch_size_per_gpu: 3, but --per_device_train_batch_size "
+                       "is 2; set the key to \"auto\" (it then follows the flags) or make them equal"), message
