@@ -162,7 +162,7 @@ def _deepspeed_problems(ds: dict, where: str, flags: dict, ranks: int, mixed_pre
         out.append(Problem("error", line))
     for dtype in ("bf16", "fp16"):
         enabled = str((ds.get(dtype) or {}).get("enabled", "auto")).lower()
-        if (enabled == "true") != (mixed_precision == dtype) and enabled != "auto" and dtype in ds:
+        if enabled in ("true", "false") and (enabled == "true") != (mixed_precision == dtype):
             state = "enables" if enabled == "true" else "disables"
             out.append(Problem("error", f"the launch asks for mixed precision {mixed_precision}, but {where} {state} "
                                         f"{dtype} ({dtype}.enabled: {enabled}): its bf16/fp16 \"enabled\" keys win; "
