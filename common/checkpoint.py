@@ -27,6 +27,8 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+from accelerate.utils import DistributedType
+
 MARKER = "COMPLETE.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM; never 0
@@ -216,6 +218,26 @@ def start_fresh(accelerator, output_dir: str) -> None:
             if path.is_dir() and re.match(r"^checkpoint-\d+(\.tmp)?$", path.name):
                 shutil.rmtree(path)
     accelerator.wait_for_everyone()
+
+
+def precision_state(accelerator) -> dict:
+    """The precision settings a resume must keep, for a checkpoint's run state.
+
+    `mixed_precision`, and under DeepSpeed the JSON's gradient-reduction dtypes
+    (`communication_data_type`, `data_types.grad_accum_dtype`; "default" when unset, i.e. the
+    model's dtype): a resumed ZeRO run that reduces its gradients in bf16 instead of fp32 trains
+    on, exits 0, and differs from the run it continues (measured: 7e-6 relative at step 4).
+
+    Returns:
+        {"mixed_precision": "no" | "bf16" | "fp16", plus, under DeepSpeed,
+        "deepspeed_communication_data_type" and "deepspeed_grad_accum_dtype" as strings}.
+    """
+    state = {"mixed_precision": accelerator.mixed_precision}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        state["deepspeed_communication_data_type"] = str(config.get("communication_data_type") or "default")
+        state["deepspeed_grad_accum_dtype"] = str((config.get("data_types") or {}).get("grad_accum_dtype") or "default")
+    return state
 
 
 REPLICATED = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model state on every rank: loads at any world size

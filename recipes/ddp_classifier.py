@@ -251,7 +251,7 @@ data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": arg
 # The optimizer's LR and decay come back from its state whatever the flags say, and BERT's dropout
 # masks depend on how a step's samples are split over ranks and micro batches.
 same_run = {"learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-            "mixed_precision": accelerator.mixed_precision, "max_grad_norm": args.max_grad_norm,
+            **checkpoint.precision_state(accelerator), "max_grad_norm": args.max_grad_norm,
             "model_config": models.config_state(model.config),
             "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
             "world_size": world_size}

@@ -91,7 +91,8 @@ class Args:
 
 args = parse_args(Args, output_dir="runs/llama", per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
                   warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
-args.per_device_eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+if args.per_device_eval_batch_size is None:
+    args.per_device_eval_batch_size = args.per_device_train_batch_size
 from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
 if from_scratch and args.config_name is None and args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
@@ -237,8 +238,8 @@ if args.model_name_or_path:
         else:
             model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32)
         error = None
-    except (OSError, ValueError) as err:
-        error = str(err)
+    except Exception as err:  # noqa: BLE001  (a damaged file, mismatched shapes: one line, on every rank)
+        error = f"{type(err).__name__}: {err}".splitlines()[0]
     if errors := [e for e in gather_object([error]) if e]:  # else the others would wait for rank 0's broadcast
         sys.exit(f"error: cannot load --model_name_or_path {args.model_name_or_path}: {errors[0]}")
 elif is_deepspeed and accelerator.state.deepspeed_plugin.zero3_init_flag:
@@ -289,7 +290,7 @@ data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.
 # dropout, masks that depend on how each step's samples are split over ranks and micro batches.
 same_run = {"learning_rate": peak_lr, "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1,
             "adam_beta2": args.adam_beta2, "adam_epsilon": args.adam_epsilon, "warmup_steps": args.warmup_steps,
-            "mixed_precision": accelerator.mixed_precision,  # another precision is another run
+            **checkpoint.precision_state(accelerator),  # another precision (or ZeRO reduction dtype) is another run
             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(model.config),
             **({"per_device_train_batch_size": args.per_device_train_batch_size, "world_size": world_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps} if models.uses_dropout(model) else {})}

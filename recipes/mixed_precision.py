@@ -100,7 +100,8 @@ class Args:
 DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
 args = parse_args(Args, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
-args.per_device_eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+if args.per_device_eval_batch_size is None:
+    args.per_device_eval_batch_size = args.per_device_train_batch_size
 if args.precision not in precision.MODES:
     sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
 if args.model_config not in models.PRESETS:

@@ -437,7 +437,7 @@ def main():
                  "manifest_sha256": manifest_sha256,
                  "model_config": models.config_state(config), "learning_rate": args.learning_rate,
                  "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-                 "max_grad_norm": args.max_grad_norm, "mixed_precision": accelerator.mixed_precision}
+                 "max_grad_norm": args.max_grad_norm, **checkpoint.precision_state(accelerator)}
     try:
         resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     except (ValueError, FileNotFoundError) as err:

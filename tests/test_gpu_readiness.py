@@ -135,3 +135,32 @@ def test_eval_needs_less_memory_than_a_train_step(monkeypatch):
     logits_bytes = 2 * 128 * config.vocab_size * 4  # 131 MB in fp32
     assert new_eval.peak < 1.25 * logits_bytes and new_eval.peak < train.peak / 2, (new_eval.peak, train.peak)
     assert old_eval.peak > 2.5 * logits_bytes, old_eval.peak
+
+
+# --- what a resume must keep, and the eval batch ------------------------------------------------
+
+def test_resume_state_records_the_deepspeed_reduction_dtype():
+    """A checkpoint of a ZeRO run that reduced gradients in bf16, resumed under a JSON that reduces
+    in fp32 (or the reverse), trained on and exited 0 with other numbers: the dtypes are now part
+    of the run state every resume compares."""
+    from common import checkpoint
+
+    def deepspeed_run(config):
+        plugin = types.SimpleNamespace(deepspeed_config=config)
+        return types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, mixed_precision="bf16",
+                                     state=types.SimpleNamespace(deepspeed_plugin=plugin))
+    old = checkpoint.precision_state(deepspeed_run({}))
+    new = checkpoint.precision_state(deepspeed_run({"communication_data_type": "fp32",
+                                                    "data_types": {"grad_accum_dtype": "fp32"}}))
+    assert checkpoint.changed_settings(old, new) == ["deepspeed_communication_data_type default -> fp32",
+                                                     "deepspeed_grad_accum_dtype default -> fp32"]
+    ddp = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, mixed_precision="bf16")
+    assert checkpoint.precision_state(ddp) == {"mixed_precision": "bf16"}
+
+
+@pytest.mark.parametrize("recipe", ["llama", "mixed_precision"])
+def test_eval_batch_of_zero_is_refused(recipe, tmp_path, monkeypatch):
+    """The eval batch defaults to the train batch when unset, but an explicit 0 is still an error."""
+    message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--output_dir", tmp_path / "out",
+                             "--per_device_eval_batch_size", 0)
+    assert message == "error: --per_device_eval_batch_size must be at least 1, got 0", message
