@@ -308,13 +308,17 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         comm, pattern = predicted_comm_bytes("ddp", n, grad_comm, world_size=ranks), f"AR 2Ψ×{grad_comm}B"
     else:
         gathers = 2 if kind == "zero3" or (kind.startswith("fsdp") and strategy["reshard"]) else 1
-        reduce = predicted_comm_bytes("zero2", n, grad_comm, 0, ranks)  # one reduce-scatter of Ψ
+        # DeepSpeed 0.19.8's ZeRO-1/2 all-reduces the gradients (2Ψ) unless the JSON sets
+        # use_multi_rank_bucket_allreduce: false; ZeRO-3 and FSDP reduce-scatter them (Ψ)
+        allreduce = kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True)
+        reduce = predicted_comm_bytes("zero2_allreduce" if allreduce else "zero2", n, grad_comm, 0, ranks)
         gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", n, 0, low, ranks)
         # DeepSpeed reduces every micro batch; FSDP (no_sync) once per step but gathers every micro batch
         reduces = accumulation if kind.startswith("zero") else 1
         gather_times = 1 if kind == "zero2" else accumulation
         comm = reduce * reduces + gather * gather_times
-        pattern = f"{reduces}×RS Ψ×{grad_comm}B + {gather_times * gathers}×AG Ψ×{low}B"
+        pattern = (f"{reduces}×{'AR 2Ψ' if allreduce else 'RS Ψ'}×{grad_comm}B + "
+                   f"{gather_times * gathers}×AG Ψ×{low}B")
     out.update(comm_per_step=int(comm), comm_pattern=pattern, activations_detail=act)
     return out
 
@@ -388,14 +392,15 @@ def format_table(plans: dict, header: str, device_memory: int, problems: list[st
 
 
 def recommend(plans: dict, device_memory: int) -> str:
-    """One line: the fitting strategy with the least communication per step (ties: the least memory)."""
+    """One line: the fitting strategy with the least communication per step (ties: no host offload,
+    which costs time, then the least memory)."""
     fitting = [s for s in plans if plans[s]["total"] <= device_memory]
     if len(plans) > 1 and any(plans[s]["ranks"] > 1 for s in plans):  # a single process is no answer for N ranks
         fitting = [s for s in fitting if plans[s]["ranks"] > 1]
     if not fitting:
         return ("Recommendation: nothing fits; try --gradient_checkpointing, a smaller micro batch, more ranks, "
                 "or an offload config (deepspeed_zero3_offload)")
-    best = min(fitting, key=lambda s: (plans[s]["comm_per_step"], plans[s]["total"]))
+    best = min(fitting, key=lambda s: (plans[s]["comm_per_step"], plans[s]["host"] > 0, plans[s]["total"]))
     sent = plans[best]["comm_per_step"]
     sent = f"{sent / 1e9:.2f} GB" if sent >= 1e9 else f"{sent / 1e6:.2f} MB"
     return (f"Recommendation: {best} (fits, {sent} sent per rank and step, the "

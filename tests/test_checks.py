@@ -180,20 +180,29 @@ def test_zero3_where_the_plan_fits_something_cheaper():
     strategy = plan.read_strategy(REPO / "accelerate_configs/deepspeed_zero3.yaml")
     args = (shape, 8, 1, 128, 1, False, "bf16")
     zero3 = plan.plan_strategy(strategy, *args)
-    zero2 = plan.plan_strategy({**strategy, "kind": "zero2"}, *args)
     fsdp = plan.plan_strategy({**strategy, "kind": "fsdp", "reshard": False}, *args)
     fsdp["total"] += 2 * (shape["n_params"] - plan.shard_elements(shape, 8))
-    assert zero3["total"] < zero2["total"] < fsdp["total"]  # 26.6 < 29.7 < 36.8 MB
+    # DeepSpeed's ZeRO-2 all-reduces its gradients by default (2Ψ x 4 B + Ψ x 2 B): more than ZeRO-3's 8Ψ bytes
+    zero2 = plan.plan_strategy({**strategy, "kind": "zero2"}, *args)
+    assert zero2["comm_per_step"] > zero3["comm_per_step"] > fsdp["comm_per_step"]
+    # with reduce ops instead (use_multi_rank_bucket_allreduce: false) it sends less than ZeRO-3
+    reduce_ops = {**strategy["ds"], "use_multi_rank_bucket_allreduce": False}
+    zero2_rs = plan.plan_strategy({**strategy, "kind": "zero2", "ds": reduce_ops}, *args)
+    assert zero3["total"] < zero2_rs["total"] < fsdp["total"] and zero2_rs["comm_per_step"] < zero3["comm_per_step"]
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     head = (f"warning: ZeRO-3 (zero_optimization.stage: 3 in the DeepSpeed JSON ds_configs/zero3.json) sends "
             f"{mb(zero3['comm_per_step'])} per rank and step ({mb(zero3['total'])} per rank), but the plan says ")
     tail = "; prefer that unless you measured otherwise (python common/plan.py, benchmarks/compare_strategies.py)"
-    zero2_line = f"ZeRO-2 fits ({mb(zero2['total'])} of {{}} per rank) sending {mb(zero2['comm_per_step'])}"
+    zero2_line = f"ZeRO-2 fits ({mb(zero2_rs['total'])} of {{}} per rank) sending {mb(zero2_rs['comm_per_step'])}"
     fsdp_line = (f"FSDP2 with fsdp_reshard_after_forward: false fits ({mb(fsdp['total'])} of {{}} per rank) sending "
                  f"{mb(fsdp['comm_per_step'])}")
-    assert problems(10**9) == [head + zero2_line.format("1.00 GB") + "; " + fsdp_line.format("1.00 GB") + tail]
-    assert problems(zero2["total"]) == [head + zero2_line.format(mb(zero2["total"])) + tail]
-    assert problems(zero2["total"] - 1) == []  # room for ZeRO-3 only: nothing to say
+    assert problems(10**9) == [head + fsdp_line.format("1.00 GB") + tail]
+    assert problems(fsdp["total"] - 1) == []  # room for ZeRO-3 (and ZeRO-2, which sends more) only: nothing to say
+    ds_rs = {**ds, "zero_optimization": reduce_ops}
+    rs = lambda memory: lines(checks.config_problems(config, ds=ds_rs, ds_where=where, flags=flags,  # noqa: E731
+                                                     shape=shape, device_memory=memory))
+    assert rs(10**9) == [head + zero2_line.format("1.00 GB") + "; " + fsdp_line.format("1.00 GB") + tail]
+    assert rs(zero2_rs["total"]) == [head + zero2_line.format(mb(zero2_rs["total"])) + tail]
     assert checks.config_problems(config, ds=ds, ds_where=where, flags=flags, shape=shape, device_memory=10**9,
                                   hardware=CPU)[0].text.startswith("ZeRO-3")
 

@@ -139,7 +139,9 @@ def test_cli_table_json_and_bad_input():
     shape = plan.model_shape(plan.load_model_config("llama-3-8b", None))
     assert plans["fsdp"]["params"] == 4 * plan.shard_elements(shape, 8)
     assert plans["deepspeed_zero3_offload"]["host"] > 0 and plans["deepspeed_zero3_offload"]["adam_moments"] == 0
-    assert "deepspeed_zero2" in result["recommendation"]  # fits, and sends 6Ψ bytes against FSDP's 8Ψ
+    # fits, and sends 8Ψ bytes; DeepSpeed's ZeRO-2 all-reduces its fp32 gradients: 10Ψ
+    assert "Recommendation: fsdp " in result["recommendation"]
+    assert plans["deepspeed_zero2"]["comm_per_step"] == 10 * 8_030_261_248 * 7 // 8
     table = run_cli("--config", "fsdp", "--config", "accelerate_configs/deepspeed_zero3.yaml",
                     "--gradient_checkpointing")
     assert table.returncode == 0 and "| fits | yes | yes |" in table.stdout
