@@ -47,8 +47,9 @@ if not args.cpu_smoke and not torch.cuda.is_available():
     sys.exit("error: no CUDA device visible to torch; on a CPU host run with --cpu-smoke")
 device = torch.device("cpu" if args.cpu_smoke else "cuda")
 preset, vocab, batch, seq = ("debug", 32000, 2, 128) if args.cpu_smoke else ("llama-3.2-1b", 128256, 2, 2048)
-if args.cpu_smoke:  # the loss slices at the same fraction of the logits as at 1B (64M of 512M elements)
+if args.cpu_smoke:  # slices at the fractions of 1B's: the loss's (64M of 512M logits), the norm's (16M of 262M)
     metrics.LOSS_CHUNK_ELEMENTS = batch * seq * vocab // 8
+    grad_norm.FP64_CHUNK_ELEMENTS = 1 << 20
 out_dir = Path(os.environ.get("OUT", "."))
 results = []  # (check, passed, figures)
 
@@ -79,10 +80,10 @@ class Meter:
             self.peak = self.cpu.peak
 
 
-def launch(config: str, script: str, *script_args) -> subprocess.CompletedProcess:
-    """`accelerate launch` one process of `script` under accelerate_configs/{config}.yaml."""
+def launch(config: str, script: str, *script_args, processes: int = 1) -> subprocess.CompletedProcess:
+    """`accelerate launch` `processes` processes of `script` under accelerate_configs/{config}.yaml."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
-           "--num_processes", "1", script, *map(str, script_args)]
+           "--num_processes", str(processes), script, *map(str, script_args)]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
@@ -185,12 +186,14 @@ if "deepspeed_zero2" in peaks:
 
 if (tmp / "ddp" / "final").is_dir():
     losses = {}
+    # the receiving ranks of the RAM-efficient loading exist only with 2 GPUs; on 1, rank 0's path runs
+    processes = 2 if device.type == "cuda" and torch.cuda.device_count() >= 2 else 1
     for config in ("ddp", "fsdp"):
         proc = launch(config, "recipes/llama.py", "--model_name_or_path", tmp / "ddp" / "final",
-                      "--output_dir", tmp / f"tune-{config}", *steps)
+                      "--output_dir", tmp / f"tune-{config}", *steps, processes=processes)
         losses[config] = first_loss_and_peak(tmp / f"tune-{config}")[0] if proc.returncode == 0 else proc.stderr[-800:]
     ok = all(isinstance(v, float) for v in losses.values()) and abs(losses["fsdp"] - losses["ddp"]) < 2e-2 * losses["ddp"]
-    report("fsdp loading", ok, f"first fine-tune loss: {losses}")
+    report("fsdp loading", ok, f"first fine-tune loss on {processes} process(es): {losses}")
 
 # --- summary ------------------------------------------------------------------------------------
 table = ["| check | result | figures |", "|---|---|---|"] + [

@@ -59,13 +59,15 @@ def _worker_ranks(launcher_pid: int) -> dict[int, int]:
 def _start(config, output_dir, args, cache_dir):
     """Start `accelerate launch` of RECIPE in fp32, stdout and stderr merged into one text pipe.
 
-    As conftest.launch, but without tests/device_guard on PYTHONPATH: under it, fine-tunes from
-    --model_name_or_path (not runs from --config_name) changed their losses from run to run."""
+    As conftest.launch (tests/device_guard on PYTHONPATH), but started without waiting, so that
+    the test reads each rank's peak memory while the run is alive."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            REPO / "accelerate_configs" / f"{config}.yaml", "--mixed_precision", "no",
            RECIPE, "--output_dir", output_dir, *args]
     env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"),
+                                                       os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
