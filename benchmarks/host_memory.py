@@ -44,7 +44,11 @@ def main(model_dir: str, rank0_only: bool) -> None:
     files = sorted(glob.glob(f"{model_dir}/*.safetensors"))
     if not files:
         sys.exit(f"error: no *.safetensors in {model_dir} (save the model with save_pretrained)")
-    accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(120)])
+    try:
+        pg_kwargs = launch.cpu_process_group_kwargs(120)
+    except ValueError as err:  # e.g. a GPU host whose GPUs torch cannot see
+        sys.exit(f"error: {err}")
+    accelerator = Accelerator(kwargs_handlers=[pg_kwargs])
     launch.check_distributed(accelerator)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set

@@ -249,7 +249,11 @@ def main():
     for i, overrides in enumerate(shapes):
         if i:  # a fresh Accelerator per shape (DeepSpeed takes one model per Accelerator); the process group stays
             AcceleratorState._reset_state()
-        accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(args.ddp_timeout)])
+        try:
+            pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)
+        except ValueError as err:  # e.g. a GPU host whose GPUs torch cannot see
+            sys.exit(f"error: {err}")
+        accelerator = Accelerator(kwargs_handlers=[pg_kwargs])
         launch.check_distributed(accelerator)
         if i == 0:
             with accelerator.main_process_first():  # the recipe's cached tokenizer and packed blocks

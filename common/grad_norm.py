@@ -70,7 +70,7 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
         if error := checks.clipping_problem(ds_clip, max_norm):
             raise ValueError(error)
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
-        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64)
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64, device=accelerator.device)
     accelerator.unscale_gradients()  # no-op unless fp16 loss scaling is on
     params = [p for p in model.parameters() if p.grad is not None]
     sum_of_squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
