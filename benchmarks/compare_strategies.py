@@ -44,8 +44,10 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from common.plan import COMM_KINDS, comm_pattern, predicted_comm_bytes  # noqa: E402,F401  (the ZeRO paper's volumes)
+
 WARMUP_STEPS = 2  # first steps excluded from step time (allocation, first collectives, JIT)
-COMM_KINDS = ("ddp", "zero2", "zero2_allreduce", "zero3")
 STATE_CATEGORIES = ("params", "grads", "fp32_master", "adam_moments")
 
 
@@ -61,53 +63,6 @@ class Args:
     per_device_train_batch_size: int = 8
     block_size: int = 256
     timeout: int = field(default=1800, metadata={"help": "seconds allowed per launched run"})
-
-
-def predicted_comm_bytes(kind: str, n_params: int, grad_bytes: int, param_bytes: int | None = None,
-                         world_size: int | None = None) -> float:
-    """Bytes each rank sends per optimizer step, by the ZeRO paper's analysis (arXiv 1910.02054, §7).
-
-    Args:
-        kind: "ddp" (all-reduce of gradients: 2Ψ), "zero2" (ZeRO-1/2 as in the paper, FSDP
-            SHARD_GRAD_OP: reduce-scatter Ψ + parameter all-gather Ψ), "zero2_allreduce"
-            (DeepSpeed 0.19.8's ZeRO-1/2 with its default `use_multi_rank_bucket_allreduce`:
-            it all-reduces the gradients, 2Ψ, then all-gathers the parameters, Ψ) or "zero3"
-            (ZeRO-3 / FSDP FULL_SHARD: reduce-scatter Ψ + two parameter all-gathers 2Ψ).
-        n_params: Ψ, the number of parameter elements of the full model.
-        grad_bytes: bytes per element of the gradient reduction (4 for fp32, 2 for bf16/fp16).
-        param_bytes: bytes per element of the parameter all-gathers (required for zero2/zero3).
-        world_size: N. None gives the paper's figure (a ring's (N-1)/N share rounded to 1);
-            an int multiplies by (N-1)/N, what a ring collective sends per rank (nccl-tests
-            doc/PERFORMANCE.md), so N=1 gives 0.
-
-    Returns:
-        Bytes per rank per step (float when world_size is given).
-
-    Raises:
-        ValueError: unknown kind, negative n_params, world_size < 1, or param_bytes missing.
-    """
-    if kind not in COMM_KINDS:
-        raise ValueError(f"unknown communication kind {kind!r}; expected one of {COMM_KINDS}")
-    if n_params < 0:
-        raise ValueError(f"n_params must be >= 0, got {n_params}")
-    if world_size is not None and world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if kind != "ddp" and param_bytes is None:
-        raise ValueError(f"{kind} all-gathers parameters: give param_bytes")
-    if kind == "ddp":
-        volume = 2 * n_params * grad_bytes
-    else:
-        reduce = (2 if kind == "zero2_allreduce" else 1) * n_params * grad_bytes
-        volume = reduce + (2 if kind == "zero3" else 1) * n_params * param_bytes
-    return volume if world_size is None else volume * (world_size - 1) / world_size
-
-
-def comm_pattern(kind: str, grad_bytes: int, param_bytes: int | None = None) -> str:
-    """Human-readable collectives per step, e.g. "RS Ψ×4B + 2×AG Ψ×2B" (RS reduce-scatter, AG all-gather)."""
-    if kind == "ddp":
-        return f"AR 2Ψ×{grad_bytes}B"
-    reduce = f"AR 2Ψ×{grad_bytes}B" if kind == "zero2_allreduce" else f"RS Ψ×{grad_bytes}B"
-    return f"{reduce} + {'2×' if kind == 'zero3' else ''}AG Ψ×{param_bytes}B"
 
 
 def median_step_seconds(records: list[dict], tokens_per_step: int, skip: int = WARMUP_STEPS) -> float:
