@@ -241,11 +241,6 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
                                       flags.get("gradient_accumulation_steps", 1),
                                       bool(flags.get("gradient_checkpointing")), mixed_precision)
              for name, s in strategies.items()}
-    # FSDP2 without resharding keeps every unit's gathered (compute-dtype) parameters from its forward to its
-    # backward; plan_strategy prices resharding in communication only, so add them here.
-    low = 4 if mixed_precision == "no" else 2
-    plans["FSDP2 with fsdp_reshard_after_forward: false"]["total"] += low * (shape["n_params"]
-                                                                            - plan.shard_elements(shape, ranks))
     this = plans.pop("ZeRO-3")
     better = [f"{name} fits ({_size(p['total'])} of {_size(device_memory)} per rank) sending "
               f"{_size(p['comm_per_step'])}" for name, p in plans.items()

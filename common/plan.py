@@ -243,6 +243,8 @@ def read_strategy(config_path: Path) -> dict:
         cfg = yaml.safe_load(config_path.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
         raise ValueError(f"--config {config_path}: cannot read it: {' '.join(str(err).split())}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config {config_path}: not an accelerate config (a YAML mapping of keys)")
     dtype_bytes = {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2, "float16": 2}
     out = {"name": config_path.stem, "mixed_precision": str(cfg.get("mixed_precision", "no")),
            "num_processes": int(cfg.get("num_processes", 1)), "num_machines": int(cfg.get("num_machines", 1)),
@@ -257,18 +259,30 @@ def read_strategy(config_path: Path) -> dict:
         fsdp = cfg.get("fsdp_config") or {}
         out["kind"] = "fsdp1" if int(fsdp.get("fsdp_version", 1)) == 1 else "fsdp"
         reshard = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
-        out["reshard"] = reshard is True or str(reshard).upper() in ("TRUE", "FULL_SHARD", "HYBRID_SHARD")
+        if "HYBRID" in str(reshard).upper():
+            raise ValueError(f"--config {config_path}: {reshard} shards within a node only; the planner does not "
+                             "model it (plan FULL_SHARD for one node's ranks instead)")
+        if str(reshard).upper() == "NO_SHARD":
+            out["kind"] = "ddp"  # every rank holds everything, gradients all-reduced: DDP's memory and traffic
+        out["reshard"] = reshard is True or str(reshard).upper() in ("TRUE", "FULL_SHARD")
         out["offload_param"] = out["offload_optimizer"] = bool(fsdp.get("fsdp_offload_params", False))
     elif kind == "DEEPSPEED":
-        path = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
-        json_path = REPO / path if path else None
-        try:
-            ds = json.loads(json_path.read_text())
-        except (TypeError, OSError, ValueError) as err:
-            raise ValueError(f"--config {config_path}: deepspeed_config_file {path!r}: {err}") from None
+        ds_yaml = cfg.get("deepspeed_config") or {}
+        path = ds_yaml.get("deepspeed_config_file")
+        if path and path != "none":
+            try:
+                ds = json.loads((REPO / path).read_text())
+            except (OSError, ValueError) as err:
+                raise ValueError(f"--config {config_path}: deepspeed_config_file {path!r}: {err}") from None
+        else:  # the keys in the YAML itself, as `accelerate config` writes them
+            ds = {"zero_optimization": {"stage": ds_yaml.get("zero_stage", 0),
+                                        "offload_optimizer": {"device": ds_yaml.get("offload_optimizer_device", "none")},
+                                        "offload_param": {"device": ds_yaml.get("offload_param_device", "none")}}}
         zero = ds.get("zero_optimization", {})
-        stage = int(zero.get("stage", 0))
-        out["kind"] = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[stage]
+        stage = zero.get("stage", 0)
+        if str(stage) not in ("0", "1", "2", "3"):
+            raise ValueError(f"--config {config_path}: zero_optimization.stage {stage!r}: expected 0, 1, 2 or 3")
+        out["kind"] = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[int(stage)]
         out["ds"] = zero
         out["offload_optimizer"] = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
         out["offload_param"] = (zero.get("offload_param") or {}).get("device", "none") != "none"
@@ -332,6 +346,8 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         buffers = 0 if kind == "single" else 4 * n  # DDP reducer buckets: a second copy of the grads
     elif kind in ("fsdp", "fsdp1"):
         buffers = low * shape["root_params"] + 2 * low * shape["block_params"] + 4 * shape["block_params"]
+        if not strategy["reshard"]:  # every unit's gathered parameters stay from its forward to its backward
+            buffers += low * (n - shard)
     elif kind == "zero2":
         buffers = 2 * low * _ds_size(zero, "reduce_bucket_size", h * h)
     else:
@@ -382,7 +398,13 @@ def parse_memory(text: str) -> int:
         raise ValueError(f"--device_memory {text!r}: expected a size such as 80GB or 141GiB")
     unit = m.group(2) or "B"
     power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    return int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+    try:
+        size = int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"--device_memory {text!r}: expected a positive size such as 80GB or 141GiB")
+    return size
 
 
 def detect_memory(ranks_per_machine: int) -> tuple[int, str]:
@@ -441,14 +463,15 @@ def format_table(plans: dict, header: str, device_memory: int, problems: list[st
 
 def recommend(plans: dict, device_memory: int) -> str:
     """One line: the fitting strategy with the least communication per step (ties: no host offload,
-    which costs time, then the least memory)."""
+    which costs time, then the least sharding: single, ddp, zero2, fsdp, zero3)."""
     fitting = [s for s in plans if plans[s]["total"] <= device_memory]
     if len(plans) > 1 and any(plans[s]["ranks"] > 1 for s in plans):  # a single process is no answer for N ranks
         fitting = [s for s in fitting if plans[s]["ranks"] > 1]
     if not fitting:
         return ("Recommendation: nothing fits; try --gradient_checkpointing, a smaller micro batch, more ranks, "
                 "or an offload config (deepspeed_zero3_offload)")
-    best = min(fitting, key=lambda s: (plans[s]["comm_per_step"], plans[s]["host"] > 0, plans[s]["total"]))
+    order = ("single", "ddp", "zero2", "fsdp", "fsdp1", "zero3")
+    best = min(fitting, key=lambda s: (plans[s]["comm_per_step"], plans[s]["host"] > 0, order.index(plans[s]["kind"])))
     sent = plans[best]["comm_per_step"]
     sent = f"{sent / 1e9:.2f} GB" if sent >= 1e9 else f"{sent / 1e6:.2f} MB"
     return (f"Recommendation: {best} (fits, {sent} sent per rank and step, the "
@@ -467,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block_size", type=int, default=256)
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="default: the YAML's")
-    p.add_argument("--num_processes", type=int, default=None, help="per machine; default: the YAML's")
+    p.add_argument("--num_processes", type=int, default=None,
+                   help="all processes, on all machines (as accelerate launch); default: the YAML's")
     p.add_argument("--num_machines", type=int, default=None)
     p.add_argument("--device_memory", default=None, help="e.g. 80GB; default: detected GPU, else host RAM / ranks")
     p.add_argument("--format", choices=["table", "json"], default="table")
@@ -475,8 +499,9 @@ def main(argv: list[str] | None = None) -> None:
     import yaml
 
     try:
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "block_size"):
-            if getattr(args, name) < 1:
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "block_size", "vocab_size",
+                     "num_processes", "num_machines"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
         paths = sorted((REPO / "accelerate_configs").glob("*.yaml")) if args.all else []
         for c in args.config or ([] if args.all else ["ddp"]):
@@ -491,12 +516,15 @@ def main(argv: list[str] | None = None) -> None:
         with torch.device("meta"):
             model_classes = {type(m).__name__ for m in models.causal_lm_class(config)(config).modules()}
         if config.model_type != "llama":
-            problems.append(f"--model_config {args.model_config}: activations use the Llama block formula "
+            problems.append(f"warning: --model_config {args.model_config}: activations use the Llama block formula "
                             f"({config.model_type} may differ)")
         plans, memory, source = {}, None, None
         for s, path in zip(strategies, paths):
-            per_machine = args.num_processes or (1 if s["kind"] == "single" else s["num_processes"])
-            ranks = per_machine * (args.num_machines or s["num_machines"])
+            machines = args.num_machines or s["num_machines"]
+            ranks = args.num_processes or (1 if s["kind"] == "single" else s["num_processes"])  # on all machines
+            if ranks % machines:
+                raise ValueError(f"--num_processes {ranks} is not a multiple of --num_machines {machines}")
+            per_machine = ranks // machines
             if memory is None:
                 memory, source = ((parse_memory(args.device_memory), "--device_memory") if args.device_memory
                                   else detect_memory(per_machine))
@@ -504,11 +532,14 @@ def main(argv: list[str] | None = None) -> None:
             plans[s["name"]] = plan_strategy(s, shape, 1 if s["kind"] == "single" else ranks,
                                              args.per_device_train_batch_size, args.block_size,
                                              args.gradient_accumulation_steps, args.gradient_checkpointing, precision)
-            plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision)
+            plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision,
+                                    kind=s["kind"])
+            if source.startswith("no GPU"):  # the "device" is host RAM: what is offloaded to the host counts too
+                plans[s["name"]]["total"] += plans[s["name"]]["host"]
             # the recipes' start-up checks, on what the planner knows (no training set, no schedule flags);
             # the hardware ones only for this machine (not with --device_memory, a plan for another one)
             yaml_config = {**yaml.safe_load(path.read_text()), "num_processes": ranks, "mixed_precision": precision,
-                           "num_machines": args.num_machines or s["num_machines"]}
+                           "num_machines": machines}
             ds, ds_where = checks.deepspeed_settings(yaml_config, root=str(REPO))
             flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "block_size": args.block_size,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -523,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"model": args.model_config, "n_params": shape["n_params"], "device_memory": memory,
                           "device_memory_source": source, "plans": plans, "problems": problems,
                           "recommendation": recommend(plans, memory)}, indent=1))
+        if any(p.startswith("error:") for p in problems):
+            sys.exit(1)
         return
     first = next(iter(plans.values()))
     header = (f"{args.model_config}: {shape['n_params']:,} parameters (Ψ), vocabulary {shape['vocab']:,}; "
@@ -531,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{'on' if args.gradient_checkpointing else 'off'}; device memory {memory / 1e9:.1f} GB per rank "
               f"({source})")
     print(format_table(plans, header, memory, problems))
+    if any(p.startswith("error:") for p in problems):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

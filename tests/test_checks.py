@@ -180,8 +180,8 @@ def test_zero3_where_the_plan_fits_something_cheaper():
     strategy = plan.read_strategy(REPO / "accelerate_configs/deepspeed_zero3.yaml")
     args = (shape, 8, 1, 128, 1, False, "bf16")
     zero3 = plan.plan_strategy(strategy, *args)
-    fsdp = plan.plan_strategy({**strategy, "kind": "fsdp", "reshard": False}, *args)
-    fsdp["total"] += 2 * (shape["n_params"] - plan.shard_elements(shape, 8))
+    fsdp = plan.plan_strategy({**strategy, "kind": "fsdp", "reshard": False}, *args)  # holds gathered params too
+    assert fsdp["comm_buffers"] > 2 * (shape["n_params"] - plan.shard_elements(shape, 8))
     # DeepSpeed's ZeRO-2 all-reduces its gradients by default (2Ψ x 4 B + Ψ x 2 B): more than ZeRO-3's 8Ψ bytes
     zero2 = plan.plan_strategy({**strategy, "kind": "zero2"}, *args)
     assert zero2["comm_per_step"] > zero3["comm_per_step"] > fsdp["comm_per_step"]
@@ -234,11 +234,15 @@ def test_the_planner_prints_the_problems(tmp_path, capsys):
                                    "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"))
     line = (f"error: fsdp_transformer_layer_cls_to_wrap: GPT2Block in {tmp_path / 'fsdp.yaml'}, but the model has "
             "no such module")
-    plan.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB"])
-    out = capsys.readouterr().out
-    assert "\nProblems:\n- " + line in out, out[-2000:]
-    plan.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB", "--format", "json"])
-    assert json.loads(capsys.readouterr().out)["problems"][0].startswith(line)
+    for fmt in ("table", "json"):  # an error among the problems: exit status 1, after the table
+        with pytest.raises(SystemExit) as exit_:
+            plan.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB", "--format", fmt])
+        assert exit_.value.code == 1
+        out = capsys.readouterr().out
+        if fmt == "table":
+            assert "\nProblems:\n- " + line in out, out[-2000:]
+        else:
+            assert json.loads(out)["problems"][0].startswith(line)
 
 
 # --- every recipe calls the shared check, before its Accelerator -----------------------------------

@@ -153,3 +153,63 @@ def test_cli_table_json_and_bad_input():
         proc = run_cli(*bad)
         assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
         assert proc.stderr.startswith(message), proc.stderr
+
+
+def _plans(capsys, tmp_path, *yamls, args=()):
+    """{config name: plan} from plan.main(--format json) over YAMLs written to tmp_path (name -> text)."""
+    paths = []
+    for name, text in yamls:
+        (tmp_path / f"{name}.yaml").write_text(text)
+        paths += ["--config", str(tmp_path / f"{name}.yaml")]
+    plan.main([*paths, "--model_config", "llama-3-8b", "--block_size", "2048", "--per_device_train_batch_size", "1",
+               "--format", "json", *args])
+    return json.loads(capsys.readouterr().out)
+
+
+FSDP2 = "distributed_type: FSDP\nnum_processes: 8\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
+
+
+def test_what_the_review_found(tmp_path, capsys):
+    """Resharding off holds the gathered parameters; NO_SHARD is DDP's memory; num_processes counts every
+    machine (as accelerate launch); ties go to the least sharding; offload counts on a CPU host."""
+    out = _plans(capsys, tmp_path, ("full", FSDP2 + "  fsdp_reshard_after_forward: true\n"),
+                 ("noreshard", FSDP2 + "  fsdp_reshard_after_forward: false\n"),
+                 ("noshard", FSDP2.replace("fsdp_version: 2", "fsdp_version: 1") + "  fsdp_sharding_strategy: NO_SHARD\n"),
+                 ("ddp", "distributed_type: MULTI_GPU\nnum_processes: 8\nmixed_precision: bf16\n"),
+                 args=["--device_memory", "80GB"])
+    plans, n = out["plans"], out["n_params"]
+    shard = -(-n // 8)
+    assert plans["noreshard"]["total"] - plans["full"]["total"] == pytest.approx(2 * (n - shard), rel=1e-3)
+    assert plans["noshard"]["total"] == plans["ddp"]["total"] > 80e9  # 16Ψ of states alone: 128 GB
+    two_nodes = _plans(capsys, tmp_path, ("two", FSDP2.replace("num_processes: 8", "num_processes: 16")
+                                          + "num_machines: 2\n"), args=["--device_memory", "80GB"])
+    assert two_nodes["plans"]["two"]["ranks"] == 16  # not 32
+    debug = json.loads(subprocess.run([sys.executable, "common/plan.py", "--all", "--format", "json"], cwd=REPO,
+                                      capture_output=True, text=True, check=True).stdout)
+    assert debug["recommendation"].startswith("Recommendation: ddp ")  # ties with the sharded ones: least sharding
+    if "host RAM" in debug["device_memory_source"]:  # CPU host: offloaded bytes use the same memory
+        offload = debug["plans"]["deepspeed_zero3_offload"]
+        assert offload["host"] > 0 and offload["total"] >= offload["host"] + offload["params"] + offload["activations"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vocab_size", "-3"], "error: --vocab_size -3: must be >= 1"),
+    (["--device_memory", "."], "error: --device_memory '.': expected a positive size"),
+    (["--num_processes", "3", "--num_machines", "2"], "error: --num_processes 3 is not a multiple of --num_machines 2"),
+])
+def test_bad_flags_are_one_line(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith(message), proc.stderr
+
+
+def test_bad_configs_are_one_line(tmp_path):
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "ds.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+                                      "  deepspeed_config_file: " + str(tmp_path / "stage4.json") + "\n")
+    (tmp_path / "stage4.json").write_text('{"zero_optimization": {"stage": 4}}')
+    (tmp_path / "inline.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+                                          "  zero_stage: 3\n  offload_optimizer_device: cpu\n")
+    assert run_cli("--config", tmp_path / "list.yaml").stderr.startswith("error: --config")
+    assert "zero_optimization.stage 4" in run_cli("--config", tmp_path / "ds.yaml").stderr
+    inline = run_cli("--config", tmp_path / "inline.yaml", "--device_memory", "80GB", "--format", "json")
+    assert inline.returncode == 0 and json.loads(inline.stdout)["plans"]["inline"]["host"] > 0, inline.stderr
