@@ -7,7 +7,7 @@ transformers `run_clm` conventions.
 
 Everything expensive is cached under `cache_dir`, keyed by a hash of its inputs, and written
 through a temporary directory plus an atomic rename, so concurrent jobs never see half a cache.
-Call the builders inside `accelerator.main_process_first()`: rank 0 builds, the others load.
+Call the builders inside `accelerator.local_main_process_first()`: each node's first rank builds, the others load.
 """
 
 from __future__ import annotations
