@@ -394,8 +394,11 @@ while step < max_steps:
         # Token-weighted accumulation: normalise by the target tokens of the whole window on all
         # ranks, so the gradient equals the one of the full global batch even with padding.
         # Scaling by (accumulation x world size) undoes the mean that backward/all-reduce apply.
-        local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
-        num_items = accelerator.reduce(local_items.clone(), reduction="sum").item()
+        if args.packing:  # every packed block has block_size - 1 targets: no collective, no GPU sync
+            num_items = global_batch * (args.block_size - 1)
+        else:  # padded rows: count on every rank; seeing an empty window costs one sync per step
+            local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
+            num_items = accelerator.reduce(local_items.clone(), reduction="sum").item()
         loss_total = torch.zeros((), device=device)
         norm_before_clip = float("nan")
         if num_items == 0:
