@@ -11,6 +11,7 @@ from pathlib import Path
 # the GPUs, before anything initialises CUDA, from itself and from every process it starts (which
 # inherit os.environ: launches, subprocess.run, sbatch jobs), and opts in to CPU ranks, which
 # common/launch.py otherwise refuses on a host with GPUs that torch cannot see.
+HOST_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")  # for the GPU-only tests (test_gpu_syncs.py)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["ACCELERATE_RECIPES_ALLOW_CPU"] = "1"
 
@@ -59,6 +60,30 @@ def read_metrics(output_dir):
     """(per-step records, summary record) from metrics.jsonl."""
     lines = [json.loads(line) for line in open(Path(output_dir) / "metrics.jsonl")]
     return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
+
+
+def host_reads(log_dir):
+    """The launch's reads of tensor values, logged with HOST_READS_DIR=log_dir (tests/device_guard/host_reads.py).
+
+    Returns {rank: [[origin ("project" | "library"), name, "file:line", step, via], ...]}, one entry
+    per recipe process (a relaunched rank keeps its last log).
+    """
+    logs = {}
+    for path in sorted(Path(log_dir).glob("rank*.json")):
+        logs[int(path.name[4:].split("-")[0])] = json.loads(path.read_text())["reads"]
+    return logs
+
+
+def ordinary_step_reads(reads, logging_steps, max_steps, start=0, save_steps=0):
+    """The reads made during ordinary steps: neither logging, evaluation nor checkpoint steps.
+
+    A read made while optimizer step k trains sees the recipe's `step` = k - 1; one made after
+    step k's update (logging, saving) sees k. So a `step` value s between `start` and `max_steps`
+    that is not a multiple of `logging_steps` (nor of `save_steps`) covers only the rest of the
+    ordinary step s and the training of step s + 1 (which, if it logs, does so seeing s + 1).
+    """
+    return [r for r in reads if r[3] is not None and start < r[3] < max_steps and r[3] % logging_steps
+            and not (save_steps and r[3] % save_steps == 0)]
 
 
 @pytest.fixture(scope="session")

@@ -11,32 +11,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data
-from conftest import launch, read_metrics
+from conftest import host_reads, launch, ordinary_step_reads, read_metrics
 from write_audit import audit_writes, files_under, writes_by_file
 
 MASKS = Path(__file__).resolve().parent / "dropout_masks"  # a sitecustomize recording each rank's first dropout mask
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "ddp_classifier.py"
-# Launched in place of the recipe: runs it (argv: recipe, log dir, its flags) and logs each read of a
-# tensor's value made by the recipe's own lines (comprehensions included), with the recipe's `step`
-# at that moment, to {log dir}/rank{RANK}.json. On a GPU each of these reads waits for the device.
-HOST_READS = """
-import json, os, runpy, sys, torch
-recipe, log, reads = sys.argv.pop(1), sys.argv.pop(1), []
-def logged(name, original):
-    def read(self, *args, **kwargs):
-        frame = sys._getframe(1)
-        if frame.f_code.co_filename == recipe:
-            reads.append([name, frame.f_lineno, frame.f_globals.get("step")])
-        return original(self, *args, **kwargs)
-    return read
-for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__format__"):
-    setattr(torch.Tensor, name, logged(name, getattr(torch.Tensor, name)))
-try:
-    runpy.run_path(recipe, run_name="__main__")
-finally:
-    with open(os.path.join(log, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(reads, f)
-"""
 
 EPOCHS, PER_DEVICE, WORLD, TRAIN_SAMPLES = 3, 32, 2, 3072
 # 3 epochs of a 3,072-passage subset: 144 steps, ~40 s per launch on 2 idle cores, ~0.8 accuracy.
@@ -47,19 +26,18 @@ ARGS = ["--num_train_epochs", EPOCHS, "--max_train_samples", TRAIN_SAMPLES, "--p
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def run(request, tmp_path_factory, cache_dir):
     """One launch per config, with every file write, each rank's first dropout mask and the recipe's
-    host reads of tensor values (HOST_READS) logged per rank."""
+    host reads of tensor values (tests/device_guard/host_reads.py) logged per rank."""
     base = tmp_path_factory.mktemp(f"cls_{request.param}")
     out, log, masks, reads = base / "run", base / "writes", base / "masks", base / "reads"
-    (base / "host_reads.py").write_text(HOST_READS)
     reads.mkdir()
     with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join([str(MASKS), os.environ["PYTHONPATH"]]))  # runs write_audit's too
         mp.setenv("DROPOUT_MASK_DIR", str(masks))
-        launch(request.param, base / "host_reads.py", RECIPE, reads, "--output_dir", out, *ARGS,
-               cache_dir=cache_dir, num_processes=WORLD)
+        mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
+        launch(request.param, RECIPE, "--output_dir", out, *ARGS, cache_dir=cache_dir, num_processes=WORLD)
     steps, summary = read_metrics(out)
     return {"config": request.param, "out": out, "log": log, "masks": masks, "steps": steps, "summary": summary[0],
-            "reads": [json.loads((reads / f"rank{r}.json").read_text()) for r in range(WORLD)]}
+            "reads": host_reads(reads)}
 
 
 def test_accuracy_beats_majority_baseline(run):
@@ -79,11 +57,12 @@ def test_no_host_reads_outside_logging_steps(run):
     the work queued so far: once per step, it keeps the host from running ahead of the device (the
     sample-id record did that). Here the logging steps (every 8th), the epoch ends (48, 96) and the
     end (144) all fall on multiples of 8, and a read made during step k sees `step` = k - 1 or k."""
-    for rank, reads in enumerate(run["reads"]):
-        in_loop = [r for r in reads if r[2] is not None]  # `step` exists from the resume check on
-        assert {(name, step) for name, _, step in in_loop} >= {("item", 8), ("__float__", 8), ("tolist", 48)}, rank
-        off = [r for r in in_loop if r[2] % 8]
-        assert not off, f"rank {rank} read tensor values on non-logging steps ([name, line, step]): {off[:4]}"
+    assert sorted(run["reads"]) == list(range(WORLD))
+    for rank, reads in run["reads"].items():
+        in_loop = [r for r in reads if r[0] == "project" and r[3] is not None]  # `step` exists from the resume check on
+        assert {(name, step) for _, name, _, step, _ in in_loop} >= {("item", 8), ("__float__", 8), ("tolist", 48)}, rank
+        off = [r for r in ordinary_step_reads(in_loop, 8, 144)]
+        assert not off, f"rank {rank} read tensor values on non-logging steps: {off[:4]}"
 
 
 def test_each_rank_draws_its_own_dropout_masks(run):

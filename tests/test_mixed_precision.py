@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from conftest import REPO, launch, run_in_process, strict_json, strict_lines
+from conftest import REPO, host_reads, launch, ordinary_step_reads, run_in_process, strict_json, strict_lines
 
 sys.path.insert(0, str(REPO))
 from common import precision  # noqa: E402
@@ -153,13 +153,21 @@ def test_injected_inf_gradient_skips_the_step_and_halves_the_scale(fresh_acceler
 # --- the recipe, launched for real: 2 gloo ranks under DDP and FSDP2 ------------------------------
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp"])
-def test_fp32_and_bf16_losses_agree(config, tmp_path, cache_dir):
+def test_fp32_and_bf16_losses_agree(config, tmp_path, cache_dir, monkeypatch):
     summary = {}
     for mode in ("no", "bf16"):
-        out = tmp_path / mode
+        out, reads_dir = tmp_path / mode, tmp_path / f"reads-{mode}"
+        reads_dir.mkdir()
+        monkeypatch.setenv("HOST_READS_DIR", str(reads_dir))  # log every read of a tensor value (device_guard)
         proc = launch(config, RECIPE, "--precision", mode, "--output_dir", out, "--max_steps", 12,
                       "--logging_steps", 4, "--max_eval_samples", 32, "--ddp_timeout", 120, cache_dir=cache_dir)
         assert f"precision: {mode} (--precision {mode} as requested (cpu))" in proc.stdout
+        # no read of a device value in an ordinary step (a GPU stall each): only logging steps read
+        reads = host_reads(reads_dir)
+        assert sorted(reads) == [0, 1] and all(any(r[3] == 4 for r in log) for log in reads.values())
+        for rank, log in reads.items():
+            project = [r for r in ordinary_step_reads(log, 4, 12) if r[0] == "project"]
+            assert not project, f"{mode} rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
         assert ADAMW_GROUPS in proc.stdout  # no weight decay on the norm gains (centred on 1, not 0)
         summary[mode] = strict_json((out / "summary.json").read_text())
     fp32, bf16 = summary["no"], summary["bf16"]

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import FAST, launch, read_metrics
+from conftest import FAST, host_reads, launch, ordinary_step_reads, read_metrics
 
 STEPS = 12
-ARGS = ["--max_steps", STEPS, "--warmup_steps", 2, "--learning_rate", 3e-3, "--logging_steps", 1,
+ARGS = ["--max_steps", STEPS, "--warmup_steps", 2, "--learning_rate", 3e-3, "--logging_steps", 2,
         "--eval_steps", STEPS, "--save_logits_probe", *FAST]
 
 
-def test_offload_trains_exactly_like_zero3(tmp_path, cache_dir):
+def test_offload_trains_exactly_like_zero3(tmp_path, cache_dir, monkeypatch):
     """fp32, same data and seed: the offloaded run must follow the plain ZeRO-3 run's losses.
 
     That also proves the swapped-in CPU Adam gets the recipe's hyperparameters and the LR
@@ -27,6 +27,8 @@ def test_offload_trains_exactly_like_zero3(tmp_path, cache_dir):
     runs = {}
     for config in ("deepspeed_zero3", "deepspeed_zero3_offload"):
         out = tmp_path / config
+        monkeypatch.setenv("HOST_READS_DIR", str(tmp_path / f"reads-{config}"))  # (tests/device_guard/host_reads.py)
+        (tmp_path / f"reads-{config}").mkdir()
         launch(config, "recipes/llama.py", "--output_dir", out, *ARGS, cache_dir=cache_dir, mixed_precision="no")
         runs[config] = out
 
@@ -36,11 +38,17 @@ def test_offload_trains_exactly_like_zero3(tmp_path, cache_dir):
     for n in info["local_param_elements"]:  # ZeRO-3 partitions: about half the elements per rank
         assert abs(n / info["n_params"] - 0.5) < 0.02, (n, info["n_params"])
 
+    # no read of a device value in an ordinary step (odd steps here), offloaded or not
+    for config in runs:
+        for rank, log in host_reads(tmp_path / f"reads-{config}").items():
+            project = [r for r in ordinary_step_reads(log, 2, STEPS) if r[0] == "project"]
+            assert not project, f"{config} rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
+
     steps, summary = read_metrics(out)
     reference, _ = read_metrics(runs["deepspeed_zero3"])
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in steps] == list(range(2, STEPS + 1, 2))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
-    assert steps[0]["loss"] > 7.5  # untrained: about ln(4096) = 8.3 nats/token
+    assert steps[0]["loss"] > 7.5  # step 2, after a step at LR 0: untrained, about ln(4096) = 8.3 nats/token
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8
     assert summary and summary[0]["total_tokens"] == STEPS * 4 * 2 * 128
     gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps, reference)]

@@ -2,6 +2,7 @@
 
 tests/conftest.py's `launch` puts this folder first on PYTHONPATH, so every launched test fails
 when project code hands a collective a tensor left on the host (see collective_guard.py).
+With HOST_READS_DIR set it also logs every read of a tensor's value (host_reads.py).
 Python imports only the first `sitecustomize` on the path, so this one then runs the next one
 there too (e.g. tests/dropout_masks's, which runs tests/write_audit's). Those chain to the first
 other `sitecustomize` on the path, which can be this one again: then it runs the first one whose
@@ -17,6 +18,10 @@ if "collective_guard" not in sys.modules:
     import collective_guard
 
     collective_guard.install()
+    if os.environ.get("HOST_READS_DIR"):  # log reads of tensor values (host_reads.py), for the sync tests
+        import host_reads
+
+        host_reads.install(os.environ["HOST_READS_DIR"])
 
 _running, _frame = set(), sys._getframe()
 while _frame is not None:

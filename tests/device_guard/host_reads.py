@@ -1,0 +1,115 @@
+"""Test helper: log every read of a tensor's value on the host, with the recipe's `step` at that moment.
+
+On a GPU, `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`, `f"{t}"` and `.cpu()` copy a
+device value to the host: the host waits for every kernel queued so far, and cannot run ahead of
+the device. Once per logging step that is harmless; once per step it stalls the GPU every step.
+On a CPU-only host nothing stalls, so this logger makes the reads visible instead.
+
+With `HOST_READS_DIR` set, `sitecustomize.py` calls `install()` in every process of a launch; at
+exit, a process whose `__main__` is a project script writes `{HOST_READS_DIR}/rank{RANK}-{pid}.json`:
+`{"script": path, "reads": [[origin, name, "file:line", step, via], ...]}` where
+
+  * origin is "project" when the caller's frame is in recipes/, common/ or benchmarks/, else
+    "library" (Accelerate, DeepSpeed, torch: e.g. GradScaler's inf check);
+  * step is the value of `step` in the script's globals (None before it exists): a read made
+    while optimizer step k trains sees k - 1, one made in step k's logging block sees k;
+  * via is the innermost project frame on the stack for a library read ("file:line"), else None.
+
+With `HOST_READS_CUDA_SYNCS=1` too (a GPU host), it turns on `torch.cuda.set_sync_debug_mode("warn")`
+once the script's `step` exists (not at start-up: no CUDA call before the script's own), and logs every synchronizing CUDA operation the same way, named "cuda_sync" (whatever the op:
+`.item()`, a boolean mask, `nonzero`, a blocking copy), attributed to the Python frame that ran it.
+"warn", not "error": libraries sync on their own (transformers' packed-sequence check, GradScaler,
+DeepSpeed's overflow check), and "error" would stop the run at the first of those.
+
+Not counted: reads nested inside another logged read (`f"{t}"` calls `.item()`), and reads of
+tensors that project code made on the host on purpose (collective_guard's marks: factories
+without `device=`, e.g. the gloo flag of `checkpoint.stop_on_signal`), which no GPU syncs for.
+"""
+
+import atexit
+import functools
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+import collective_guard
+
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__format__", "cpu")
+_reads, _depth = [], [0]
+
+
+_cuda_syncs = [os.environ.get("HOST_READS_CUDA_SYNCS") == "1"]  # to switch on at the first step
+
+
+def _main_step():
+    main = sys.modules.get("__main__")
+    step = getattr(main, "step", None) if main is not None else None
+    if _cuda_syncs[0] and isinstance(step, int):
+        _cuda_syncs[0] = False
+        warnings.showwarning = _show_cuda_sync
+        warnings.filterwarnings("always", message=".*synchroniz")  # every sync, not once per line
+        torch.cuda.set_sync_debug_mode("warn")
+    return step
+
+
+def _wrap(fn, name):
+    @functools.wraps(fn)
+    def read(self, *args, **kwargs):
+        if _depth[0] or collective_guard.host_origin(self) is not None:
+            return fn(self, *args, **kwargs)
+        _log(sys._getframe(1), name)
+        _depth[0] += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            _depth[0] -= 1
+    return read
+
+
+def _log(origin_frame, name):
+    step = _main_step()
+    step = step if isinstance(step, int) else None
+    if collective_guard._is_project_file(origin_frame.f_code.co_filename):
+        _reads.append(["project", name, collective_guard._where(origin_frame), step, None])
+        return
+    via = origin_frame.f_back
+    while via is not None and not collective_guard._is_project_file(via.f_code.co_filename):
+        via = via.f_back
+    _reads.append(["library", name, collective_guard._where(origin_frame), step,
+                   collective_guard._where(via) if via is not None else None])
+
+
+def _show_cuda_sync(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" not in str(message):
+        return _showwarning(message, category, filename, lineno, file, line)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (warnings.__file__, __file__):
+        frame = frame.f_back
+    if frame is not None:
+        _log(frame, "cuda_sync")
+
+
+_showwarning = warnings.showwarning
+
+
+def _dump(out_dir):
+    script = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""  # (__main__ has lost __file__ by now)
+    if not collective_guard._is_project_file(script):
+        return  # the launcher, a helper process: not a recipe
+    path = os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump({"script": os.path.relpath(script, collective_guard.REPO), "reads": _reads}, f)
+
+
+def install(out_dir):
+    """Wrap torch.Tensor's value reads (READS) in this process and write the log to `out_dir` at exit.
+
+    Call after `collective_guard.install()` (its `.cpu()` wrapper and its host marks are used).
+    Raises nothing; a process that dies without running atexit handlers writes no log.
+    """
+    for name in READS:
+        setattr(torch.Tensor, name, _wrap(getattr(torch.Tensor, name), name))
+    atexit.register(_dump, out_dir)
