@@ -184,6 +184,44 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
     accelerator.step = optimizer_steps * accelerator.gradient_accumulation_steps
 
 
+def eager_state_dict_keys(model) -> int:
+    """Make every `torch.compile` wrapper inside `model` save and load its eager module's state-dict keys.
+
+    `accelerator.prepare` under a dynamo backend (`accelerate launch --dynamo_backend inductor`)
+    returns `torch.compile(model)`: an `OptimizedModule` that holds the model as `_orig_mod`, so
+    every state-dict key gains `_orig_mod.` (regional compilation: one per block). Measured,
+    torch 2.13: the final/ export then held only `_orig_mod.model...` keys, and transformers'
+    `from_pretrained` reloaded it as a freshly initialised model, with a warning, exit 0.
+    Checkpoints written by a compiled run would not load into an eager one, and back.
+
+    State-dict post-hooks drop `_orig_mod.` from what each wrapper writes; load pre-hooks put it
+    back in front of eager names (keys that already carry it load as they are). Parameters and
+    optimizer state are untouched. (FSDP2's `get_model_state_dict` strips the prefix itself;
+    call this only for state dicts that `nn.Module.state_dict` writes: single process, DDP.)
+
+    Returns:
+        The number of wrappers given the hooks (0 when nothing in `model` is compiled).
+    """
+    import torch
+
+    def strip(module, state_dict, prefix, local_metadata):
+        inner = prefix + "_orig_mod."
+        renamed = [(prefix + k[len(inner):] if k.startswith(inner) else k, v) for k, v in state_dict.items()]
+        state_dict.clear()
+        state_dict.update(renamed)  # keeps the order
+
+    def restore(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        inner = prefix + "_orig_mod."
+        for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+    wrappers = [m for m in model.modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
+    for m in wrappers:
+        m.register_state_dict_post_hook(strip)
+        m.register_load_state_dict_pre_hook(restore)
+    return len(wrappers)
+
+
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """The settings a checkpoint was saved with that differ now, as "name saved -> now" strings.
 

@@ -313,6 +313,14 @@ else:
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
 device = accelerator.device
+# torch.compile (`accelerate launch --dynamo_backend inductor`, or dynamo_config in the accelerate
+# config): prepare compiled the model, whole or block by block (--dynamo_use_regional_compilation).
+# The compile wrapper prefixes every state-dict key with "_orig_mod.": keep the eager names, so the
+# export reloads and checkpoints move between compiled and eager runs (FSDP2's state dicts do it).
+dynamo = accelerator.state.dynamo_plugin
+compiled = dynamo.backend.value.lower() if dynamo.backend.value != "NO" else None
+if compiled and not accelerator.is_fsdp2:
+    checkpoint.eager_state_dict_keys(model)
 # FSDP: the configs name no block class, so Accelerate wraps the model's _no_split_modules
 # (LlamaDecoderLayer, Qwen2DecoderLayer, GPT2Block, ...). Each decoder block must be one unit.
 fsdp_units = models.fsdp_block_units(model) if is_fsdp else None
@@ -327,10 +335,13 @@ run_info = {
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,
     "model_class": model_cls.__name__, "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
-    "fsdp_units": fsdp_units, "args": vars(args),
+    "fsdp_units": fsdp_units, "torch_compile": compiled and {
+        "backend": compiled, "mode": dynamo.mode, "regional": bool(dynamo.use_regional_compilation)},
+    "args": vars(args),
 }
 accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
-                  f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps")
+                  f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps"
+                  + (f" | torch.compile {compiled}" if compiled else ""))
 
 if resume_path:
     # + scheduler, scaler, per-rank RNG; the micro-step count follows this run's accumulation
@@ -465,7 +476,7 @@ while step < max_steps:
             saved_to = checkpoint.save_checkpoint(
                 accelerator, args.output_dir, step, args.save_total_limit,
                 {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
-                hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+                hf_files=(accelerator.unwrap_model(model, keep_torch_compile=False).config, tokenizer))
         if preempt:
             accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                               "relaunch with --resume_from_checkpoint auto to continue")
@@ -484,7 +495,7 @@ if skipped_steps:
 # ---------------------------------------------------------------------------------------------
 final_dir = os.path.join(args.output_dir, "final")
 state_dict = launch.full_state_dict(accelerator, model)
-unwrapped = accelerator.unwrap_model(model)
+unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
 if state_dict and unwrapped.config.tie_word_embeddings:  # (non-zero ranks may hold none)
     state_dict.pop("lm_head.weight", None)  # gathered copies no longer share storage: store the tie once, as HF does
 unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
@@ -506,6 +517,9 @@ if accelerator.is_main_process:
                   os.path.join(args.output_dir, "final_logits.safetensors"))
     summary = {"summary": True, "step": step, "total_tokens": tokens_seen, "wall_seconds": time.perf_counter() - t_start,
                "peak_memory_bytes": metrics.peak_memory_bytes(device), "empty_windows": empty_windows,
+               # CUDA: the most the caching allocator held (allocated + cached blocks), beside the allocated peak
+               **({"peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+                  if device.type == "cuda" else {}),
                **({"skipped_steps": skipped_steps} if precision.loss_scale(accelerator, model) is not None else {})}
     metrics.append_jsonl(metrics_path, summary)
 # Reload with plain transformers (no project code) and sample, proving the export works. Rank 0
