@@ -494,8 +494,10 @@ if skipped_steps:
 # Export: gather the full state dict on every rank (a collective), write from rank 0 only.
 # ---------------------------------------------------------------------------------------------
 final_dir = os.path.join(args.output_dir, "final")
-state_dict = launch.full_state_dict(accelerator, model)
 unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
+# Replicated (single, DDP): the bare model's own state dict. Accelerate's get_state_dict returned the
+# DDP wrapper's ("module." keys) under regional compilation, and the export reloaded untrained.
+state_dict = launch.full_state_dict(accelerator, model) if is_fsdp or is_deepspeed else unwrapped.state_dict()
 if state_dict and unwrapped.config.tie_word_embeddings:  # (non-zero ranks may hold none)
     state_dict.pop("lm_head.weight", None)  # gathered copies no longer share storage: store the tie once, as HF does
 unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,

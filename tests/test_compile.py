@@ -1,0 +1,137 @@
+"""torch.compile through Accelerate's dynamo settings (recipes/llama.py): the same numbers as eager,
+an export that reloads, checkpoints that an eager run resumes, and a one-line refusal where the
+compile would not happen (DeepSpeed under accelerate launch) or fails (regional under FSDP1).
+
+One compiled DDP launch (2 ranks, inductor, fp32) serves every assertion; its eager twin is the
+session's `reference_run` that the recovery and SLURM tests compare with too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO, RUN30, corpus_args, launch, read_metrics
+
+sys.path.insert(0, str(REPO))
+from common import checks  # noqa: E402
+
+FP32_RTOL = 1e-4  # inductor reorders fp32 reductions: measured 1.4e-7 relative over 10 steps
+
+
+def config_with_dynamo(tmp_path, base, **dynamo):
+    """accelerate_configs/{base}.yaml plus `dynamo_config` (the config-file route to torch.compile)."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / f"{base}.yaml").read_text())
+    config["dynamo_config"] = {"dynamo_backend": "INDUCTOR", **dynamo}
+    path = tmp_path / f"{base}_compiled.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory, cache_dir, small_corpus):
+    """The RUN30 fp32 DDP run with `dynamo_config: {dynamo_backend: INDUCTOR}`: (output dir, launch seconds)."""
+    root = tmp_path_factory.mktemp("compiled")
+    out = root / "run"
+    t0 = time.perf_counter()
+    launch(config_with_dynamo(root, "ddp"), "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus),
+           *RUN30, "--ddp_timeout", 300, "--save_logits_probe", cache_dir=cache_dir, mixed_precision="no")
+    return out, time.perf_counter() - t0
+
+
+def test_compiled_ddp_matches_eager_and_exports(compiled, small_corpus, reference_run):
+    out, seconds = compiled
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["torch_compile"] == {"backend": "inductor", "mode": "default", "regional": False}
+    assert info["distributed_type"] == "MULTI_CPU" and info["world_size"] == 2
+
+    # fp32: every step's loss and grad norm within 1e-4 of the eager run, and the eval loss
+    eager, _ = read_metrics(reference_run("ddp", *corpus_args(small_corpus), *RUN30))
+    steps, summary = read_metrics(out)
+    assert [r["step"] for r in steps] == [r["step"] for r in eager] == list(range(1, 31))
+    for mine, ref in zip(steps, eager):
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(ref[key], rel=FP32_RTOL), (mine["step"], key, mine[key], ref[key])
+    assert steps[-1]["eval_loss"] == pytest.approx(eager[-1]["eval_loss"], rel=FP32_RTOL)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it trained
+
+    # The export: eager key names (no "_orig_mod."), reloaded by plain transformers to the live logits
+    weights = load_file(out / "final" / "model.safetensors")
+    assert not [k for k in weights if "_orig_mod" in k or k.startswith("module.")]
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    probe = load_file(out / "final_logits.safetensors")
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
+    print(f"compiled DDP launch: {seconds:.1f} s")
+
+
+def test_an_eager_run_resumes_a_compiled_checkpoint(compiled, tmp_path, cache_dir, small_corpus, reference_run):
+    """Checkpoints keep eager key names: an uncompiled run resumes the compiled run's step 20 and
+    continues as the eager run did (without it: missing/unexpected '_orig_mod.' keys, a traceback)."""
+    out, _ = compiled
+    ckpt = out / "checkpoint-20"
+    weights = load_file(ckpt / "model.safetensors")
+    assert weights and not [k for k in weights if "_orig_mod" in k]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    launch("ddp", "recipes/llama.py", "--output_dir", resumed, *corpus_args(small_corpus), *RUN30,
+           "--resume_from_checkpoint", ckpt, cache_dir=cache_dir, mixed_precision="no")
+    eager = {r["step"]: r for r in read_metrics(reference_run("ddp", *corpus_args(small_corpus), *RUN30))[0]}
+    steps, _ = read_metrics(resumed)
+    assert [r["step"] for r in steps] == list(range(21, 31))
+    for r in steps:
+        assert r["loss"] == pytest.approx(eager[r["step"]]["loss"], rel=FP32_RTOL), r["step"]
+
+
+def test_deepspeed_with_a_dynamo_backend_is_one_error_line(tmp_path, cache_dir):
+    """accelerate launch does not pass --dynamo_backend to DeepSpeed's ranks: they would train
+    uncompiled, silently. The recipe reads the launcher's command line and refuses in one line."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "deepspeed_zero2.yaml"), "--dynamo_backend", "inductor",
+           str(REPO / "recipes" / "llama.py"), "--output_dir", tmp_path / "out", "--max_steps", 1, "--report_to", "none"]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_DYNAMO_BACKEND", None)
+    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "dynamo backend inductor" in errors[0] and "DeepSpeed" in errors[0]
+    assert "ACCELERATE_DYNAMO_BACKEND=INDUCTOR" in errors[0]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
+
+
+def test_dynamo_checks(tmp_path):
+    """The same checks from a YAML (the planner's route) and from a launcher's command line."""
+    ds = yaml.safe_load(config_with_dynamo(tmp_path, "deepspeed_zero2").read_text())
+    assert [p.severity for p in checks.config_problems(ds, where="ds.yaml")] == ["error"]
+    fsdp1 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp1", dynamo_use_regional_compilation=True).read_text())
+    [problem] = checks.config_problems(fsdp1)
+    assert problem.severity == "error" and "FSDP1" in problem.text
+    for allowed in ("fsdp1", "fsdp", "ddp", "single"):  # whole-model compile works under each
+        assert not checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()))
+    fsdp2 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp", dynamo_use_regional_compilation=True).read_text())
+    assert not checks.config_problems(fsdp2)
+
+    # launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
+    def parent(*argv):
+        proc = subprocess.Popen(["accelerate", "-c", "import time; time.sleep(30)", *map(str, argv)],
+                                executable=sys.executable)
+        time.sleep(0.3)
+        try:
+            return checks.launcher_dynamo_backend(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert parent("--dynamo_backend", "inductor", "train.py") == "INDUCTOR"
+    assert parent("--dynamo_backend=eager", "train.py") == "EAGER"
+    assert parent("--config_file", tmp_path / "deepspeed_zero2_compiled.yaml", "train.py") == "INDUCTOR"
+    assert parent("--dynamo_backend", "no", "train.py") is None
+    assert parent("train.py", "--dynamo_backend", "inductor") is None
