@@ -13,8 +13,9 @@ tokenizer, the block size). --repeat K repeats the corpus K times to make a bigg
 
 Train: shard i belongs to rank i % world_size. Every rank checks its manifest (the shard count
 must be a multiple of the world size; a missing, truncated or corrupt shard of its own is named)
-and all ranks compare their manifests, then each streams its own shards row group by row group
-from memory-mapped files, so resident memory stays flat as the corpus grows. Several nodes: a
+and all ranks compare their manifests, then each streams its own shards one row group at a time
+(read into memory that is freed once its rows are batched), so resident memory stays flat as the
+corpus grows. Several nodes: a
 node needs `manifest.json` and only the shards of its own ranks (node-local disks work: node n of
 k processes each runs ranks n*k ... n*k + k - 1), and every node's manifest must be the same file
 (else every rank stops at start-up with one line); `--loader datasets` needs every shard everywhere.
@@ -23,8 +24,8 @@ exists (batches then go to the device without blocking the host). It is NOT pass
 accelerator.prepare: Accelerate 1.15 has no "already sharded" switch (split_batches slices each
 batch across ranks; dispatch_batches, the default for iterable datasets, has rank 0 read
 everything and send it out), so each rank iterates its own loader and moves batches to its
-device. --loader datasets does the same with `datasets` streaming and `split_dataset_by_node`
-(which re-deals whole files every epoch).
+device. --loader datasets does the same with `datasets` streaming, one shard per row group
+(`reshard`), split by `split_dataset_by_node` (which re-deals the row groups every epoch).
 It trains the `debug` Llama for --max_steps and prints, per rank, the loader's tokens/s alone
 against the tokens/s a training step consumes, and the resident memory of the rank and its workers.
 
@@ -88,7 +89,7 @@ class TrainArgs:
     """Training's own flags; the core TrainingArguments ones come from common/args.py."""
 
     data_dir: str = field(default=None, metadata={"help": "the prepare step's --output_dir"})
-    loader: str = field(default="parquet", metadata={"help": "parquet (memory-mapped row groups) or datasets (streaming)"})
+    loader: str = field(default="parquet", metadata={"help": "parquet (row groups per rank) or datasets (streaming)"})
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
     # DataLoader (transformers.TrainingArguments names)
     dataloader_num_workers: int = 2
@@ -229,7 +230,7 @@ def own_shards(data_dir: str, world_size: int, rank: int, verify: bool,
 
 
 class RankShards(torch.utils.data.IterableDataset):
-    """Batches from this rank's shards, read one row group at a time from memory-mapped files.
+    """Batches from this rank's shards, read one row group at a time.
 
     Yields dicts: `input_ids` int64 [batch_size, block_size] and `block_id` int64 [batch_size].
     Each epoch a seeded permutation (seed, epoch, rank) of the (file, row group) pairs is dealt
@@ -256,9 +257,9 @@ class RankShards(torch.utils.data.IterableDataset):
         files, tokens, ids = {}, None, None
         for u in order[worker::n_workers]:
             f, g = self.units[u]
-            if f not in files:  # memory-mapped: pages are read on demand, not copied into a buffer
-                files[f] = pq.ParquetFile(self.paths[f], memory_map=True)
-            table = files[f].read_row_group(g)  # decodes this row group only; no whole-table read
+            if f not in files:  # not memory-mapped: every mapped page a worker had read stayed in its
+                files[f] = pq.ParquetFile(self.paths[f], memory_map=False)  # resident set: +186 MB by 40k batches
+            table = files[f].read_row_group(g)  # reads and decodes this row group only, freed once batched
             rows = np.random.default_rng([self.seed, epoch, self.rank, u]).permutation(table.num_rows)
             t = table.column("input_ids").combine_chunks().values.to_numpy().reshape(table.num_rows, -1)[rows]
             b = table.column("block_id").to_numpy()[rows]
@@ -278,13 +279,26 @@ def leave_signals_to_the_rank(worker_id: int) -> None:
 
 
 def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, seed: int, buffer_size: int):
-    """The same shards through `datasets`: streaming parquet, one file per shard, split by node.
+    """The same shards through `datasets`: streaming parquet, one shard per row group, split by node.
 
-    strategy="shards" gives each rank whole files (never the "examples" fallback, where every rank
-    would read every file and keep 1 row in world_size). Unlike the parquet route, ownership is
-    not fixed: `datasets` shuffles the file list (seed + epoch, the same on every rank) before it
-    deals files to ranks, so each epoch every rank reads a disjoint set of files, but not always
-    the same set. Fine on a shared filesystem; with node-local disks use the parquet route.
+    Two `datasets` defaults made this route's memory grow with the corpus (15-fold at 1 GB) and
+    its data wait reach 29%, measured with datasets 5.2 / pyarrow 26:
+      * a shard was a whole file, and pyarrow's scanner (`Fragment.to_batches` with its threads,
+        which `datasets` uses) reads ahead of a slower consumer whatever `batch_readahead=0` says:
+        a 68 MB shard of the 1 GB corpus held 75 MB of Arrow memory after 40 batches of 256 rows,
+        its whole decoded file (`ParquetFile.iter_batches` held under 1 MB). Each worker so held
+        every file it had open, and `shuffle` keeps up to 10 open (`max_buffer_input_shards`).
+        `reshard()` makes each row group a shard: the scanner cannot read past one row group;
+      * interleaving several shards runs a thread per shard, and closing that iterator (a new
+        epoch, or the loader benchmark's end) sleeps 5 s in every worker
+        (`datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN`, a pyarrow-crash workaround). With
+        `max_buffer_input_shards=1` there are no threads: the row groups come one after another
+        in a shuffled order, and the buffer shuffles rows across its `buffer_size` rows.
+    strategy="shards" gives each rank whole row groups (never the "examples" fallback, where every
+    rank would read every row and keep 1 in world_size). Unlike the parquet route, ownership is
+    not fixed: `datasets` shuffles the row groups (seed + epoch, the same on every rank) before it
+    deals them to ranks, so each epoch the ranks read disjoint row groups of every file. Fine on a
+    shared filesystem; with node-local disks use the parquet route.
 
     Returns:
         A torch-formatted `datasets.IterableDataset` of rows: `input_ids` int64 [block_size],
@@ -294,10 +308,10 @@ def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, se
     from datasets.distributed import split_dataset_by_node
 
     files = [str(Path(data_dir) / s["name"]) for s in manifest["shards"]]
-    stream = load_dataset("parquet", data_files=files, split="train", streaming=True)
+    stream = load_dataset("parquet", data_files=files, split="train", streaming=True).reshard()  # row groups
     stream = split_dataset_by_node(stream, rank=rank, world_size=world_size, strategy="shards")
-    # files, then rows within a buffer; reseeded by set_epoch (a shared tensor: persistent workers see it)
-    return stream.shuffle(seed=seed, buffer_size=buffer_size).with_format("torch")
+    # row groups, then rows within a buffer; reseeded by set_epoch (a shared tensor: persistent workers see it)
+    return stream.shuffle(seed=seed, buffer_size=buffer_size, max_buffer_input_shards=1).with_format("torch")
 
 
 def main():
@@ -477,7 +491,7 @@ def main():
     # asynchronous: no per-step synchronize (it would stall the host every step); the step time is
     # the loop's wall time, the queued GPU work included at the end, less the waits and the saves.
     model.train()
-    seen, wait_s, save_s, start, t_loop = [], 0.0, 0.0, saved["step"], time.perf_counter()
+    seen, wait_s, save_s, start, t_loop = {}, 0.0, 0.0, saved["step"], time.perf_counter()
     # fp16 bookkeeping the scaler does not keep, and this rank's data position: from COMPLETE.json
     skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
     epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]
@@ -513,9 +527,8 @@ def main():
                     lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
                 optimizer.zero_grad()
             window_loss += loss.detach() / accumulation
-            if args.record_sample_ids:  # block_id stays on the host (only input_ids goes to the device)
-                seen += [[] for _ in range(epoch + 1 - len(seen))]  # (a resumed run starts in a later epoch)
-                seen[epoch] += b["block_id"].tolist()
+            if args.record_sample_ids:  # kept as tensors: no value is read in an ordinary step
+                seen.setdefault(epoch, []).append(b["block_id"])
         skipped = accelerator.optimizer_step_was_skipped
         skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
         scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
@@ -565,7 +578,8 @@ def main():
     if args.record_sample_ids:  # one file per rank, each written by its own rank only
         os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
         with open(os.path.join(args.output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": world_size, "epochs": seen,
+            epochs = [torch.cat(seen[e]).tolist() if e in seen else [] for e in range(max(seen, default=-1) + 1)]
+            json.dump({"rank": rank, "world_size": world_size, "epochs": epochs,  # (a resume starts in a later epoch)
                        "shards": [p.name for p in paths] if args.loader == "parquet" else None}, f, allow_nan=False)
     if accelerator.is_main_process:
         keys = ["rank", "shards", "loader_tokens_per_second", "step_tokens_per_second", "loader_to_step_ratio",
@@ -574,8 +588,8 @@ def main():
         metrics.append_jsonl(metrics_path, {"summary": True, "step": args.max_steps, "loader": args.loader,
                                             "text_bytes": manifest["text_bytes"], "world_size": world_size,
                                             "per_rank": per_rank})
-        print(f"\n| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step | data wait "
-              f"| rank RSS MiB | rank USS MiB | workers USS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step | data wait "
+              "| rank RSS MiB | rank USS MiB | workers USS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in per_rank:
             print(f"| {manifest['text_bytes'] / 1e6:.0f} MB | {args.loader} | {r['rank']:.0f} | {r['shards']:.0f} "
                   f"| {r['loader_tokens_per_second']:,.0f} | {r['step_tokens_per_second']:,.0f} "
