@@ -47,6 +47,8 @@ checkpoint-N/ (--save_steps), and with --record_sample_ids, sample_ids/rank{r}.j
 rank r alone: the block ids this process trained on, per epoch).
 """
 
+import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -569,6 +571,9 @@ def main():
     # 3. Resident memory now, with the persistent workers still alive. RSS counts pages a forked
     # worker still shares with its parent (libraries, torch); USS counts only the pages a process
     # alone holds, so the workers' cost is their USS.
+    gc.collect()
+    if sys.platform == "linux":  # glibc keeps freed heap pages; trimmed, RSS counts what is live, not malloc's luck
+        ctypes.CDLL(None).malloc_trim(0)
     me = psutil.Process()
     kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
     step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s if compute_s else float("nan")
