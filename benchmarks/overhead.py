@@ -28,8 +28,9 @@ repeat (paired) and over the medians; FSDP and ZeRO-2 are compared with bare DDP
 batch). Mean step times are reported too: they include the logging steps that the median skips.
 
 Threads: every run gets the same OMP_NUM_THREADS: all of `--cores` for one process, cores /
-processes for several (what `accelerate launch` gives CPU ranks), set in the environment, which
-both torch and `accelerate launch` honour. On a GPU host the step stamps do not wait for the GPU:
+processes for several (what `accelerate launch` gives CPU ranks): in the environment of the bare
+runs, and as `--num_cpu_threads_per_process` on the recipe's launch line (which sets it there and
+wins over the config file's value). On a GPU host the step stamps do not wait for the GPU:
 steady-state intervals still average to the GPU's pace once its queue is full, but use `--steps`
 of 50 or more there.
 """
@@ -58,10 +59,15 @@ STEP_TIMER = '''\
 import os
 if os.environ.get("OVERHEAD_STEP_TIMES"):
     import atexit, json, time
+    import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
     _stamps = []
-    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _stamps.append((time.perf_counter(),
-                                                                                      time.process_time())))
+
+    def _stamp(optimizer, args, kwargs):
+        if isinstance(optimizer, torch.optim.AdamW):  # not the wrappers around it
+            _stamps.append((time.perf_counter(), time.process_time()))
+
+    register_optimizer_step_post_hook(_stamp)
 
     @atexit.register
     def _write_stamps():
@@ -150,6 +156,19 @@ def _children_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def wait_for_quiet(max_wait_s: float, below: float = 0.1, sample_s: float = 2.0) -> float:
+    """Wait until other processes use less than `below` of the machine's CPU over `sample_s`
+    seconds, or `max_wait_s` passed; returns the last share seen (0..1). On a shared machine it
+    keeps the runs out of other jobs' busiest moments; it cannot keep those jobs away."""
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        busy, t0 = _busy_seconds(), time.perf_counter()
+        time.sleep(sample_s)
+        share = (_busy_seconds() - busy) / ((time.perf_counter() - t0) * os.cpu_count())
+        if share < below or time.perf_counter() >= deadline:
+            return share
+
+
 def _env(timer_dir: Path, stamps: Path, threads: int) -> dict:
     return {**os.environ, "OVERHEAD_STEP_TIMES": str(stamps), "OMP_NUM_THREADS": str(threads),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(timer_dir), os.environ.get("PYTHONPATH")])),
@@ -175,8 +194,9 @@ def run_once(kind: str, config: str, steps: int, threads: int, work: Path, timer
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *script]
     else:
         out_dir = work / f"{tag}_out"
+        # the thread count on the launch line: it wins over single.yaml's (which wins over OMP_NUM_THREADS)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / f"{config}.yaml")]
+               str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_cpu_threads_per_process", str(threads)]
         if nproc > 1:
             cmd += ["--main_process_port", str(_free_port())]
         cmd += [str(recipe), "--max_steps", str(steps), "--output_dir", str(out_dir), "--save_steps", "0",
@@ -189,6 +209,10 @@ def run_once(kind: str, config: str, steps: int, threads: int, work: Path, timer
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     path = Path(f"{stamps}.rank0.json")
     got = json.loads(path.read_text()) if path.exists() else []
+    # DeepSpeed ZeRO-1/2 steps AdamW once per parameter group (stage_1_and_2.py `_optimizer_step`):
+    # 2 stamps per training step here (decay, no decay); keep each step's last.
+    if got and len(got) % steps == 0:
+        got = got[len(got) // steps - 1::len(got) // steps]
     if len(got) != steps:
         raise RuntimeError(f"{tag}: {len(got)} optimizer-step stamps, expected {steps} ({' '.join(cmd)})")
     if kind == "recipe":
@@ -277,6 +301,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the script(s) to time, each against the same bare runs (default recipes/llama.py; "
                              "modified copies attribute costs)")
     parser.add_argument("--recipe_args", default="", help="extra flags for the recipe, one string")
+    parser.add_argument("--wait_quiet", type=float, default=0,
+                        help="before each run, wait up to this many seconds for other processes to use less than "
+                             "10%% of the CPU (shared machines; default 0: no wait)")
     parser.add_argument("--out", default=None, help="also write the table, the runs and their step times (markdown) here")
     parser.add_argument("--bare_steps", type=int, default=None, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(argv)
@@ -311,6 +338,8 @@ def main(argv=None) -> None:
         (timer_dir / "sitecustomize.py").write_text(STEP_TIMER)
         for rep in range(args.repeats):
             for i, (kind, config, script) in enumerate(order):
+                if args.wait_quiet > 0:
+                    wait_for_quiet(args.wait_quiet)
                 stamps, other = run_once(kind, config, args.steps, threads[config], work, timer_dir,
                                          f"{kind}_{config}_{i}_{rep}", Path(script or "-"), args.recipe_args.split())
                 wall, cpu = step_times(stamps, args.warmup)
@@ -327,7 +356,7 @@ def main(argv=None) -> None:
     setup = (f"{args.steps} steps per run, the first {args.warmup} left out, {args.repeats} interleaved repeats; "
              f"{cores} cores: OMP_NUM_THREADS {threads['single']} for one process, {threads['ddp']} per process for 2; "
              f"{PER_DEVICE_BATCH} x {BLOCK_SIZE} tokens per process per step; recipe flags: "
-             f"{args.recipe_args or '(defaults)'}; other processes used {100 * min(foreign):.0f}-{100 * max(foreign):.0f}% "
+             f"{args.recipe_args or '(defaults)'}; waited up to {args.wait_quiet:g} s for a quiet machine before each run; other processes used {100 * min(foreign):.0f}-{100 * max(foreign):.0f}% "
              "of the machine's CPU during the runs")
     print(f"\n{setup}\n\n{text}\n\nwall time {time.perf_counter() - t0:.0f} s")
     if args.out:
