@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import data
-from conftest import REPO, launch, run_in_process, strict_lines
+from conftest import REPO, host_reads, launch, ordinary_step_reads, run_in_process, strict_lines
 from write_audit import audit_writes, files_under, writes_by_file
 
 WORLD, BATCH, STEPS = 2, 8, 40
@@ -82,13 +82,26 @@ def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
 def run(request, tiny, tmp_path_factory, cache_dir):
     config, loader = RUNS[request.param]
     base = tmp_path_factory.mktemp(request.param)
-    out, log = base / "run", base / "writes"
-    with audit_writes(out, log):
+    out, log, reads = base / "run", base / "writes", base / "reads"
+    reads.mkdir()
+    with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
         proc = train(config, tiny[0], out, "--loader", loader, "--max_steps", STEPS, "--logging_steps", 5,
                      "--record_sample_ids", cache_dir=cache_dir)
     steps, summary = strict_metrics(out)
     ranks = [json.loads((out / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {"loader": loader, "out": out, "log": log, "steps": steps, "summary": summary[0], "ranks": ranks, "stdout": proc.stdout}
+    return {"loader": loader, "out": out, "log": log, "steps": steps, "summary": summary[0], "ranks": ranks,
+            "stdout": proc.stdout, "reads": host_reads(reads)}
+
+
+def test_no_host_reads_outside_logging_steps(run):
+    """No read of a device value from the recipe in an ordinary step (a GPU stall each): the sample
+    ids (--record_sample_ids) stay tensors until the end, the loss and norm until a logging step."""
+    assert sorted(run["reads"]) == list(range(WORLD))
+    for rank, log in run["reads"].items():
+        assert any(r[0] == "project" and r[3] == 5 for r in log), "the logger saw no logging-step read"
+        project = [r for r in ordinary_step_reads(log, 5, STEPS) if r[0] == "project"]
+        assert not project, f"rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
 
 
 def test_trains_and_prints_the_loader_table(run):

@@ -11,8 +11,9 @@ exit, a process whose `__main__` is a project script writes `{HOST_READS_DIR}/ra
 
   * origin is "project" when the caller's frame is in recipes/, common/ or benchmarks/, else
     "library" (Accelerate, DeepSpeed, torch: e.g. GradScaler's inf check);
-  * step is the value of `step` in the script's globals (None before it exists): a read made
-    while optimizer step k trains sees k - 1, one made in step k's logging block sees k;
+  * step is the value of the script's `step` (a global, or a local of its running function; None
+    before it exists): in llama.py a read made while optimizer step k trains sees k - 1, one made
+    in step k's logging block sees k; in a `for step in range(1, ...)` loop both see k;
   * via is the innermost project frame on the stack for a library read ("file:line"), else None.
 
 With `HOST_READS_CUDA_SYNCS=1` too (a GPU host), it turns on `torch.cuda.set_sync_debug_mode("warn")`
@@ -45,8 +46,18 @@ _cuda_syncs = [os.environ.get("HOST_READS_CUDA_SYNCS") == "1"]  # to switch on a
 
 
 def _main_step():
+    """The script's `step`: a module global (llama.py), else a local of the script's running function
+    (sharded_data.py's main()): the innermost frame of the script's file that has one."""
     main = sys.modules.get("__main__")
     step = getattr(main, "step", None) if main is not None else None
+    script = getattr(main, "__file__", None)
+    if not isinstance(step, int) and script:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename == script and isinstance(frame.f_locals.get("step"), int):
+                step = frame.f_locals["step"]
+                break
+            frame = frame.f_back
     if _cuda_syncs[0] and isinstance(step, int):
         _cuda_syncs[0] = False
         warnings.showwarning = _show_cuda_sync
