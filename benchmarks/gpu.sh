@@ -7,16 +7,18 @@
 # 1. Checks the environment: nvidia-smi, torch.cuda, bf16, a C compiler for torch.compile, versions.
 # 2. Trains recipes/llama.py --model_config llama-3.2-1b (bf16, --block_size 2048, one process) for
 #    50 steps under accelerate_configs/ddp.yaml and fsdp.yaml (FSDP2), each eager and with
-#    torch.compile (`accelerate launch --dynamo_backend inductor`, the whole model). The per-device
+#    torch.compile (`accelerate launch --dynamo_backend inductor --dynamo_use_regional_compilation`:
+#    block by block, as torchtitan does; one block's compile serves all 16). The per-device
 #    batch is the largest that common/plan.py fits in 85% of the GPU's memory (at most 64); a run
 #    that still runs out of memory is retried at 3/4 of its batch, twice at most.
 # 3. Writes one markdown table: tokens/s and MFU over steps 11-50 (the first 10 hold the warm-up and
 #    the compile, reported apart), peak memory (torch.cuda.max_memory_allocated and
 #    max_memory_reserved), the last loss. MFU is common/metrics.py's, as the recipe logs it.
 #
-# Expected wall time on one H100/H200: about 6-8 minutes (estimated, not yet run on a GPU: each run
-# builds the 1B model and writes its 4 GB export; the two compiled runs add the compile of the
-# training step and of the final evaluation). Each run's log and metrics stay in $WORK_DIR
+# Expected wall time on one H100/H200: about 7 minutes (an estimate: not yet run on a GPU). Each run
+# builds the 1B model and writes its 4 GB export (deleted after); the compiled runs add the compile
+# of one block's training step and of the final evaluation (per block: the whole 16-block model
+# would take minutes more). Each run's log and metrics stay in $WORK_DIR
 # (default: a temporary directory, printed). --cpu-smoke compiles with the aot_eager backend (dynamo
 # and AOT autograd, no C++ build), batch 2 x 64 tokens, so that CI tests this script in about a minute.
 set -euo pipefail
@@ -102,7 +104,7 @@ for config in ddp fsdp; do
       dir="$work/$name"
       rm -rf "$dir"
       args=(--config_file "accelerate_configs/$config.yaml" --num_processes 1 --mixed_precision "$precision")
-      [ "$compile" != no ] && args+=(--dynamo_backend "$compile")
+      [ "$compile" != no ] && args+=(--dynamo_backend "$compile" --dynamo_use_regional_compilation)
       echo "== $name: batch $batch x $block, $steps steps (attempt $attempt)"
       t0=$(date +%s)
       set +e
@@ -152,7 +154,7 @@ rows = []
 for spec in sys.argv[8:]:
     name, config, compile_, batch, rc = spec.split(":")
     strategy = {"ddp": "DDP", "fsdp": "FSDP2"}[config]
-    label = "eager" if compile_ == "no" else compile_
+    label = "eager" if compile_ == "no" else f"{compile_}, per block"
     path = os.path.join(work, name, "metrics.jsonl")
     if rc != "0" or not os.path.exists(path):
         rows.append(f"| {strategy} | {label} | {batch} x {block} | failed (exit {rc}, {work}/{name}.log) "
