@@ -256,7 +256,7 @@ def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes:
     return out
 
 
-def _dynamo_problem(config: dict, where: str) -> Problem | None:
+def _dynamo_problem(config: dict, where: str, compiles: bool) -> Problem | None:
     """torch.compile that fails (regional compilation under FSDP1: a traceback in prepare) or that would not
     happen under DeepSpeed: accelerate launch (1.15) passes its dynamo settings
     (`--dynamo_backend`, `dynamo_config`) to every launcher's processes but DeepSpeed's, whose ranks then train
@@ -266,6 +266,10 @@ def _dynamo_problem(config: dict, where: str) -> Problem | None:
     backend = str(dynamo.get("dynamo_backend") or "NO").upper()
     if backend == "NO":
         return None
+    if not compiles:  # the compile wrapper renames every state-dict key ("_orig_mod."): exports reload untrained
+        return Problem("error", f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where}): "
+                                "this recipe does not support torch.compile (its checkpoints and export would carry "
+                                "the compile wrapper's '_orig_mod.' key names); recipes/llama.py does, or drop the setting")
     fsdp_version = int((config.get("fsdp_config") or {}).get("fsdp_version", 1))
     if config.get("distributed_type") == "FSDP" and fsdp_version == 1 and _true(
             dynamo.get("dynamo_use_regional_compilation", False)):
@@ -331,7 +335,7 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
                     ds_where: str = "the DeepSpeed JSON", flags: dict | None = None, hardware: dict | None = None,
                     model_classes: set | None = None, train_size: int | None = None, train_unit: str = "samples",
                     steps: int | None = None, shape: dict | None = None,
-                    device_memory: int | None = None) -> list[Problem]:
+                    device_memory: int | None = None, compiles: bool = False) -> list[Problem]:
     """Every problem of a launch that its inputs let us see; each check runs when its inputs are given.
 
     Args:
@@ -348,6 +352,8 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
         train_size, train_unit: samples in the training set, and what one is (for the message).
         steps: optimizer steps the run will take (for the warmup check).
         shape, device_memory: `plan.model_shape(model_config)` and bytes per rank (for the ZeRO-3 check).
+        compiles: the recipe supports torch.compile (a dynamo backend): keeps eager state-dict keys in its
+            checkpoints and export (recipes/llama.py, and the planner, which plans it). Else a backend is an error.
 
     Returns:
         The problems, errors first, each a `Problem` whose text is one line naming the file or flag,
@@ -367,7 +373,7 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
                                         "launch at most one process per GPU"))
     if ds is not None:
         out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
-    if (problem := _dynamo_problem(config, where)) is not None:
+    if (problem := _dynamo_problem(config, where, compiles)) is not None:
         out.append(problem)
     if config.get("distributed_type") == "FSDP":
         out += _fsdp_problems(config.get("fsdp_config") or {}, where, hardware, model_classes)

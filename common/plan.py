@@ -547,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
             where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
             problems += [str(p) for p in checks.config_problems(
                 yaml_config, where=where, ds=ds, ds_where=ds_where, flags=flags, model_classes=model_classes,
-                hardware=None if args.device_memory else checks.detect_hardware(), shape=shape, device_memory=memory)]
+                hardware=None if args.device_memory else checks.detect_hardware(), shape=shape, device_memory=memory,
+                compiles=True)]  # (plans recipes/llama.py, which compiles)
     except ValueError as err:
         sys.exit(f"error: {err}")
     if args.format == "json":

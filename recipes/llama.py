@@ -117,7 +117,8 @@ check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gra
                                              "block_size", "gradient_checkpointing")}
 try:
     ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware())
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
+                 compiles=True)  # torch.compile: eager key names in checkpoints and the export (below)
     checks.stop_on(checks.config_problems(launch_config, **facts))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:

@@ -111,14 +111,17 @@ def test_deepspeed_with_a_dynamo_backend_is_one_error_line(tmp_path, cache_dir):
 def test_dynamo_checks(tmp_path):
     """The same checks from a YAML (the planner's route) and from a launcher's command line."""
     ds = yaml.safe_load(config_with_dynamo(tmp_path, "deepspeed_zero2").read_text())
-    assert [p.severity for p in checks.config_problems(ds, where="ds.yaml")] == ["error"]
+    assert [p.severity for p in checks.config_problems(ds, where="ds.yaml", compiles=True)] == ["error"]
     fsdp1 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp1", dynamo_use_regional_compilation=True).read_text())
-    [problem] = checks.config_problems(fsdp1)
+    [problem] = checks.config_problems(fsdp1, compiles=True)
     assert problem.severity == "error" and "FSDP1" in problem.text
     for allowed in ("fsdp1", "fsdp", "ddp", "single"):  # whole-model compile works under each
-        assert not checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()))
+        assert not checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()), compiles=True)
     fsdp2 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp", dynamo_use_regional_compilation=True).read_text())
-    assert not checks.config_problems(fsdp2)
+    assert not checks.config_problems(fsdp2, compiles=True)
+    # a recipe that does not keep eager key names (every one but llama.py) refuses any backend
+    [problem] = checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, "ddp").read_text()))
+    assert problem.severity == "error" and "does not support torch.compile" in problem.text
 
     # launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
     def parent(*argv):
@@ -135,3 +138,15 @@ def test_dynamo_checks(tmp_path):
     assert parent("--config_file", tmp_path / "deepspeed_zero2_compiled.yaml", "train.py") == "INDUCTOR"
     assert parent("--dynamo_backend", "no", "train.py") is None
     assert parent("train.py", "--dynamo_backend", "inductor") is None
+
+
+def test_other_recipes_refuse_a_dynamo_backend(tmp_path, cache_dir):
+    """Compiled, mixed_precision.py's checkpoints and export would carry '_orig_mod.' keys: one error line."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "ddp.yaml"), "--dynamo_backend", "inductor",
+           str(REPO / "recipes" / "mixed_precision.py"), "--output_dir", tmp_path / "out", "--max_steps", 1]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
+    assert len(errors) == 1 and "does not support torch.compile" in errors[0], proc.stderr[-3000:]
