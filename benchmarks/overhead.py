@@ -374,15 +374,13 @@ def main(argv=None) -> None:
              "of the machine's CPU during the runs")
     print(f"\n{setup}\n\n{text}\n\nwall time {time.perf_counter() - t0:.0f} s")
     if args.out:
-        raw = {f"{kind} {config} {Path(script).name if script else ''}".strip():
-               [{"other_cpu_share": round(run["other"], 3),
-                 "cpu_median_ms": round(1e3 * statistics.median(run["cpu"]), 1),
-                 "wall_ms": [round(1e3 * x, 1) for x in run["wall"]]} for run in runs]
-               for (kind, config, script), runs in results.items()}
+        runs_text = "\n".join(
+            f"{kind} {config} {Path(script).name if script else ''}".strip() + f" repeat {i + 1}: other "
+            f"processes {100 * run['other']:.0f}%, CPU median {1e3 * statistics.median(run['cpu']):.1f} ms, wall ms "
+            + json.dumps([round(1e3 * x, 1) for x in run["wall"]])
+            for (kind, config, script), runs in results.items() for i, run in enumerate(runs))
         Path(args.out).write_text(f"{setup}\n\n{text}\n\nRuns, in order:\n\n```\n" + "\n".join(log) + "\n```\n\n"
-                                  "Per run, in repeat order: other processes' CPU share, median CPU ms per step, "
-                                  "wall step times (ms) after warmup:\n\n```json\n"
-                                  f"{json.dumps(raw, indent=0)}\n```\n")
+                                  f"Step times after warmup, per run:\n\n```\n{runs_text}\n```\n")
 
 
 if __name__ == "__main__":
