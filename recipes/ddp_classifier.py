@@ -264,6 +264,7 @@ else:
 
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
+precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no fp32 copy of every output
 if resume_path:  # model, optimizer, scheduler, grad scaler and every rank's RNG
     checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
 accelerator.print(

@@ -207,7 +207,9 @@ def build(num_layers: int, variant: str):
         accelerator.state.fsdp_plugin.activation_checkpointing = variant == "fsdp"
     # decay on weight matrices and embeddings only, never on norm weights
     optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
-    return accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    return model, optimizer
 
 
 def local_grads(model) -> torch.Tensor:

@@ -313,6 +313,7 @@ else:
 # ---------------------------------------------------------------------------------------------
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
+precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
 device = accelerator.device
 # torch.compile (`accelerate launch --dynamo_backend inductor`, or dynamo_config in the accelerate
 # config): prepare compiled the model, whole or block by block (--dynamo_use_regional_compilation).

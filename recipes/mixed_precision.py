@@ -265,6 +265,7 @@ lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max
 
 model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
     model, optimizer, train_loader, eval_loader, lr_scheduler)
+precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
 
 # Resume only into the same kind of run: the data position follows from the step count, the seed
 # and the block size, and the scaler state means nothing to another precision.

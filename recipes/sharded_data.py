@@ -444,6 +444,7 @@ def main():
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot read the micro batch off a loader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
     run_state = {"distributed_type": accelerator.distributed_type.value, "world_size": world_size, "seed": args.seed,

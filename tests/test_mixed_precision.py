@@ -101,6 +101,34 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+def test_prepared_forward_keeps_autocast_without_the_fp32_logits_copy(fresh_accelerate_state):
+    """`prepare` under bf16 returned an fp32 copy of the B x T x V logits that nothing read (4% of a
+    step, benchmarks/overhead.py); `drop_fp32_output_copy` keeps autocast and drops the copy."""
+    from common import memory, models
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(models.llama_config("debug", vocab_size=4096))
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(model)
+    ids = torch.randint(0, 4096, (2, 64))
+
+    def forward():
+        with memory.PeakTensorBytes() as meter:
+            out = model(input_ids=ids, labels=ids)
+        return out, meter.net  # bytes still held after the forward: activations and the outputs
+    (with_copy, held_with), elements = forward(), ids.numel() * 4096
+    assert with_copy.logits.dtype == torch.float32  # Accelerate's convert_outputs_to_fp32
+    assert precision.drop_fp32_output_copy(accelerator, model)
+    without, held_without = forward()
+    assert without.logits.dtype == torch.bfloat16  # autocast still on: bf16 matmuls
+    assert torch.equal(without.loss, with_copy.loss) and without.loss.dtype == torch.float32
+    assert torch.equal(without.logits.float(), with_copy.logits)
+    # until backward, the output holds 2-byte logits instead of 4-byte ones (the bf16 ones were freed)
+    assert held_with - held_without == 2 * elements, (held_with, held_without, elements)
+    assert not precision.drop_fp32_output_copy(Accelerator(cpu=True), torch.nn.Linear(2, 2))  # fp32: nothing to drop
+
+
 def test_injected_inf_gradient_skips_the_step_and_halves_the_scale(fresh_accelerate_state, tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
