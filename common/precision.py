@@ -133,16 +133,27 @@ def drop_fp32_output_copy(accelerator, model) -> bool:
 
     from accelerate.utils import get_mixed_precision_context_manager
 
-    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-    original = getattr(inner, "_original_forward", None)  # set by prepare when it wrapped the forward
-    if not accelerator.native_amp or original is None:
+    if not accelerator.native_amp:
         return False
     autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
-    if hasattr(original, "__func__"):
-        inner.forward = MethodType(autocast(original.__func__), inner)
-    else:
-        inner.forward = autocast(original)
-    return True
+    # The module whose forward prepare wrapped, and any copy of it that runs instead: regional
+    # compilation (--dynamo_use_regional_compilation) builds a new top module whose __dict__ holds
+    # the wrapped forward rebound to it; DDP / FSDP1 (.module) and whole-model compile (._orig_mod)
+    # hold it inside.
+    candidates = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
+    candidates += [getattr(c, "module", None) for c in candidates[1:] if c is not None]
+    candidates.append(accelerator.unwrap_model(model, keep_torch_compile=False))
+    dropped = False
+    for module in {id(c): c for c in candidates if isinstance(c, torch.nn.Module)}.values():
+        original = module.__dict__.get("_original_forward")  # set by prepare when it wrapped the forward
+        if original is None:
+            continue
+        if hasattr(original, "__func__"):
+            module.forward = MethodType(autocast(original.__func__), module)
+        else:
+            module.forward = autocast(original)
+        dropped = True
+    return dropped
 
 
 MIN_LOSS_SCALE = 1.0  # DeepSpeed's default `min_loss_scale`; torch's GradScaler has no floor of its own

@@ -408,13 +408,15 @@ while step < max_steps:
         # ranks, so the gradient equals the one of the full global batch even with padding.
         # Scaling by (accumulation x world size) undoes the mean that backward/all-reduce apply.
         if args.packing:  # every packed block has block_size - 1 targets: no collective, no GPU sync
-            num_items = global_batch * (args.block_size - 1)
+            num_items, has_targets = global_batch * (args.block_size - 1), True
         else:  # padded rows: count on every rank; seeing an empty window costs one sync per step
             local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
-            num_items = accelerator.reduce(local_items.clone(), reduction="sum").item()
+            # the model gets the count as a tensor: a changing int would recompile a compiled model each step
+            num_items = accelerator.reduce(local_items.clone(), reduction="sum")
+            has_targets = num_items.item() > 0
         loss_total = torch.zeros((), device=device)
         norm_before_clip = float("nan")
-        if num_items == 0:
+        if not has_targets:
             # Nothing to learn from: a loss of 0/0 would step AdamW on zero gradients (its moments
             # and weight decay still move the weights) and advance the schedule. Skip it whole.
             empty_windows += 1
@@ -422,7 +424,7 @@ while step < max_steps:
             if empty_windows == 1:
                 accelerator.print(f"warning: step {step + 1}: no target tokens in the whole window; skipped "
                                   "(no optimizer, scheduler or weight-decay update)")
-        for batch in window if num_items else []:
+        for batch in window if has_targets else []:
             with accelerator.accumulate(model):
                 loss = model(**batch, num_items_in_batch=num_items).loss  # sum of token losses / num_items
                 loss_total += loss.detach()
@@ -434,7 +436,7 @@ while step < max_steps:
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()  # a skipped step did not happen: the schedule holds, as Accelerate's does
                 optimizer.zero_grad()
-        if num_items:  # fp16: a skipped step leaves weights and LR as they were; a long run of them is fatal
+        if has_targets:  # fp16: a skipped step leaves weights and LR as they were; a long run of them is fatal
             skipped = accelerator.optimizer_step_was_skipped
             skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
             try:
@@ -444,16 +446,18 @@ while step < max_steps:
                 sys.exit(f"error: step {step + 1}: {err}")
         step += 1
         progress.update(1)
-        if num_items:  # an empty window trained on nothing
+        if has_targets:  # an empty window trained on nothing
             window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
             tokens_seen += global_batch * args.block_size
 
         do_eval = step % args.eval_steps == 0 or step == max_steps
         if step % args.logging_steps == 0 or do_eval:
+            # read the loss first: on a GPU it waits for the window's last kernels, so the clock covers them
+            window_loss = accelerator.reduce(loss_total, reduction="sum").item()  # mean nats/token of the window
             elapsed = time.perf_counter() - t_window
             record = {
                 "step": step, "epoch": epoch,
-                "loss": accelerator.reduce(loss_total, reduction="sum").item(),  # mean nats/token of the window
+                "loss": window_loss,
                 "lr": lr,
                 "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
                 "tokens_per_second": window_tokens / elapsed,  # per device

@@ -8,7 +8,7 @@ logged and attributed to the frame that ran it. "error" would stop at the first 
 transformers checks every forward's position ids for packed sequences with one (`.all()`),
 GradScaler checks for inf, DeepSpeed for overflow. Those are listed, not failed.
 
-Skipped on hosts without an NVIDIA GPU (every CI run here); benchmarks/gpu.sh runs it on a GPU host.
+Skipped on hosts without an NVIDIA GPU (every CI run here). On a GPU host: python -m pytest -q tests/test_gpu_syncs.py
 """
 
 import os

@@ -129,6 +129,21 @@ def test_prepared_forward_keeps_autocast_without_the_fp32_logits_copy(fresh_acce
     assert not precision.drop_fp32_output_copy(Accelerator(cpu=True), torch.nn.Linear(2, 2))  # fp32: nothing to drop
 
 
+def test_the_fp32_logits_copy_goes_under_regional_compilation_too(fresh_accelerate_state):
+    """Regional compilation runs a new top module holding prepare's wrapped forward: drop it there."""
+    from accelerate.utils import TorchDynamoPlugin
+    from common import models
+    from transformers import LlamaForCausalLM
+
+    plugin = TorchDynamoPlugin(backend="eager", use_regional_compilation=True)  # eager: no C++ build
+    accelerator = Accelerator(mixed_precision="bf16", dynamo_plugin=plugin, cpu=True)
+    model = accelerator.prepare(LlamaForCausalLM(models.llama_config("debug", vocab_size=512)))
+    ids = torch.randint(0, 512, (1, 16))
+    assert model(input_ids=ids).logits.dtype == torch.float32
+    assert precision.drop_fp32_output_copy(accelerator, model)
+    assert model(input_ids=ids).logits.dtype == torch.bfloat16
+
+
 def test_injected_inf_gradient_skips_the_step_and_halves_the_scale(fresh_accelerate_state, tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
