@@ -58,7 +58,9 @@ class Args:
                             metadata={"help": "comma-separated accelerate_configs/<name>.yaml names"})
     output_dir: str = "runs/compare_strategies"
     num_processes: int = field(default=2, metadata={"help": "ranks per run (GPUs, or CPU processes)"})
-    mixed_precision: str = field(default="bf16", metadata={"help": "no, bf16 or fp16"})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "no, bf16 or fp16 (forced on the launch line); auto: the config's bf16 where the device computes it, "
+                "else fp32 (common/precision.py)"})
     model_config: str = "debug"
     per_device_train_batch_size: int = 8
     block_size: int = 256
@@ -102,7 +104,8 @@ def accelerate_launch(config: str, script: str, script_args: list, args: Args, l
     """Run `accelerate launch --config_file accelerate_configs/{config}.yaml script ...`; exit with its log tail on failure."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(args.num_processes),
-           "--mixed_precision", args.mixed_precision, str(REPO / script), *map(str, script_args)]
+           *(["--mixed_precision", args.mixed_precision] if args.mixed_precision != "auto" else []),
+           str(REPO / script), *map(str, script_args)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w") as log:
         try:
@@ -226,15 +229,15 @@ def main():
         sys.exit(f"error: --steps {args.steps} leaves no step after the {WARMUP_STEPS} warm-up steps")
     if args.num_processes < 1:
         sys.exit(f"error: --num_processes must be >= 1, got {args.num_processes}")
-    if args.mixed_precision not in ("no", "bf16", "fp16"):
-        sys.exit(f"error: --mixed_precision {args.mixed_precision!r}: choose no, bf16 or fp16")
+    if args.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+        sys.exit(f"error: --mixed_precision {args.mixed_precision!r}: choose auto, no, bf16 or fp16")
     os.makedirs(args.output_dir, exist_ok=True)
 
     rows = [run_strategy(name, args) for name in names]
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = describe_machine()
     header = (f"{args.model_config} Llama ({rows[0]['n_params']:,} parameters = Ψ), {args.num_processes} ranks, "
-              f"{args.mixed_precision}, micro batch {args.per_device_train_batch_size} x {args.block_size} tokens, "
+              f"{rows[0]['mixed_precision']}, micro batch {args.per_device_train_batch_size} x {args.block_size} tokens, "
               f"{args.steps} steps (median step time after {WARMUP_STEPS}); {when}; {machine}")
     table = markdown_table(rows)
     print(f"\n{header}\n\n{table}\n")

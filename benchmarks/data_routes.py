@@ -57,7 +57,7 @@ class Args:
     loader_benchmark_batches: int = 200
     keep_corpora: bool = False
     num_processes: int = 2
-    mixed_precision: str = "bf16"
+    mixed_precision: str = field(default="auto", metadata={"help": "auto (the config's, by the hardware), no, bf16, fp16"})
     timeout: int = 900
 
 

@@ -65,6 +65,7 @@ def launch_config_from_env(env=os.environ) -> dict:
 
     Returns:
         {"distributed_type": "NO" | "MULTI_GPU" | "FSDP" | "DEEPSPEED", "mixed_precision",
+        "mixed_precision_forced" (True when the precision was given on the launch line, not the YAML),
         "num_processes" (all ranks, Accelerate's meaning), "num_machines", "fsdp_config" (fsdp_version,
         fsdp_use_orig_params, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap,
         fsdp_reshard_after_forward), "deepspeed_config" (deepspeed_config_file, or the YAML's own
@@ -75,6 +76,9 @@ def launch_config_from_env(env=os.environ) -> dict:
     world = int(env.get("WORLD_SIZE", 1))
     config = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "num_processes": world,
               "num_machines": max(1, world // int(env.get("LOCAL_WORLD_SIZE", world)))}
+    # The launch line's --mixed_precision (or a hand-set variable, without accelerate launch) is a
+    # demand; the YAML's is a default that follows the hardware (common/precision.py).
+    config["mixed_precision_forced"] = (launcher := launcher_args()) is None or "--mixed_precision" in launcher
     if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
         config["distributed_type"] = "DEEPSPEED"
         ds = {"deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
@@ -103,13 +107,15 @@ def launch_config_from_env(env=os.environ) -> dict:
     return config
 
 
-def launcher_dynamo_backend(pid: int | None = None) -> str | None:
-    """The dynamo backend that the `accelerate launch` process which started this one was asked for, or None.
+def launcher_args(pid: int | None = None) -> dict[str, str] | None:
+    """The flags of the `accelerate launch` process that started this one, up to the training script.
 
-    Reads the parent's command line (Linux /proc; `pid` overrides the parent), up to the training
-    script: `--dynamo_backend X`, else the `dynamo_config: {dynamo_backend: X}` of its `--config_file`.
-    Accelerate 1.15 sets `ACCELERATE_DYNAMO_BACKEND` for every launcher but DeepSpeed's, so a
-    DeepSpeed rank cannot learn it otherwise. None when unreadable, not asked for, or "no".
+    Reads the parent's command line (Linux /proc; `pid` overrides the parent). A rank learns from it
+    what `accelerate launch` does not pass on, or passes on mixed with the config file's values.
+
+    Returns:
+        {"--flag": value} for each `--flag value` / `--flag=value` (a bare switch maps to ""), or
+        None when the parent is not `accelerate launch` or cannot be read.
     """
     try:
         with open(f"/proc/{pid or os.getppid()}/cmdline", "rb") as f:
@@ -122,9 +128,21 @@ def launcher_dynamo_backend(pid: int | None = None) -> str | None:
     for i, arg in enumerate(argv):
         if arg.endswith(".py"):  # the training script: what follows is its own flags
             break
-        name, eq, value = arg.partition("=")
-        if name in ("--dynamo_backend", "--config_file"):
-            flags[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            flags[name] = value if eq else ("" if nxt.startswith("--") else nxt)
+    return flags
+
+
+def launcher_dynamo_backend(pid: int | None = None) -> str | None:
+    """The dynamo backend that the `accelerate launch` process which started this one was asked for, or None.
+
+    `--dynamo_backend X` on its command line, else the `dynamo_config: {dynamo_backend: X}` of its
+    `--config_file`. Accelerate 1.15 sets `ACCELERATE_DYNAMO_BACKEND` for every launcher but
+    DeepSpeed's, so a DeepSpeed rank cannot learn it otherwise. None when unreadable, not asked for, or "no".
+    """
+    flags = launcher_args(pid) or {}
     backend = flags.get("--dynamo_backend")
     if backend is None and flags.get("--config_file"):
         try:

@@ -1,12 +1,30 @@
 """Which mixed precision for which hardware, and fp16 with loss scaling on CPU ranks.
 
-| hardware                          | bf16 | fp16                         | `auto` picks |
-|-----------------------------------|------|------------------------------|--------------|
-| CUDA compute capability >= 8.0    | yes  | yes                          | bf16         |
-|   (Ampere A100/RTX 30xx, Ada, Hopper H100/H200, Blackwell)                |              |
-| CUDA 7.x (Volta V100, Turing T4)  | no   | yes (fp16 tensor cores)      | fp16         |
-| CUDA < 7.0 (Pascal and older)     | no   | storage only, no tensor cores| no (fp32)    |
-| CPU                               | yes  | yes, slow without AVX512-FP16| bf16         |
+One rule for every device: bf16 where the device computes it natively; fp16 only where it has
+fast fp16 and no bf16 (Volta/Turing GPUs); otherwise fp32.
+
+| hardware                          | bf16      | fp16                          | `auto` picks |
+|-----------------------------------|-----------|-------------------------------|--------------|
+| CUDA compute capability >= 8.0    | yes       | yes                           | bf16         |
+|   (Ampere A100/RTX 30xx, Ada, Hopper H100/H200, Blackwell)                    |              |
+| CUDA 7.x (Volta V100, Turing T4)  | no        | yes (fp16 tensor cores)       | fp16         |
+| CUDA < 7.0 (Pascal and older)     | no        | storage only, no tensor cores | no (fp32)    |
+| CPU with AVX512-BF16 or AMX       | yes       | emulated unless AVX512-FP16   | bf16         |
+|   (Intel Cooper Lake, Sapphire Rapids and later; AMD Zen 4 and later; Arm with BF16)     |
+| CPU without (AVX2, plain AVX-512) | emulated  | emulated                      | no (fp32)    |
+
+"Emulated" on a CPU: torch computes it in software, one element at a time. Measured on a 2-core
+AMD EPYC (Zen 3, AVX2): a bf16 or fp16 matmul about 50x, and a recipes/llama.py step about 14x,
+slower than fp32. So an accelerate config's `mixed_precision: bf16` (every YAML's) means "bf16
+where the hardware has it": on such a CPU the run trains in fp32 and says so in one line and in
+run_info.json. `accelerate launch --mixed_precision bf16` (on the launch line, not in the YAML)
+forces the emulated mode, to test bf16 numerics; the run says it is emulated.
+
+Native CPU bf16 is read from the instruction set that torch reports (`torch.cpu.
+_is_avx512_bf16_supported`, `_is_amx_tile_supported`; on Arm, oneDNN's bf16 support, which there
+means the BF16 extension), not measured: a measurement could come out differently on two ranks.
+oneDNN's own x86 bf16 check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is not used: it also
+says yes on AVX-512 CPUs without bf16 instructions (Skylake, Cascade Lake), which convert in software.
 
 bf16 has fp32's exponent range, so gradients neither underflow nor overflow and no loss
 scaling is needed; fp16 has 5 exponent bits (max 65504, smallest normal 6.1e-5), so small
@@ -44,16 +62,49 @@ def detect_device() -> tuple[str, tuple[int, int] | None]:
     return "cpu", None
 
 
+def cpu_native_dtypes() -> set[str]:
+    """The low precisions this CPU computes in hardware: a subset of {"bf16", "fp16"} (see the module docstring)."""
+    import platform
+
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return {"bf16"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
+    native = set()
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        native.add("bf16")
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():  # AVX512-FP16 or AMX-FP16
+        native.add("fp16")
+    return native
+
+
+def native_dtypes(device_type: str, capability: tuple[int, int] | None) -> set[str]:
+    """The low precisions `device_type` computes natively: bf16 from CUDA 8.0 on, fp16 from 7.0; CPUs by their ISA."""
+    if device_type == "cuda":
+        return {d for d, cc in (("bf16", (8, 0)), ("fp16", (7, 0))) if capability is not None and capability >= cc}
+    return cpu_native_dtypes() if device_type == "cpu" else set()
+
+
+def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
+    """The device in a log line: "compute capability 8.0", or "this CPU (AVX2)" with torch's CPU capability."""
+    if device_type == "cuda" and capability:
+        return f"compute capability {capability[0]}.{capability[1]}"
+    if device_type == "cpu":
+        return f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
+    return device_type
+
+
 def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None,
-                     n_params: int) -> tuple[str, str]:
-    """Pick the mixed precision for the hardware (a pure function: the device is an input).
+                     n_params: int, forced: bool = True) -> tuple[str, str]:
+    """Pick the mixed precision for the hardware (the device is an input; a CPU's ISA is `cpu_native_dtypes`).
 
     Args:
-        requested: `--precision`, one of "auto", "no", "bf16", "fp16".
+        requested: "auto", "no", "bf16" or "fp16" (`--precision`, or the accelerate config's mixed_precision).
         device_type: "cuda" or "cpu" (anything else is trusted for explicit requests; "auto"
             then falls back to fp32).
         capability: CUDA compute capability (major, minor); ignored off CUDA.
         n_params: parameter count of the model (for the large-model fp16 warning).
+        forced: the user asked for `requested` on the command line (`--precision`, or
+            `accelerate launch --mixed_precision`): on a CPU that only emulates it, it is kept and
+            called emulated. False for a config file's default: such a CPU trains in fp32 instead.
 
     Returns:
         (mode, reason): mode is "no", "bf16" or "fp16" (Accelerate's names), reason one line
@@ -69,28 +120,55 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
     """
     if requested not in MODES:
         raise ValueError(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
-    cc = f"compute capability {capability[0]}.{capability[1]}" if device_type == "cuda" and capability else device_type
-    bf16_ok = device_type == "cpu" or (device_type == "cuda" and capability is not None and capability >= (8, 0))
-    fp16_tensor_cores = device_type == "cuda" and capability is not None and capability >= (7, 0)
-
-    if requested == "bf16" and device_type == "cuda" and not bf16_ok:
+    cc = device_name(device_type, capability)
+    native = native_dtypes(device_type, capability)
+    if requested == "bf16" and device_type == "cuda" and "bf16" not in native:
         raise ValueError(f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute capability "
                          "8.0+ (Ampere or newer); use --precision fp16 (loss-scaled) or --precision auto")
-    if requested == "fp16" and bf16_ok and n_params >= LARGE_MODEL_PARAMS:
+    if requested == "fp16" and "bf16" in native and n_params >= LARGE_MODEL_PARAMS:
         warnings.warn(f"--precision fp16 on bf16-capable hardware ({cc}) for a {n_params / 1e9:.1f}B-parameter "
                       "model: fp16's narrow range needs loss scaling and can still overflow in large models; "
                       "bf16 needs neither and is at least as fast there. Use --precision bf16 unless you must match "
                       "an fp16 reference.", UserWarning, stacklevel=2)
+    if requested in ("bf16", "fp16") and device_type == "cpu" and requested not in native:
+        if forced:
+            return requested, (f"{requested} as requested, emulated: {cc} has no {requested} instructions, so each "
+                               f"step is several times slower than fp32 (about 14x for llama.py on AVX2)")
+        return "no", (f"fp32, not the config's {requested}: {cc} has no {requested} instructions and would emulate "
+                      f"it, several times slower; force it with `accelerate launch --mixed_precision {requested}`")
     if requested != "auto":
-        return requested, f"--precision {requested} as requested ({cc})"
-    if bf16_ok:
-        why = "bf16 autocast is supported on CPU" if device_type == "cpu" else "Ampere or newer has bf16 tensor cores"
+        return requested, f"{requested} as requested ({cc})"
+    if "bf16" in native:
+        why = "bf16 instructions" if device_type == "cpu" else "Ampere or newer has bf16 tensor cores"
         return "bf16", f"auto: {cc}: {why}; bf16 keeps fp32's range, so no loss scaling"
-    if fp16_tensor_cores:
+    if "fp16" in native and device_type == "cuda":
         return "fp16", f"auto: {cc} (Volta/Turing) has fp16 tensor cores but no bf16; fp16 with dynamic loss scaling"
-    if device_type == "cuda":
-        return "no", f"auto: {cc}: no bf16 and no fp16 tensor cores, so fp32"
+    if device_type in ("cuda", "cpu"):
+        return "no", f"auto: {cc}: no bf16 and no fast fp16, so fp32"
     return "no", f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly"
+
+
+def for_launch(launch_config: dict, hardware: dict, n_params: int = 0) -> dict:
+    """The precision a launch trains in: its mixed_precision, kept where the hardware computes it (`choose_precision`).
+
+    Args:
+        launch_config: `checks.launch_config_from_env()`: "mixed_precision" and "mixed_precision_forced".
+        hardware: `checks.detect_hardware()`: "device_type", "capability".
+        n_params: the model's parameter count, if known (for the large-model fp16 warning).
+
+    Returns:
+        {"requested", "used", "reason"} for run_info.json; pass "used" to `Accelerator(mixed_precision=...)`.
+        When the two differ, or the precision is emulated, rank 0 prints the reason as one line.
+
+    Raises:
+        ValueError: bf16 on a GPU without it (`choose_precision`).
+    """
+    requested = launch_config.get("mixed_precision") or "no"
+    used, reason = choose_precision(requested, hardware["device_type"], hardware["capability"], n_params,
+                                    forced=launch_config.get("mixed_precision_forced", True))
+    if (used != requested or "emulated" in reason) and int(os.environ.get("RANK", 0)) == 0:
+        print(f"precision: {reason}", flush=True)
+    return {"requested": requested, "used": used, "reason": reason}
 
 
 def keep_fp32_reduction(accelerator) -> None:

@@ -132,13 +132,18 @@ launch_config = checks.launch_config_from_env()
 check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
                accumulation, "max_grad_norm": args.max_grad_norm, "warmup_steps": args.warmup_steps}
 try:
+    hardware = checks.detect_hardware()
+    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
+    run_precision = precision.for_launch(launch_config, hardware)
+    check_flags["mixed_precision"] = run_precision["used"]
     ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware())
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware)
     checks.stop_on(checks.config_problems(launch_config, **facts))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
 accelerator = Accelerator(
+    mixed_precision=run_precision["used"],
     # we fetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
     # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step

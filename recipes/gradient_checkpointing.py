@@ -122,7 +122,8 @@ if args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
 
 # ---------------------------------------------------------------------------------------------
-# Accelerator: strategy and precision come from the accelerate config, as in every recipe.
+# Accelerator: strategy and precision come from the accelerate config, as in every recipe (bf16
+# only where the hardware computes it: common/precision.py).
 # ---------------------------------------------------------------------------------------------
 launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 # The launch against the flags, the model and the hardware, before any work (common/checks.py lists
@@ -130,11 +131,14 @@ launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
 # flags, bf16 on a GPU without it is emulated, an FSDP wrap class the model does not have, ...
 launch_config = checks.launch_config_from_env()
 try:
+    hardware = checks.detect_hardware()
+    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
+    run_precision = precision.for_launch(launch_config, hardware)
     ds_config, ds_where = checks.deepspeed_settings(launch_config)
     checks.stop_on(checks.config_problems(
-        launch_config, ds=ds_config, ds_where=ds_where, hardware=checks.detect_hardware(),
-        flags={k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                             "max_grad_norm")},
+        launch_config, ds=ds_config, ds_where=ds_where, hardware=hardware,
+        flags={**{k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                "max_grad_norm")}, "mixed_precision": run_precision["used"]},
         **checks.model_facts(launch_config, ds_config, LlamaForCausalLM,
                              models.llama_config(args.model_config, args.vocab_size))))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
@@ -142,6 +146,7 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
 accelerator = Accelerator(
+    mixed_precision=run_precision["used"],
     # the measured batches are a list, not a live loader: sync on the micro-step count
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
                                                             sync_with_dataloader=False),
@@ -359,7 +364,7 @@ if accelerator.is_main_process:
     Path(args.output_dir, "table.md").write_text(table + "\n")
     Path(args.output_dir, "results.json").write_text(json.dumps(
         {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
-         "mixed_precision": accelerator.mixed_precision, "device": device.type, "args": vars(args),
+         "mixed_precision": accelerator.mixed_precision, "precision": run_precision, "device": device.type, "args": vars(args),
          "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
 # Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
 # no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's

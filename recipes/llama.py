@@ -2,7 +2,7 @@
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/llama.py --max_steps 30
-    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --mixed_precision bf16 recipes/llama.py
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/single.yaml --mixed_precision no recipes/llama.py
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py --config_name my_qwen2/config.json \
         --config_overrides num_hidden_layers=4 --train_file my_text.txt
@@ -13,6 +13,10 @@ with no code edits: --config_name (from scratch) or --model_name_or_path (fine-t
 Defaults: the bundled Shakespeare corpus, a 4,096-token byte-level BPE trained on it, and the
 ~4.2M-parameter `debug` Llama; 300 optimizer steps of a 16-sequence global batch. On a CPU-only
 host the same commands run 2 real ranks over gloo (see common/launch.py).
+
+Precision: the config's mixed_precision (bf16 in every YAML) where the device computes it natively,
+else fp32, said in one line and in run_info.json (common/precision.py); `accelerate launch
+--mixed_precision bf16` on the launch line forces it, emulated if need be.
 
 Batch arithmetic (the names used throughout):
     global batch = per_device_train_batch_size x gradient_accumulation_steps x world size
@@ -116,14 +120,19 @@ check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gra
                                              "max_grad_norm", "warmup_steps", "reference_global_batch", "scale_lr",
                                              "block_size", "gradient_checkpointing")}
 try:
+    hardware = checks.detect_hardware()
+    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
+    run_precision = precision.for_launch(launch_config, hardware)
+    check_flags["mixed_precision"] = run_precision["used"]
     ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware,
                  compiles=True)  # torch.compile: eager key names in checkpoints and the export (below)
     checks.stop_on(checks.config_problems(launch_config, **facts))
     pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
 except ValueError as err:
     sys.exit(f"error: {err}")
 accelerator = Accelerator(
+    mixed_precision=run_precision["used"],
     # we prefetch whole accumulation windows, so sync on the step count, not the dataloader end
     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
                                                             sync_with_dataloader=False),
@@ -332,7 +341,8 @@ if fsdp_units and fsdp_units["units"] != fsdp_units["blocks"]:
              f"fsdp_transformer_layer_cls_to_wrap: {fsdp_units['block_class']} in the accelerate config")
 run_info = {
     "distributed_type": accelerator.distributed_type.value, "world_size": world_size,
-    "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch, "n_params": n_params,
+    "mixed_precision": accelerator.mixed_precision, "precision": run_precision,
+    "global_batch": global_batch, "n_params": n_params,
     "local_param_elements": accelerator.gather(
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,

@@ -7,10 +7,12 @@
     python recipes/mixed_precision.py --compare --config_file accelerate_configs/ddp.yaml --max_steps 30
 
 `--precision` decides the precision (it overrides the config's `mixed_precision`). `auto` picks
-it for the hardware (common/precision.py): bf16 on Ampere/Hopper (compute capability >= 8.0) and
-CPU, fp16 on Volta/Turing (7.x), fp32 below; the choice is explained in one log line. bf16
-requested on a GPU without bf16 is an error; fp16 requested on bf16 hardware for a model of
-1B+ parameters is a warning.
+it for the hardware (common/precision.py): bf16 where the device computes it natively (Ampere/
+Hopper, compute capability >= 8.0; CPUs with AVX512-BF16 or AMX), fp16 on Volta/Turing (7.x),
+fp32 elsewhere (CPUs without bf16 instructions, e.g. AVX2 only); the choice is explained in one
+log line. bf16 requested on a GPU without bf16 is an error; on such a CPU it runs emulated (the
+line says so: a llama.py step about 14x slower than fp32 on AVX2), as does fp16 on any CPU without
+AVX512-FP16. fp16 requested on bf16 hardware for a model of 1B+ parameters is a warning.
 
 fp16 keeps the loss scaled by a GradScaler: backward runs on `loss x scale` so that small
 gradients survive fp16's range, `common.grad_norm.clip_grad_norm_` unscales them before clipping
@@ -430,7 +432,7 @@ elapsed = time.perf_counter() - t0 if t0 else float("nan")
 eval_loss = evaluate()
 if accelerator.is_main_process:
     summary = metrics.strict_json({  # standard JSON: a NaN loss becomes null, named in "nonfinite"
-        **run_state, "reason": reason, "device": accelerator.device.type, "steps": step,
+        **run_state, "requested": args.precision, "reason": reason, "device": accelerator.device.type, "steps": step,
         "train_loss": last_window_loss, "eval_loss": eval_loss,
         "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
         "loss_scale": precision.loss_scale(accelerator, model), "skipped_steps": skipped_steps,

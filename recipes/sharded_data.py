@@ -332,8 +332,12 @@ def main():
     check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                                  "max_grad_norm", "warmup_steps")}
     try:
+        hardware = checks.detect_hardware()
+        # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
+        run_precision = precision.for_launch(launch_config, hardware)
+        check_flags["mixed_precision"] = run_precision["used"]
         ds_config, ds_where = checks.deepspeed_settings(launch_config)
-        facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
+        facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware,
                      steps=args.max_steps)
         checks.stop_on(checks.config_problems(launch_config, **facts))
     except ValueError as err:
@@ -349,6 +353,7 @@ def main():
     except ValueError as err:
         sys.exit(f"error: {err}")
     accelerator = Accelerator(
+        mixed_precision=run_precision["used"],
         # the loader is ours, not prepared: sync gradients on the micro-step count
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
                                                                 sync_with_dataloader=False),
@@ -593,7 +598,7 @@ def main():
         per_rank = [metrics.strict_json(dict(zip(keys, r))) for r in table]  # nested: strict one by one
         metrics.append_jsonl(metrics_path, {"summary": True, "step": args.max_steps, "loader": args.loader,
                                             "text_bytes": manifest["text_bytes"], "world_size": world_size,
-                                            "per_rank": per_rank})
+                                            "precision": run_precision, "per_rank": per_rank})
         print("\n| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step | data wait "
               "| rank RSS MiB | rank USS MiB | workers USS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in per_rank:

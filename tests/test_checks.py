@@ -212,7 +212,8 @@ def test_launch_config_from_env_and_stop_on(capsys):
            "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false",
            "FSDP_OFFLOAD_PARAMS": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"}
     assert checks.launch_config_from_env(env) == {
-        "mixed_precision": "bf16", "num_processes": 4, "num_machines": 2, "distributed_type": "FSDP",
+        "mixed_precision": "bf16", "mixed_precision_forced": True,  # no accelerate launch above: set by hand
+        "num_processes": 4, "num_machines": 2, "distributed_type": "FSDP",
         "fsdp_config": {"fsdp_version": 1, "fsdp_use_orig_params": False, "fsdp_offload_params": True,
                         "fsdp_reshard_after_forward": "true", "fsdp_transformer_layer_cls_to_wrap": "GPT2Block"}}
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json"}

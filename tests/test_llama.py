@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import CONFIGS, FAST, host_reads, launch, ordinary_step_reads, read_metrics
+from conftest import CONFIGS, FAST, REPO, host_reads, launch, ordinary_step_reads, read_metrics
+
+sys.path.insert(0, str(REPO))
+from common import precision  # noqa: E402
 
 EXPECTED_TYPE = {"single": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP", "fsdp1": "FSDP",
                  "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED"}
@@ -31,7 +35,11 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
     world = 1 if config == "single" else 2
     assert info["distributed_type"] == EXPECTED_TYPE[config]
     assert info["world_size"] == world
-    assert info["mixed_precision"] == "bf16"  # every config's default, the ZeRO ones too (fp32 before)
+    # every config's bf16, the ZeRO ones too, where this CPU computes it; else fp32, and the reason recorded
+    native = "bf16" in precision.cpu_native_dtypes()
+    assert info["mixed_precision"] == ("bf16" if native else "no")
+    assert info["precision"]["requested"] == "bf16" and info["precision"]["used"] == info["mixed_precision"]
+    assert native or "no bf16 instructions" in info["precision"]["reason"]
     local = info["local_param_elements"]
     assert len(local) == world
     if config in SHARDED:

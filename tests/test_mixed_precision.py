@@ -40,18 +40,64 @@ ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on
 
 # --- the precision choice, with the device capability mocked (the function takes it as input) ----
 
-@pytest.mark.parametrize("device_type, capability, expected", [
-    ("cuda", (7, 0), "fp16"),  # V100
-    ("cuda", (7, 5), "fp16"),  # T4
-    ("cuda", (8, 0), "bf16"),  # A100
-    ("cuda", (9, 0), "bf16"),  # H100/H200
-    ("cpu", None, "bf16"),
-    ("cuda", (6, 1), "no"),    # Pascal: neither bf16 nor fp16 tensor cores
+@pytest.fixture
+def cpu_isa(monkeypatch):
+    """Set what this CPU computes natively: cpu_isa({"bf16"}) for AVX512-BF16/AMX, cpu_isa(set()) for AVX2."""
+    return lambda native: monkeypatch.setattr(precision, "cpu_native_dtypes", lambda: set(native))
+
+
+@pytest.mark.parametrize("device_type, capability, cpu_native, expected", [
+    ("cuda", (7, 0), set(), "fp16"),     # V100
+    ("cuda", (7, 5), set(), "fp16"),     # T4
+    ("cuda", (8, 0), set(), "bf16"),     # A100
+    ("cuda", (9, 0), set(), "bf16"),     # H100/H200
+    ("cpu", None, {"bf16"}, "bf16"),     # AVX512-BF16 or AMX (Sapphire Rapids, Zen 4)
+    ("cpu", None, {"bf16", "fp16"}, "bf16"),
+    ("cpu", None, set(), "no"),          # AVX2 (Zen 3, most client CPUs): bf16 would be emulated
+    ("cuda", (6, 1), set(), "no"),       # Pascal: neither bf16 nor fp16 tensor cores
 ])
-def test_auto_picks_precision_for_the_hardware(device_type, capability, expected):
+def test_auto_picks_precision_for_the_hardware(device_type, capability, cpu_native, expected, cpu_isa):
+    cpu_isa(cpu_native)
     mode, reason = precision.choose_precision("auto", device_type, capability, SMALL)
     assert mode == expected
     assert reason.startswith("auto:") and "\n" not in reason  # one log line that says why
+
+
+def test_a_config_default_follows_the_cpu_and_the_launch_line_forces_it(cpu_isa, capsys, monkeypatch):
+    """The YAML's bf16 on a CPU without bf16 instructions trains in fp32 and says so; `accelerate
+    launch --mixed_precision bf16` keeps bf16 and calls it emulated; a native CPU keeps bf16 silently."""
+    monkeypatch.setenv("RANK", "0")
+    isa = torch.backends.cpu.get_cpu_capability()
+    cpu_isa(set())
+    for requested in ("bf16", "fp16"):
+        mode, reason = precision.choose_precision(requested, "cpu", None, SMALL, forced=False)
+        assert mode == "no" and f"this CPU ({isa}) has no {requested} instructions" in reason
+        assert f"force it with `accelerate launch --mixed_precision {requested}`" in reason
+        mode, reason = precision.choose_precision(requested, "cpu", None, SMALL, forced=True)
+        assert mode == requested and "emulated" in reason
+    got = precision.for_launch({"mixed_precision": "bf16", "mixed_precision_forced": False},
+                               {"device_type": "cpu", "capability": None})
+    assert got == {"requested": "bf16", "used": "no", "reason": got["reason"]}
+    assert capsys.readouterr().out == f"precision: {got['reason']}\n"  # one line, rank 0
+    cpu_isa({"bf16"})
+    for forced in (False, True):
+        got = precision.for_launch({"mixed_precision": "bf16", "mixed_precision_forced": forced},
+                                   {"device_type": "cpu", "capability": None})
+        assert got["used"] == "bf16" and "emulated" not in got["reason"]
+    assert capsys.readouterr().out == ""  # nothing to say where the config is followed
+    # a config's fp16 on a bf16 CPU without fp16 instructions: fp32; a GPU keeps what it is given
+    assert precision.choose_precision("fp16", "cpu", None, SMALL, forced=False)[0] == "no"
+    assert precision.choose_precision("fp16", "cuda", (7, 5), SMALL, forced=False)[0] == "fp16"
+    assert precision.choose_precision("no", "cpu", None, SMALL, forced=False)[0] == "no"
+
+
+def test_native_bf16_is_read_from_the_instruction_set():
+    """Against /proc/cpuinfo, which torch does not read: bf16 is native with avx512_bf16 or amx_bf16."""
+    if not os.path.exists("/proc/cpuinfo") or os.uname().machine != "x86_64":
+        pytest.skip("x86 Linux only")
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    assert ("bf16" in precision.cpu_native_dtypes()) == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert ("fp16" in precision.cpu_native_dtypes()) <= bool(flags & {"avx512_fp16", "amx_fp16"})
 
 
 def test_bf16_requested_without_bf16_hardware_is_an_error():
@@ -61,7 +107,8 @@ def test_bf16_requested_without_bf16_hardware_is_an_error():
 
 
 @pytest.mark.parametrize("device_type, capability", [("cuda", (8, 0)), ("cpu", None)])
-def test_fp16_on_bf16_hardware_warns_for_a_large_model_only(device_type, capability):
+def test_fp16_on_bf16_hardware_warns_for_a_large_model_only(device_type, capability, cpu_isa):
+    cpu_isa({"bf16"})
     with pytest.warns(UserWarning, match="fp16 on bf16-capable hardware .* 1.2B-parameter"):
         assert precision.choose_precision("fp16", device_type, capability, LARGE)[0] == "fp16"
     with warnings.catch_warnings():
@@ -204,7 +251,7 @@ def test_fp32_and_bf16_losses_agree(config, tmp_path, cache_dir, monkeypatch):
         monkeypatch.setenv("HOST_READS_DIR", str(reads_dir))  # log every read of a tensor value (device_guard)
         proc = launch(config, RECIPE, "--precision", mode, "--output_dir", out, "--max_steps", 12,
                       "--logging_steps", 4, "--max_eval_samples", 32, "--ddp_timeout", 120, cache_dir=cache_dir)
-        assert f"precision: {mode} (--precision {mode} as requested (cpu))" in proc.stdout
+        assert f"precision: {mode} ({mode} as requested" in proc.stdout
         # no read of a device value in an ordinary step (a GPU stall each): only logging steps read
         reads = host_reads(reads_dir)
         assert sorted(reads) == [0, 1] and all(any(r[3] == 4 for r in log) for log in reads.values())

@@ -74,7 +74,7 @@ def test_offload_keeps_master_weights_and_adam_state_in_cpu_adam(tmp_path, cache
     result_file = tmp_path / "states.json"
     launch("deepspeed_zero3_offload", "benchmarks/measure_model_states.py", "--output_file", result_file,
            "--per_device_train_batch_size", 4, "--block_size", 128, "--ddp_timeout", 120,
-           cache_dir=cache_dir)  # the config's own precision: bf16, as in every config
+           cache_dir=cache_dir, mixed_precision="bf16")  # forced: the bf16 layout, emulated on CPUs without it
     r = json.loads(result_file.read_text())
     assert r["distributed_type"] == "DEEPSPEED" and r["world_size"] == 2 and r["mixed_precision"] == "bf16"
     assert r["optimizer"] == "DeepSpeedCPUAdam"
