@@ -8,7 +8,8 @@
 Both sides train the same model (the `debug` Llama preset, common/models.py), on the same
 blocks (the bundled corpus packed into 256-token blocks by common/data.py, as the recipe builds
 them), with the same global batch (8 blocks per process), AdamW with the recipe's groups,
-betas, eps, LR and weight decay, its warmup-cosine schedule, bf16 autocast and clipping at 1.0:
+betas, eps, LR and weight decay, its warmup-cosine schedule, its precision (the configs' bf16
+autocast where the device computes bf16, else fp32: common/precision.py) and clipping at 1.0:
 
 - bare: `bare_loop` below, plain PyTorch in one process, or `DistributedDataParallel` over
   `--nproc` processes started by torchrun (gloo on CPU, NCCL on GPUs);
@@ -94,7 +95,7 @@ def bare_loop(steps: int, seed: int = 42) -> None:
     from transformers import get_cosine_schedule_with_warmup
 
     sys.path.insert(0, str(REPO))
-    from common import data, models
+    from common import data, models, precision
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
@@ -116,6 +117,9 @@ def bare_loop(steps: int, seed: int = 42) -> None:
                                          pin_memory=device.type == "cuda")
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    # the configs' bf16 where the recipe keeps it (not forced: the YAML's value), else fp32
+    mode, _ = precision.choose_precision("bf16", *precision.detect_device(), n_params=0, forced=False)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16")
     model.train()
     step, epoch = 0, 0
     while step < steps:
@@ -124,7 +128,7 @@ def bare_loop(steps: int, seed: int = 42) -> None:
         for batch in loader:
             input_ids = batch["input_ids"].to(device, non_blocking=True)
             labels = batch["labels"].to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with autocast:
                 loss = model(input_ids=input_ids, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

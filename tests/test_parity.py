@@ -15,6 +15,9 @@ from conftest import REPO, launch, read_metrics
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import KEYS, worst_gaps  # noqa: E402
 
+sys.path.insert(0, str(REPO))
+from common.precision import cpu_native_dtypes  # noqa: E402
+
 STRATEGIES = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
 STEPS, WARMUP, LR = 10, 3, 3e-3
 COMMON = ["--max_steps", STEPS, "--warmup_steps", WARMUP, "--learning_rate", LR, "--logging_steps", 1,
@@ -74,6 +77,10 @@ def test_fp32_parity(strategy, per_device, accum, reference, tmp_path, cache_dir
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_parity(strategy, reference, tmp_path, cache_dir):
     out, _ = run(tmp_path, cache_dir, strategy, 2, 1, "bf16")
+    # forced on the launch line: bf16 even on a CPU that emulates it, and the run says so
+    used = json.loads((out / "run_info.json").read_text())["precision"]
+    assert used["used"] == used["requested"] == "bf16"
+    assert ("emulated" in used["reason"]) == ("bf16" not in cpu_native_dtypes()), used
     gaps = {key: worst_gaps(out, reference)[key] for key in KEYS}
     report(strategy=strategy, precision="bf16", accum=1, **gaps)
     for key, gap in gaps.items():
