@@ -337,7 +337,8 @@ run_info = {
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,
     "model_class": model_cls.__name__, "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
-    "fsdp_units": fsdp_units, "torch_compile": compiled and {
+    "fsdp_units": fsdp_units, "data": data.pack_stats(lm_data),  # tokens per split, and what packing dropped
+    "torch_compile": compiled and {
         "backend": compiled, "mode": dynamo.mode, "regional": bool(dynamo.use_regional_compilation)},
     "args": vars(args),
 }
