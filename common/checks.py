@@ -20,6 +20,8 @@ prints each warning once and exits with every error line.
 | `fsdp_offload_params: true` on a CPU-only host         | error    | pinning host memory needs a GPU         |
 | `fsdp_transformer_layer_cls_to_wrap` not in the model  | error    | Accelerate fails deep in `prepare`      |
 | more processes per machine than visible GPUs           | error    | a rank without a device                 |
+| fewer processes per machine than visible GPUs          | warning  | the other GPUs stay idle (multi-process |
+|                                                        |          |   launches: every YAML pins 2)          |
 | a global batch larger than the training set            | error    | not one optimizer step                  |
 | warmup not shorter than the run                        | warning  | the LR never reaches its peak           |
 | global batch far above `--reference_global_batch`      | warning  | slower or unstable training             |
@@ -349,6 +351,26 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
                               "(python common/plan.py, benchmarks/compare_strategies.py)")
 
 
+def _idle_gpus_problem(config: dict, where: str, hardware: dict, ranks: int, per_machine: int) -> Problem | None:
+    """A warning when a multi-process launch starts fewer processes on this machine than it has GPUs.
+
+    Every YAML pins `num_processes: 2`, and Accelerate gives local rank i the GPU cuda:i: on an
+    8-GPU host the others sit idle, silently. The idle ones are named as torch numbers them, and
+    by their `CUDA_VISIBLE_DEVICES` entry where that is set. A one-process launch
+    (`distributed_type: NO`, single.yaml) asks for one device and gets no warning.
+    """
+    gpus = int(hardware.get("gpus") or 0)
+    if hardware.get("device_type") != "cuda" or per_machine >= gpus or config.get("distributed_type") == "NO":
+        return None
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    idle = [f"cuda:{i}" + (f" (device {visible[i]})" if len(visible) == gpus else "") for i in range(per_machine, gpus)]
+    machines = max(1, int(config.get("num_machines", 1)))
+    return Problem("warning", f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
+                              f"processes on this machine, which has {gpus} GPUs: {len(idle)} stay idle: {', '.join(idle)}; "
+                              f"launch with --num_processes {gpus * machines} to use them all (or set "
+                              "CUDA_VISIBLE_DEVICES to the GPUs this job should have)")
+
+
 def config_problems(config: dict, *, where: str = "the accelerate config", ds: dict | None = None,
                     ds_where: str = "the DeepSpeed JSON", flags: dict | None = None, hardware: dict | None = None,
                     model_classes: set | None = None, train_size: int | None = None, train_unit: str = "samples",
@@ -389,6 +411,8 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
                                         f"processes on this machine, but torch sees {hardware['gpus']} GPU(s) "
                                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                                         "launch at most one process per GPU"))
+        if problem := _idle_gpus_problem(config, where, hardware, ranks, per_machine):
+            out.append(problem)
     if ds is not None:
         out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
     if (problem := _dynamo_problem(config, where, compiles)) is not None:

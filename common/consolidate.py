@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.checkpoint import verify_checkpoint  # noqa: E402
+from common.models import weights_mismatch  # noqa: E402
 
 
 def consolidated_state_dict(checkpoint_dir: Path) -> dict:
@@ -61,8 +62,9 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> None:
     model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{ckpt}: weights do not match hf/config.json: missing {missing}, unexpected {unexpected}")
+    fix = f"its weights do not fit {ckpt / 'hf' / 'config.json'} (a damaged or foreign checkpoint)"
+    if problem := weights_mismatch(missing, unexpected, fix):
+        raise ValueError(f"{ckpt}: {problem}")
     model.tie_weights()
     model.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(ckpt / "hf").save_pretrained(output_dir)

@@ -242,20 +242,79 @@ def tokenizer_error(tokenizer, source: str, texts: list[str], sample_chars: int 
 
 def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: bool = True) -> str:
     """16 hex digits of SHA-256 over the train and validation text, the tokenizer, `block_size` and
-    `packing`: what decides the blocks `pack_dataset` makes (its cache key). Equal on two ranks
+    `packing`: what decides the blocks `pack_dataset` makes (its cache key; the version tag changes
+    whenever the packing does, so no older cache is reused). Equal on two ranks
     means the same training and validation blocks; compare it across nodes, which each read
     their own copy of the data."""
-    key = json.dumps(["v2", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
+    key = json.dumps(["v3", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
                       block_size, packing])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
+                fingerprint: str) -> tuple[datasets.Dataset, dict]:
+    """Concatenate the `ids` rows of `tokens`, in order, and cut the stream into `block_size` blocks.
+
+    Blocks span rows and batches alike: only the stream's last partial block (fewer than
+    `block_size` tokens) is dropped. Block k is tokens [k * block_size, (k + 1) * block_size) of
+    the stream, so each batch of the map reads its own slice (no state carried between batches)
+    and the result is the same however it is batched. Arrow's flattened view of the rows is not
+    a copy, and the blocks are written to `cache_file`, so memory stays bounded when `tokens` is
+    on disk.
+
+    Args:
+        tokens: one row per document, column `ids` (token ids, eos included).
+        cache_file: where the blocks are written (an `.arrow` file in a scratch directory).
+        fingerprint: the result's `datasets` fingerprint (hashing the stream would read it all).
+
+    Returns:
+        (blocks, stats): `input_ids` and `labels`, int64 lists of `block_size`; stats
+        `{"rows", "tokens", "blocks", "dropped_tokens"}` (dropped: below `block_size`).
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    if tokens._indices is not None:  # a select()ed view: its table holds other rows too
+        tokens = tokens.flatten_indices()
+    stream = pc.list_flatten(tokens.data.column("ids"))  # a view: no copy of the tokens
+    n_blocks = len(stream) // block_size
+
+    def cut(batch):
+        first, count = batch["block"][0], len(batch["block"])  # consecutive block numbers
+        ids = stream.slice(first * block_size, count * block_size).to_numpy().astype(np.int64)
+        blocks = ids.reshape(count, block_size)
+        return {"input_ids": blocks, "labels": blocks}
+
+    index = datasets.Dataset.from_dict({"block": np.arange(n_blocks, dtype=np.int64)})
+    blocks = index.map(cut, batched=True, batch_size=1000, remove_columns=["block"], new_fingerprint=fingerprint,
+                       cache_file_name=str(cache_file),
+                       features=datasets.Features({k: datasets.List(datasets.Value("int64"))
+                                                   for k in ("input_ids", "labels")}))
+    stats = {"rows": len(tokens), "tokens": len(stream), "blocks": n_blocks,
+             "dropped_tokens": len(stream) - n_blocks * block_size}
+    return blocks, stats
+
+
+def pack_stats(lm_data: datasets.DatasetDict) -> dict:
+    """What `pack_dataset` kept of each split, read from its cache: packed, `{split: {"rows", "tokens",
+    "blocks", "dropped_tokens"}}`; padded, `{split: {"rows", "cut_rows", "cut_tokens"}}`; {} if unknown."""
+    files = lm_data["train"].cache_files
+    if not files:
+        return {}
+    root = Path(files[0]["filename"]).parent.parent  # <cache>/train/data-*.arrow
+    for name in ("packing.json", "truncation.json"):
+        if (root / name).is_file():
+            return json.loads((root / name).read_text())
+    return {}
 
 
 def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,
                  packing: bool = True) -> datasets.DatasetDict:
     """Tokenize every row (eos appended) into fixed `block_size`-token training examples.
 
-    packing=True (pretraining): concatenate all rows and cut into blocks; the remainder shorter
-    than a block is dropped (`run_clm`'s `group_texts`). packing=False (one example per row, as
+    packing=True (pretraining): concatenate all rows of a split, in order, and cut the stream
+    into blocks (`pack_blocks`); only its last partial block is dropped, and `pack_stats` says
+    how many tokens that was. packing=False (one example per row, as
     in fine-tuning): truncate each row to `block_size` and right-pad it with the pad token;
     padded positions get label -100 and attention_mask 0, so they carry no loss; rows longer than
     a block lose their tail, and a warning (rank 0) says how many rows and tokens were cut.
@@ -274,12 +333,6 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
 
     def tokenize(batch):
         return {"ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
-
-    def group(batch):
-        flat = [t for ids in batch["ids"] for t in ids]
-        n = len(flat) // block_size * block_size
-        blocks = [flat[i:i + block_size] for i in range(0, n, block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
     def pad_rows(batch):
         rows = [ids[:block_size] for ids in batch["ids"]]
@@ -304,8 +357,11 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
                        "--validation_split_percentage, or pass --validation_file")
                 raise ValueError(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size "
                                  f"{block_size}): {fix}")
-        # one batch of 1,000 rows: blocks may span rows, never batches
-        tokens.map(group, batched=True, batch_size=1000, remove_columns=["ids"]).save_to_disk(str(tmp))
+        with tempfile.TemporaryDirectory(dir=tmp.parent, prefix=f".{tmp.name}.") as scratch:
+            packed = {split: pack_blocks(tokens[split], block_size, Path(scratch) / f"{split}.arrow",
+                                         f"{digest}-{split}") for split in ("train", "validation")}
+            datasets.DatasetDict({s: ds for s, (ds, _) in packed.items()}).save_to_disk(str(tmp))
+        (tmp / "packing.json").write_text(json.dumps({s: stats for s, (_, stats) in packed.items()}))
 
     kind = "packed" if packing else "padded"
     path = _atomic_dir(Path(cache_dir) / f"{kind}-{block_size}-{digest}", build)

@@ -235,3 +235,86 @@ def forward_error(model) -> str | None:
     finally:
         model.train()
     return None
+
+
+def key_summary(keys, limit: int = 6) -> str:
+    """State-dict keys in a short line: keys that differ only in a layer number become one entry,
+    e.g. 18 keys of layers 4 and 5 -> "model.layers.{4,5}.* (18 tensors)"; at most `limit` entries."""
+    import re
+
+    groups: dict[str, list] = {}  # "model.layers" -> [layer numbers, tensor count]; a lone key -> None
+    for key in sorted(keys):
+        match = re.match(r"^(.*?)\.(\d+)\.", key)
+        if match is None:
+            groups[key] = None
+            continue
+        entry = groups.setdefault(match[1], [set(), 0])
+        entry[0].add(int(match[2]))
+        entry[1] += 1
+    items = [name if entry is None else f"{name}.{{{','.join(map(str, sorted(entry[0])))}}}.* ({entry[1]} tensors)"
+             for name, entry in groups.items()]
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def weights_mismatch(missing, unexpected, fix: str) -> str | None:
+    """One line naming the model's weights a checkpoint lacks (they would train from their random
+    init) and the checkpoint's weights the model has no place for (dropped), ending with `fix`;
+    None when both are empty."""
+    parts = []
+    if missing:
+        parts.append(f"the checkpoint lacks {len(missing)} of the model's weights, which would start random: "
+                     f"{key_summary(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} of the checkpoint's weights have no place in the model and would be "
+                     f"dropped: {key_summary(unexpected)}")
+    return f"{'; '.join(parts)}; {fix}" if parts else None
+
+
+def checkpoint_keys(name_or_path: str) -> set[str] | None:
+    """The tensor names of a safetensors checkpoint (a directory or a hub name already downloaded),
+    read from the file headers or the shard index; None when there is no safetensors file."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    def find(name):
+        return cached_file(name_or_path, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+
+    if index := find("model.safetensors.index.json"):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    if single := find("model.safetensors"):
+        with safe_open(single, framework="pt") as f:
+            return set(f.keys())
+    return None
+
+
+def load_pretrained(name_or_path: str, config, allow_new_weights: bool = False) -> tuple[torch.nn.Module, str | None]:
+    """`AutoModelForCausalLM.from_pretrained` in fp32, and whether the checkpoint fits the model.
+
+    transformers initialises the model's weights that the checkpoint lacks at random, and drops the
+    checkpoint's weights that the model has no place for; it only logs a load report. Both train
+    another model than the one asked for, silently: a config with more layers (the new ones train
+    from random values), or one that unties the embeddings (a random output head, loss ln V at
+    the start). Under DeepSpeed ZeRO-3 transformers reports no unexpected keys (its partitioned
+    load assumes a matching checkpoint), so they are taken from the checkpoint's own key list.
+
+    Args:
+        config: the model config (from --config_name, or the checkpoint's own).
+        allow_new_weights: weights missing from the checkpoint are meant to start from their
+            init (new layers on purpose); unexpected weights are refused all the same.
+
+    Returns:
+        (model, None), or (model, one line naming the keys and the fix) when it does not fit.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    model, info = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32,
+                                                       output_loading_info=True)
+    missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
+    if is_deepspeed_zero3_enabled() and (saved := checkpoint_keys(name_or_path)) is not None:
+        unexpected |= saved - set(model.state_dict())
+    fix = ("pass a --config_name that matches the checkpoint (or none: its own config)"
+           + ("" if allow_new_weights or not missing else ", or --allow_new_weights to train new weights on purpose"))
+    return model, weights_mismatch([] if allow_new_weights else missing, unexpected, fix)

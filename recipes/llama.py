@@ -54,6 +54,9 @@ class Args:
     # model and tokenizer
     model_config: str = field(default="debug", metadata={"help": f"Llama preset: {', '.join(models.PRESETS)}"})
     model_name_or_path: str = field(default=None, metadata={"help": "pretrained weights (fine-tuning) instead of a preset"})
+    allow_new_weights: bool = field(default=False, metadata={
+        "help": "let weights that --model_name_or_path lacks (e.g. layers added by --config_name) start from their "
+                "init; without it a checkpoint that does not fit the model stops the run"})
     config_name: str = field(default=None, metadata={
         "help": "a model config (directory or config.json) to train from scratch, any causal-LM type"})
     config_overrides: str = field(default=None, metadata={
@@ -103,6 +106,8 @@ if from_scratch and args.config_name is None and args.model_config not in models
 if args.config_overrides and not from_scratch:
     sys.exit("error: --config_overrides changes a model trained from scratch (--config_name or the preset); "
              "pretrained weights (--model_name_or_path) keep their shapes")
+if args.allow_new_weights and from_scratch:
+    sys.exit("error: --allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none")
 for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
     if getattr(args, flag) < 1:
         sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
@@ -240,14 +245,14 @@ if args.model_name_or_path:
     # transformers 5 would read the checkpoint on every rank: a bf16 one in fp32 is a full copy each.
     # Non-persistent buffers (rotary inv_freq) are computed by __init__, not loaded.
     rank0_loads = is_fsdp and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
+    error = None
     try:
         if rank0_loads and not accelerator.is_main_process:
             with no_init_weights():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             model.tie_weights()
-        else:
-            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32)
-        error = None
+        else:  # missing or unexpected weights (another depth, untied embeddings) stop the run
+            model, error = models.load_pretrained(args.model_name_or_path, config, args.allow_new_weights)
     except Exception as err:  # noqa: BLE001  (a damaged file, mismatched shapes: one line, on every rank)
         error = f"{type(err).__name__}: {err}".splitlines()[0]
     if errors := [e for e in gather_object([error]) if e]:  # else the others would wait for rank 0's broadcast
@@ -347,7 +352,8 @@ run_info = {
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,
     "model_class": model_cls.__name__, "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
-    "fsdp_units": fsdp_units, "torch_compile": compiled and {
+    "fsdp_units": fsdp_units, "data": data.pack_stats(lm_data),  # tokens per split, and what packing dropped
+    "torch_compile": compiled and {
         "backend": compiled, "mode": dynamo.mode, "regional": bool(dynamo.use_regional_compilation)},
     "args": vars(args),
 }

@@ -140,6 +140,29 @@ def test_more_processes_than_gpus(tmp_path, monkeypatch):
     assert checks.config_problems(config, hardware={**gpus, "gpus": 4}) == []
 
 
+def test_gpus_left_idle(tmp_path, monkeypatch):
+    # The quick start's 2 processes on an 8-GPU host: 6 GPUs idle, named, and the flag that uses them.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    eight = {"device_type": "cuda", "capability": (9, 0), "gpus": 8}
+    config = yaml_config(tmp_path, "fsdp")
+    assert config["num_processes"] == 2
+    assert lines(checks.config_problems(config, where="fsdp.yaml", hardware=eight)) == [
+        "warning: num_processes 2 in fsdp.yaml (or --num_processes) starts 2 processes on this machine, which has 8 "
+        "GPUs: 6 stay idle: cuda:2, cuda:3, cuda:4, cuda:5, cuda:6, cuda:7; launch with --num_processes 8 to use "
+        "them all (or set CUDA_VISIBLE_DEVICES to the GPUs this job should have)"]
+    # two machines of 4 GPUs, 6 processes: 3 per machine; the idle one by its CUDA_VISIBLE_DEVICES entry too
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    config = yaml_config(tmp_path, "ddp", num_processes=6, num_machines=2)
+    assert lines(checks.config_problems(config, where="ddp.yaml", hardware={**eight, "gpus": 4})) == [
+        "warning: num_processes 6 in ddp.yaml (or --num_processes) starts 3 processes on this machine, which has 4 "
+        "GPUs: 1 stay idle: cuda:3 (device 7); launch with --num_processes 8 to use them all (or set CUDA_VISIBLE_DEVICES to "
+        "the GPUs this job should have)"]
+    # every GPU used, a one-process launch (single.yaml), or a CPU host: nothing to say
+    assert checks.config_problems(yaml_config(tmp_path, "ddp", num_processes=8), hardware=eight) == []
+    assert checks.config_problems(yaml_config(tmp_path, "single"), hardware=eight) == []
+    assert checks.config_problems(yaml_config(tmp_path, "ddp"), hardware=CPU) == []
+
+
 def test_global_batch_larger_than_the_training_set():
     config = {"num_processes": 2}
     assert lines(checks.config_problems(config, flags=FLAGS, train_size=7, train_unit="blocks of 64 tokens")) == [

@@ -3,7 +3,9 @@ rank 0 alone reads the pretrained weights into host RAM, the other ranks get the
 broadcast in `accelerator.prepare`, and the run trains exactly as the same fine-tune under DDP.
 
 Without it every rank reads the checkpoint, and `dtype=torch.float32` turns a bf16 one into a
-full fp32 copy per rank: 32 GB per rank for an 8B model, 256 GB on an 8-GPU host."""
+full fp32 copy per rank: 32 GB per rank for an 8B model, 256 GB on an 8-GPU host.
+
+And a checkpoint that does not fit the model (missing or unexpected weights) stops the run."""
 
 import os
 import subprocess
@@ -11,12 +13,15 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, corpus_args
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import worst_gaps  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+from common import models  # noqa: E402
 
 FP32_RTOL = 1e-4  # as tests/test_parity.py
 FLAGS = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 2, "--warmup_steps", 1,
@@ -118,3 +123,63 @@ def test_fsdp2_fine_tune_loads_weights_on_rank_0_only(tmp_path, pretrained, smal
     assert gaps["steps"] == 2
     for key in ("loss", "grad_norm", "eval_loss"):
         assert gaps[key] is not None and gaps[key] < FP32_RTOL, f"{key}: worst relative gap {gaps[key]} vs DDP"
+
+
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory, small_corpus):
+    """A 4-layer tied Llama as the recipe exports it (hidden 64), and configs that do not fit it:
+    6 layers, 2 layers, and untied embeddings. Returns {name: path}."""
+    tokenizer = AutoTokenizer.from_pretrained(small_corpus[2])
+    config = models.llama_config("debug", len(tokenizer), hidden_size=64, intermediate_size=128,
+                                 max_position_embeddings=128)
+    models.set_token_ids(config, tokenizer, from_scratch=True)
+    root = tmp_path_factory.mktemp("export")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "A")
+    paths = {"A": root / "A"}
+    for name, change in {"six": {"num_hidden_layers": 6}, "two": {"num_hidden_layers": 2},
+                         "untied": {"tie_word_embeddings": False}}.items():
+        LlamaConfig(**{**config.to_dict(), **change}).save_pretrained(root / name)
+        paths[name] = root / name
+    return paths
+
+
+def test_load_pretrained_names_missing_and_unexpected_weights(small_export):
+    """transformers starts the missing weights random and drops the unexpected ones, and only logs it."""
+    a = str(small_export["A"])
+    load = {name: models.load_pretrained(a, AutoConfig.from_pretrained(small_export[name]))[1]
+            for name in ("six", "two", "untied")}
+    assert load["six"].startswith("the checkpoint lacks 18 of the model's weights, which would start random: "
+                                  "model.layers.{4,5}.* (18 tensors); pass a --config_name")
+    assert load["six"].endswith("or --allow_new_weights to train new weights on purpose")
+    assert load["two"].startswith("18 of the checkpoint's weights have no place in the model and would be dropped: "
+                                  "model.layers.{2,3}.* (18 tensors)")
+    assert load["untied"].startswith("the checkpoint lacks 1 of the model's weights, which would start random: "
+                                     "lm_head.weight;")
+    assert models.load_pretrained(a, AutoConfig.from_pretrained(a))[1] is None
+    # new layers on purpose: the 4 saved ones load, the 2 new ones keep their init
+    model, problem = models.load_pretrained(a, AutoConfig.from_pretrained(small_export["six"]), allow_new_weights=True)
+    saved = LlamaForCausalLM.from_pretrained(a).state_dict()
+    assert problem is None and torch.equal(model.state_dict()["model.layers.3.mlp.up_proj.weight"],
+                                           saved["model.layers.3.mlp.up_proj.weight"])
+    assert models.load_pretrained(a, AutoConfig.from_pretrained(small_export["two"]), True)[1] is not None
+
+
+@pytest.mark.parametrize("config,model_config", [("ddp", "six"), ("fsdp", "untied")])
+def test_partial_pretrained_load_stops_every_rank(config, model_config, tmp_path, small_export, small_corpus,
+                                                  cache_dir):
+    """Fine-tuning the 4-layer export with a 6-layer --config_name (DDP), or one that unties the
+    embeddings (FSDP2, where rank 0 alone loads): before, both trained (2 random layers; a random
+    output head, loss ln V at the start)."""
+    out = tmp_path / "out"
+    proc = _start(config, out, ["--model_name_or_path", small_export["A"], "--config_name", small_export[model_config],
+                                *corpus_args(small_corpus), *FLAGS], cache_dir)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode != 0, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2 and lines[0] == lines[1], output[-4000:]  # one line on each rank
+    missing = {"six": "18 of the model's weights, which would start random: model.layers.{4,5}.* (18 tensors)",
+               "untied": "1 of the model's weights, which would start random: lm_head.weight"}[model_config]
+    assert lines[0].startswith(f"error: cannot load --model_name_or_path {small_export['A']}: the checkpoint lacks "
+                               f"{missing}; pass a --config_name that matches"), lines[0]
+    assert not (out / "metrics.jsonl").exists() and not (out / "final").exists()

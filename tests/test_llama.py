@@ -47,6 +47,10 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
             assert abs(n / info["n_params"] - 0.5) < 0.02, (n, info["n_params"])
     else:
         assert local == [info["n_params"]] * world
+    # the bundled corpus, packed: 1.56M training tokens, less than one block of them dropped
+    train = info["data"]["train"]
+    assert train["rows"] == 40 and train["blocks"] * 128 + train["dropped_tokens"] == train["tokens"] > 1.5e6
+    assert all(split["dropped_tokens"] < 128 for split in info["data"].values())
 
     # No read of a device value in an ordinary step (steps 1, 3, ..., 11 and the training of the
     # next): on a GPU each one would stall the host until the device catches up. Reads from
