@@ -36,10 +36,12 @@ Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU of
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -175,6 +177,43 @@ def die_with_launcher() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the launcher died before the call: the signal will never come
         os._exit(1)
+
+
+def report_errors_to_launcher() -> None:
+    """Hand this rank's fatal error to torchrun, so that its failure summary, printed last, names it.
+
+    torchrun (under `accelerate launch`) gives each worker a file, `TORCHELASTIC_ERROR_FILE`; when
+    a worker fails, the summary that ends the launcher's output shows the first failed rank's file
+    as the root cause, else only a link to the docs, and the rank's own `error:` line is left about
+    35 lines up. torch's `@record` fills the file from an exception that leaves a function, but
+    the recipes are scripts that stop with `sys.exit("error: ...")`, which `@record` passes on
+    unrecorded. So here `sys.exit` with an `error:` message and an uncaught exception
+    (`sys.excepthook`) write the file, in the format `ProcessFailure` reads. Outside torchrun, or
+    called twice, it does nothing.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or getattr(sys.exit, "reports_to", None) == path:
+        return
+    exit_, hook = sys.exit, sys.excepthook
+
+    def write(message: str) -> None:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the summary then says what it said before; the rank's own output still has the error
+
+    def exit_and_report(status=None):
+        if isinstance(status, str) and status.startswith("error:"):
+            write(status)
+        exit_(status)
+
+    def hook_and_report(kind, value, traceback):
+        write(f"{kind.__name__}: {value}")  # the traceback itself goes to stderr, as always
+        hook(kind, value, traceback)
+
+    exit_and_report.reports_to = path
+    sys.exit, sys.excepthook = exit_and_report, hook_and_report
 
 
 def allow_mixed_precision_with_deepspeed_json() -> None:
