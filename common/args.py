@@ -94,8 +94,9 @@ def parse_flags(types: tuple, argv: list[str] | None = None, description: str | 
     for instance in parsed:
         check_ranges(instance)
     # what the user typed: the same parser with every default suppressed (abbreviations and --no_x included)
-    names = [f.name for t in types for f in dataclasses.fields(t)]
-    parser.set_defaults(**dict.fromkeys(names, argparse.SUPPRESS))
+    parser._defaults.clear()  # set_defaults' copies would fill the namespace
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
     given, _ = parser.parse_known_args(argv)
     return tuple(parsed), set(vars(given))
 

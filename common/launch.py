@@ -341,8 +341,14 @@ if __name__ == "__main__":
     from pathlib import Path
 
     configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
+    usage = "usage: python common/launch.py CONFIG RECIPE [ARGS...]"
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"{usage}\n\nRuns `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE [ARGS...]` "
+              "once the config exists. CONFIG: a .yaml path or one of "
+              f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}. The recipe's own flags: RECIPE --help.")
+        sys.exit(0)
     if len(sys.argv) < 3:
-        sys.exit("usage: python common/launch.py CONFIG RECIPE [ARGS...]")
+        sys.exit(usage)
     name = sys.argv[1]
     path = Path(name) if name.endswith(".yaml") else configs / f"{name}.yaml"
     if not path.is_file():

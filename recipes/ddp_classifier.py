@@ -109,6 +109,7 @@ class Args:
 # with one `error:` line, before anything is written.
 args = common_args.parse_args(Args, description=__doc__, output_dir="runs/ddp_classifier", learning_rate=1e-3, weight_decay=0.01,
                               warmup_steps=30, num_train_epochs=2, logging_steps=20, per_device_train_batch_size=32)
+common_args.make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
 if args.hidden_size % args.num_attention_heads:
     sys.exit(f"error: --hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
              f"{args.num_attention_heads}")
@@ -153,7 +154,6 @@ if accelerator.distributed_type == DistributedType.FSDP:
 precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
 set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
 world_size, rank = accelerator.num_processes, accelerator.process_index
-common_args.make_output_dir(args.output_dir)
 try:
     checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
 except ValueError as err:

@@ -92,6 +92,7 @@ class Args:
 
 args = parse_args(Args, description=__doc__, output_dir="runs/llama", per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
                   warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
+make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
 if args.per_device_eval_batch_size is None:
     args.per_device_eval_batch_size = args.per_device_train_batch_size
 from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
@@ -143,7 +144,6 @@ except ValueError as err:
 # low-precision gradients across ranks is where most of the precision is lost.
 precision.keep_fp32_reduction(accelerator)
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
-make_output_dir(args.output_dir)
 try:
     checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
 except ValueError as err:

@@ -100,6 +100,7 @@ class Args:
 DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
 args = parse_args(Args, description=__doc__, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
 if args.per_device_eval_batch_size is None:
     args.per_device_eval_batch_size = args.per_device_train_batch_size
 if args.precision not in precision.MODES:
@@ -212,7 +213,6 @@ except ValueError as err:
 accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
                                                      if config_mp and config_mp != mode else ""))
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-make_output_dir(args.output_dir)  # after parse_args refused a non-empty one, on every rank
 try:
     checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
 except ValueError as err:

@@ -320,6 +320,7 @@ def main():
     if args.max_steps < 1:
         sys.exit("error: sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
                  "in length, so --num_train_epochs cannot fix one step count for every rank")
+    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
     # a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the flags, ...
@@ -354,7 +355,6 @@ def main():
     try:
         launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
         launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
-        make_output_dir(args.output_dir)
         checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
     except ValueError as err:
         sys.exit(f"error: {err}")
