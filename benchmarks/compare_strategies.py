@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from transformers import HfArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from common.args import flag, parse_flags  # noqa: E402
 from common.plan import COMM_KINDS, comm_pattern, predicted_comm_bytes  # noqa: E402,F401  (the ZeRO paper's volumes)
 
 WARMUP_STEPS = 2  # first steps excluded from step time (allocation, first collectives, JIT)
@@ -53,18 +53,18 @@ STATE_CATEGORIES = ("params", "grads", "fp32_master", "adam_moments")
 
 @dataclass
 class Args:
-    steps: int = field(default=20, metadata={"help": "optimizer steps per strategy (K)"})
+    steps: int = flag(20, "optimizer steps per strategy (K)", low=1)
     strategies: str = field(default="ddp,fsdp,deepspeed_zero2,deepspeed_zero3",
                             metadata={"help": "comma-separated accelerate_configs/<name>.yaml names"})
     output_dir: str = "runs/compare_strategies"
-    num_processes: int = field(default=2, metadata={"help": "ranks per run (GPUs, or CPU processes)"})
+    num_processes: int = flag(2, "ranks per run (GPUs, or CPU processes)", low=1)
     mixed_precision: str = field(default="auto", metadata={
         "help": "no, bf16 or fp16 (forced on the launch line); auto: the config's bf16 where the device computes it, "
                 "else fp32 (common/precision.py)"})
     model_config: str = "debug"
-    per_device_train_batch_size: int = 8
-    block_size: int = 256
-    timeout: int = field(default=1800, metadata={"help": "seconds allowed per launched run"})
+    per_device_train_batch_size: int = flag(8, low=1)
+    block_size: int = flag(256, low=2)
+    timeout: int = flag(1800, "seconds allowed per launched run", low=1)
 
 
 def median_step_seconds(records: list[dict], tokens_per_step: int, skip: int = WARMUP_STEPS) -> float:
@@ -219,7 +219,7 @@ def save_chart(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main():
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    args = parse_flags((Args,), description=__doc__)[0][0]
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     missing = [s for s in names if not (REPO / "accelerate_configs" / f"{s}.yaml").is_file()]
     if not names or missing:

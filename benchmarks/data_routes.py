@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from transformers import HfArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.compare_strategies import accelerate_launch, describe_machine  # noqa: E402
+from common.args import flag, parse_flags  # noqa: E402
 
 SIZES = {"10 MB": 2, "1 GB": 200}  # --repeat of the bundled corpus
 MB = 2**20
@@ -51,14 +51,14 @@ class Args:
     output: str = "benchmarks/results/data_routes_cpu2.md"
     work_dir: str = field(default="/tmp/data_routes", metadata={"help": "corpora and run folders"})
     routes: str = "parquet,datasets"
-    repeats: int = field(default=3, metadata={"help": "launches per (size, route); the table gives medians"})
-    num_shards: int = 8
-    max_steps: int = 30
-    loader_benchmark_batches: int = 200
+    repeats: int = flag(3, "launches per (size, route); the table gives medians", low=1)
+    num_shards: int = flag(8, low=1)
+    max_steps: int = flag(30, low=1)
+    loader_benchmark_batches: int = flag(200, low=1)
     keep_corpora: bool = False
-    num_processes: int = 2
+    num_processes: int = flag(2, low=1)
     mixed_precision: str = field(default="auto", metadata={"help": "auto (the config's, by the hardware), no, bf16, fp16"})
-    timeout: int = 900
+    timeout: int = flag(900, "seconds allowed per launched run", low=1)
 
 
 def prepare(out: Path, repeat: int, num_shards: int) -> dict:
@@ -88,7 +88,7 @@ def medians(runs: list[list[dict]]) -> list[dict]:
 
 
 def main():
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    args = parse_flags((Args,), description=__doc__)[0][0]
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if (free := shutil.disk_usage(work).free) < 2 * 600e6:

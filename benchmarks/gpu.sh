@@ -29,8 +29,9 @@ root=$PWD
 smoke=0
 case "${1:-}" in
   --cpu-smoke) smoke=1 ;;
+  -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$root/benchmarks/gpu.sh"; exit 0 ;;
   "") ;;
-  *) echo "error: unknown argument '$1' (benchmarks/gpu.sh takes none, or --cpu-smoke)" >&2; exit 2 ;;
+  *) echo "error: unknown argument '$1' (benchmarks/gpu.sh takes none, --cpu-smoke or --help)" >&2; exit 2 ;;
 esac
 out_dir=${OUT:-$here}
 work=${WORK_DIR:-$(mktemp -d -t gpu_bench.XXXXXX)}

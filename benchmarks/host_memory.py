@@ -83,6 +83,11 @@ def main(model_dir: str, rank0_only: bool) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
-        sys.exit("usage: accelerate launch --config_file CONFIG benchmarks/host_memory.py MODEL_DIR [--rank0_only]")
-    main(sys.argv[1], "--rank0_only" in sys.argv[2:])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", help="a Llama directory written by save_pretrained")
+    parser.add_argument("--rank0_only", action="store_true",
+                        help="only rank 0 reads the weights; the others wait for prepare's broadcast")
+    cli = parser.parse_args()
+    main(cli.model_dir, cli.rank0_only)

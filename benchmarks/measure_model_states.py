@@ -41,10 +41,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from transformers import HfArgumentParser, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import data, launch, models  # noqa: E402
+from common.args import SEED_MAX, flag, parse_flags  # noqa: E402
 
 
 @dataclass
@@ -55,14 +56,14 @@ class Args:
         "LlamaConfig changes, 'key=value,key=value' (as recipes/llama.py); several model shapes measured in this "
         "one launch: separate them with ';' (an empty entry is the preset itself); --output_file then holds a list"
     )})
-    vocab_size: int = 4096
-    block_size: int = 256
-    per_device_train_batch_size: int = 8
+    vocab_size: int = flag(4096, low=256)
+    block_size: int = flag(256, low=2)
+    per_device_train_batch_size: int = flag(8, low=1)
     learning_rate: float = 3e-3
     weight_decay: float = 0.1
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    seed: int = 42
-    ddp_timeout: int = 600
+    seed: int = flag(42, low=0, high=SEED_MAX)
+    ddp_timeout: int = flag(600, "collective timeout in seconds", low=1)
 
 
 class ByteLedger:
@@ -241,7 +242,7 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
 
 
 def main():
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    args = parse_flags((Args,), description=__doc__)[0][0]
     if not args.output_file:
         sys.exit("error: --output_file is required")
     shapes = args.config_overrides.split(";")

@@ -3,12 +3,19 @@
 Each recipe declares only its own flags in a dataclass and calls `parse_args(RecipeArgs,
 **defaults)`: `HfArgumentParser` takes both dataclasses, so `--max_steps`, `--output_dir`, ...
 exist in every recipe with the same meaning, and each recipe only chooses its defaults.
+
+Every integer flag declares its range with `flag(..., low=, high=)`: the parser checks it (one
+`error:` line), `--help` states it, and a parser refuses to build for an integer flag without one.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import dataclasses
 import os
 import sys
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +23,82 @@ from types import SimpleNamespace
 from transformers import HfArgumentParser
 
 from common.checkpoint import restart_note
+
+SEED_MAX = 2**32 - 1  # numpy's seed range; set_seed seeds numpy too
+
+
+def flag(default=None, help: str = "", *, low: float | None = None, high: float | None = None):
+    """A dataclass field for a flag whose value must lie in [low, high] (either may be None: open).
+
+    `parse_flags` checks the range (None, "not set", always passes) and appends it to the help.
+    """
+    return field(default=default, metadata={"help": help, "range": (low, high)})
+
+
+def range_text(low, high) -> str:
+    """'at least 1', 'at most 9', '1 to 99' or '' for a (low, high) range."""
+    if low is not None and high is not None:
+        return f"{low} to {high}"
+    return f"at least {low}" if low is not None else f"at most {high}" if high is not None else ""
+
+
+class FlagParser(HfArgumentParser):
+    """`HfArgumentParser` with flag ranges, a literal '%' in help texts, the module docstring kept
+    as written, and one `error:` line (no usage block) for a bad flag."""
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, formatter_class=self.Formatter, **kwargs)
+
+    def error(self, message):  # argparse would print the whole usage first
+        sys.exit(f"error: {message}")
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field):
+        meta = dict(field.metadata)
+        low, high = meta.pop("range", (None, None))
+        if int in (field.type, *typing.get_args(field.type)) and "range" not in field.metadata:
+            raise TypeError(f"--{field.name}: an integer flag needs a range (common.args.flag(low=, high=))")
+        # argparse %-formats help texts ("%(default)s"): a literal % must be doubled
+        text = " ".join(filter(None, [meta.get("help", ""), f"({range_text(low, high)})" if range_text(low, high) else ""]))
+        meta["help"] = text.replace("%", "%%")
+        field = copy.copy(field)
+        field.metadata = meta
+        HfArgumentParser._parse_dataclass_field(parser, field)
+
+
+def check_ranges(instance) -> None:
+    """Exit with one `error:` line for the first flag of a dataclass instance outside its `flag` range."""
+    for f in dataclasses.fields(instance):
+        low, high = f.metadata.get("range", (None, None))
+        value = getattr(instance, f.name)
+        if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
+            sys.exit(f"error: --{f.name} must be {range_text(low, high)}, got {value}")
+
+
+def parse_flags(types: tuple, argv: list[str] | None = None, description: str | None = None,
+                **defaults) -> tuple[tuple, set[str]]:
+    """Parse dataclasses of flags: one `error:` line for an unknown flag, a wrong type or a value out of range.
+
+    Returns:
+        (one instance per dataclass, the names of the flags given on the command line).
+    """
+    parser = FlagParser(types, description=description)
+    parser.set_defaults(**defaults)
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as err:  # e.g. "Some specified arguments are not used by the HfArgumentParser: [...]"
+        sys.exit(f"error: {err}")
+    for instance in parsed:
+        check_ranges(instance)
+    # what the user typed: the same parser with every default suppressed (abbreviations and --no_x included)
+    parser._defaults.clear()  # set_defaults' copies would fill the namespace
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = parser.parse_known_args(argv)
+    return tuple(parsed), set(vars(given))
 
 
 @dataclass
@@ -25,60 +108,72 @@ class TrainingFlags:
     output_dir: str = field(default=None, metadata={"help": "where metrics, checkpoints and the export go"})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "train into an --output_dir that already holds files (they are written over, not deleted)"})
-    seed: int = 42
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "micro batch per rank"})
-    gradient_accumulation_steps: int = 1
+    seed: int = flag(42, low=0, high=SEED_MAX)
+    per_device_train_batch_size: int = flag(8, "micro batch per rank", low=1)
+    gradient_accumulation_steps: int = flag(1, low=1)
     learning_rate: float = field(default=3e-3, metadata={"help": "peak LR"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decay; never on biases and norm weights"})
-    warmup_steps: int = 0
-    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
+    weight_decay: float = flag(0.0, "AdamW decay; never on biases and norm weights", low=0)
+    warmup_steps: int = flag(0, low=0)
+    max_steps: int = flag(-1, "optimizer steps; -1: --num_train_epochs decides. Given with --num_train_epochs, "
+                          "--max_steps wins; --num_train_epochs alone overrides a recipe's default --max_steps", low=-1)
     num_train_epochs: float = 1.0
-    logging_steps: int = 10
-    save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 = never"})
+    logging_steps: int = flag(10, low=1)
+    save_steps: int = flag(0, "checkpoint every N optimizer steps; 0 = never", low=0)
     resume_from_checkpoint: str = field(default=None, metadata={
         "help": "a checkpoint path; 'latest' (the newest complete one); or 'auto' (the newest if there is one, else "
                 "a fresh start: for jobs that restart or are requeued). Restarts default to 'auto'"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "clip to this global norm; 0 logs it, clips nothing"})
+    max_grad_norm: float = flag(1.0, "clip to this global norm; 0 logs it, clips nothing", low=0)
     report_to: str = field(default="none", metadata={"help": "Accelerate tracker(s), e.g. tensorboard, or 'none'"})
 
 
-def parse_args(recipe_args: type, argv: list[str] | None = None, **defaults) -> SimpleNamespace:
+class Flags(SimpleNamespace):
+    """Every flag as an attribute, and `given`: the names the user passed (a slot: not in `vars()`)."""
+
+    __slots__ = ("given",)
+
+
+def parse_args(recipe_args: type, argv: list[str] | None = None, description: str | None = None,
+               **defaults) -> Flags:
     """Parse `TrainingFlags` plus a recipe's own dataclass; bad flags exit with one `error:` line.
 
     Args:
         recipe_args: the recipe's dataclass of its own flags (no field may repeat a core flag).
         argv: the arguments (default `sys.argv[1:]`).
+        description: what `--help` prints first (the recipe's docstring).
         defaults: recipe defaults for any flag, core or own (e.g. `learning_rate=1e-3`).
 
     Returns:
         One namespace with every flag of both dataclasses as an attribute.
 
     Raises:
-        SystemExit: `error: ...` for an unknown flag, a value of the wrong type, a count below
-            its minimum, or an `--output_dir` that already holds files while neither
-            `--overwrite_output_dir` nor `--resume_from_checkpoint` is given (a fresh run would
-            overwrite the earlier run's metrics, export and, through `--save_total_limit`, its
-            checkpoints).
+        SystemExit: `error: ...` for an unknown flag, a value of the wrong type or outside its
+            `flag` range, an `--output_dir` that is a file, or an `--output_dir` that already
+            holds files while neither `--overwrite_output_dir` nor `--resume_from_checkpoint` is
+            given (a fresh run would overwrite the earlier run's metrics, export and, through
+            `--save_total_limit`, its checkpoints).
+
+    A recipe default never overrides a flag the user gave: `--num_train_epochs` without
+    `--max_steps` sets `max_steps` to -1 (the epochs decide); with both, `--max_steps` wins, as in
+    `TrainingArguments`, and rank 0 says so.
 
     On a restart (torchrun's `--max_restarts`, a SLURM requeue: `checkpoint.restart_note`), a run
     without `--resume_from_checkpoint` resumes as with `auto`, and `--overwrite_output_dir`
     applies to the first attempt only (it would delete the checkpoints the job is restarting from).
     """
-    parser = HfArgumentParser((TrainingFlags, recipe_args))
-    parser.error = lambda message: sys.exit(f"error: {message}")  # argparse would print the whole usage first
-    parser.set_defaults(**defaults)
-    try:
-        core, own = parser.parse_args_into_dataclasses(args=argv)
-    except ValueError as err:  # e.g. "Some specified arguments are not used by the HfArgumentParser: [...]"
-        sys.exit(f"error: {err}")
-    args = SimpleNamespace(**asdict(core), **asdict(own))
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
-        if getattr(args, flag) < 1:
-            sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
-    for flag in ("save_steps", "warmup_steps", "max_grad_norm", "weight_decay"):
-        if getattr(args, flag) < 0:
-            sys.exit(f"error: --{flag} must not be negative, got {getattr(args, flag)}")
-    if args.max_steps == 0 or args.max_steps < -1:
+    from common.launch import report_errors_to_launcher
+
+    report_errors_to_launcher()  # from here on an `error:` exit ends the launcher's summary too
+    (core, own), given = parse_flags((TrainingFlags, recipe_args), argv, description, **defaults)
+    args = Flags(**asdict(core), **asdict(own))
+    args.given = given
+    if "num_train_epochs" in given and args.max_steps > 0:
+        if "max_steps" in given:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"--max_steps {args.max_steps} and --num_train_epochs {args.num_train_epochs:g} both given: "
+                      f"--max_steps wins (as in transformers.TrainingArguments)")
+        else:
+            args.max_steps = -1  # the recipe's default step count must not override the epochs the user asked for
+    if args.max_steps == 0:
         sys.exit(f"error: --max_steps must be positive, or -1 to train --num_train_epochs, got {args.max_steps}")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         sys.exit(f"error: --num_train_epochs must be positive, got {args.num_train_epochs}")
@@ -103,9 +198,18 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, **defaults) -> 
     return args
 
 
+def make_output_dir(output_dir: str) -> None:
+    """Create `output_dir` and its parents; exit with one `error:` line if that is impossible."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as err:  # a file in the way, a read-only or virtual filesystem (/proc), no permission
+        sys.exit(f"error: --output_dir {output_dir}: cannot create it ({err.strerror})")
+
+
 def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: str | None,
                      restarted: bool = False) -> str | None:
-    """A message if a fresh run would write into a directory that already holds files, else None.
+    """A message if `output_dir` is a file, or a fresh run would write into a directory that already
+    holds files, else None.
 
     Call on every rank before anything is written (before the `Accelerator`: its process-group
     set-up waits for every rank, so no rank can have written yet). The rule is `run_clm.py`'s:
@@ -113,6 +217,8 @@ def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: s
     when there is a complete checkpoint to take, or when this is a restart of the same job
     (`restarted`: its first attempt wrote the files, and died before its first checkpoint).
     """
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        return f"--output_dir {output_dir} is a file, not a directory"
     resumable = os.path.isdir(output_dir) and any(Path(output_dir).glob("checkpoint-*/COMPLETE.json"))
     resuming = resume_from_checkpoint not in (None, "auto") or (resume_from_checkpoint == "auto" and
                                                                  (resumable or restarted))
@@ -127,10 +233,10 @@ def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: s
 
 
 def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
-    """Exit with one `error:` line if a core flag this recipe cannot honour was changed from its default.
+    """Exit with one `error:` line if a core flag this recipe cannot honour was given, or changed from its default.
 
     The default compared against is `TrainingFlags`'s, so a recipe must not give a refused flag a
-    default of its own.
+    default of its own. A flag given at its default value is refused too: it would be ignored.
 
     Args:
         args: the parsed flags.
@@ -139,5 +245,5 @@ def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
     """
     defaults = TrainingFlags()
     for flag, reason in why.items():
-        if getattr(args, flag) != getattr(defaults, flag):
+        if flag in getattr(args, "given", ()) or getattr(args, flag) != getattr(defaults, flag):
             sys.exit(f"error: {recipe} does not take --{flag}: {reason}")

@@ -64,7 +64,12 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
 
     Returns:
         The path of the finished checkpoint (the same on every rank, after a final barrier).
+
+    Raises:
+        ValueError: `save_total_limit` below 1 (a negative one sliced away the new checkpoint).
     """
+    if save_total_limit is not None and save_total_limit < 1:
+        raise ValueError(f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}")
     out = Path(output_dir)
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     if accelerator.is_main_process and tmp.exists():

@@ -79,7 +79,7 @@ def load_text_dataset(
 
     Raises:
         FileNotFoundError: a data file does not exist (names it).
-        ValueError: unsupported extension, no `text` column, or a split left empty.
+        ValueError: an empty data file, unsupported extension, no `text` column, or a split left empty.
     """
     if dataset_name:
         raw = datasets.load_dataset(dataset_name, dataset_config_name)
@@ -88,6 +88,8 @@ def load_text_dataset(
         for path in files.values():
             if not Path(path).is_file():
                 raise FileNotFoundError(f"data file not found: {path}")
+            if Path(path).stat().st_size == 0:  # `datasets` would end in a StopIteration traceback
+                raise ValueError(f"data file is empty: {path}")
         builders = {"txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}
         kinds = {path: builders.get(Path(path).suffix.lstrip(".")) for path in files.values()}
         for path, builder in kinds.items():

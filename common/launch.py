@@ -36,10 +36,12 @@ Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU of
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -177,6 +179,43 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+def report_errors_to_launcher() -> None:
+    """Hand this rank's fatal error to torchrun, so that its failure summary, printed last, names it.
+
+    torchrun (under `accelerate launch`) gives each worker a file, `TORCHELASTIC_ERROR_FILE`; when
+    a worker fails, the summary that ends the launcher's output shows the first failed rank's file
+    as the root cause, else only a link to the docs, and the rank's own `error:` line is left about
+    35 lines up. torch's `@record` fills the file from an exception that leaves a function, but
+    the recipes are scripts that stop with `sys.exit("error: ...")`, which `@record` passes on
+    unrecorded. So here `sys.exit` with an `error:` message and an uncaught exception
+    (`sys.excepthook`) write the file, in the format `ProcessFailure` reads. Outside torchrun, or
+    called twice, it does nothing.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or getattr(sys.exit, "reports_to", None) == path:
+        return
+    exit_, hook = sys.exit, sys.excepthook
+
+    def write(message: str) -> None:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the summary then says what it said before; the rank's own output still has the error
+
+    def exit_and_report(status=None):
+        if isinstance(status, str) and status.startswith("error:"):
+            write(status)
+        exit_(status)
+
+    def hook_and_report(kind, value, traceback):
+        write(f"{kind.__name__}: {value}")  # the traceback itself goes to stderr, as always
+        hook(kind, value, traceback)
+
+    exit_and_report.reports_to = path
+    sys.exit, sys.excepthook = exit_and_report, hook_and_report
+
+
 def allow_mixed_precision_with_deepspeed_json() -> None:
     """Let a DeepSpeed YAML carry `mixed_precision`, like every other accelerate config.
 
@@ -302,8 +341,14 @@ if __name__ == "__main__":
     from pathlib import Path
 
     configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
+    usage = "usage: python common/launch.py CONFIG RECIPE [ARGS...]"
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"{usage}\n\nRuns `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE [ARGS...]` "
+              "once the config exists. CONFIG: a .yaml path or one of "
+              f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}. The recipe's own flags: RECIPE --help.")
+        sys.exit(0)
     if len(sys.argv) < 3:
-        sys.exit("usage: python common/launch.py CONFIG RECIPE [ARGS...]")
+        sys.exit(usage)
     name = sys.argv[1]
     path = Path(name) if name.endswith(".yaml") else configs / f"{name}.yaml"
     if not path.is_file():

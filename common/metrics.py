@@ -200,3 +200,30 @@ def append_jsonl(path: str, record: dict) -> None:
     """
     with open(path, "a") as f:
         f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+
+
+def final_line(metrics_path: str, outputs: str, **figures) -> str:
+    """The line that ends a successful run: steps, the last logged loss and evaluation, where the outputs are.
+
+    Args:
+        metrics_path: the run's metrics.jsonl (step records, then a summary).
+        outputs: where the user finds the result, e.g. "model in runs/llama/final".
+        figures: ones the file does not hold, or newer ones (e.g. `eval_loss=4.56`).
+
+    Returns:
+        e.g. "done: 300 steps | loss 4.1234 | eval_loss 4.5678 | model in runs/llama/final"; a
+        figure the run did not log is left out, a non-finite one (null in the file) shows as nan.
+    """
+    records = [json.loads(line) for line in open(metrics_path)]
+    losses = [r for r in records if "loss" in r]
+    evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+    parts = [f"done: {records[-1]['step']} steps" if records else "done"]
+    if losses:
+        parts.append(f"loss {_figure(losses[-1]['loss'])}")
+    last_eval = {k: v for k, v in (evals[-1].items() if evals else ()) if k.startswith("eval_")}
+    parts += [f"{k} {_figure(v)}" for k, v in {**last_eval, **figures}.items()]
+    return " | ".join([*parts, outputs])
+
+
+def _figure(value) -> str:
+    return "nan" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -55,6 +55,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientA
 from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
+from common.args import flag  # noqa: E402
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
@@ -87,34 +88,28 @@ GENRE_OF_WORK = {
 class Args:
     """This recipe's own flags; the core TrainingArguments ones come from common/args.py."""
     # data and tokenizer
-    block_size: int = field(default=128, metadata={"help": "tokens per passage, the [CLS] token included"})
-    validation_split_percentage: int = field(default=10, metadata={"help": "held-out tail of every work, in %"})
-    max_train_samples: int = field(default=None, metadata={"help": "train on a seeded random subset (quick runs)"})
-    max_eval_samples: int = field(default=None, metadata={"help": "evaluate on a seeded random subset (quick runs)"})
+    block_size: int = flag(128, "tokens per passage, the [CLS] token included", low=2)
+    validation_split_percentage: int = flag(10, "held-out tail of every work, in %", low=1, high=99)
+    max_train_samples: int = flag(None, "train on a seeded random subset (quick runs)", low=1)
+    max_eval_samples: int = flag(None, "evaluate on a seeded random subset (quick runs)", low=1)
     tokenizer_name_or_path: str = field(default=None, metadata={"help": "default: the project's corpus BPE"})
-    vocab_size: int = 4096
+    vocab_size: int = flag(4096, low=256)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     # model: a small BERT encoder, trained from scratch
-    hidden_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 2
-    intermediate_size: int = 512
-    per_device_eval_batch_size: int = 64
+    hidden_size: int = flag(128, low=1)
+    num_hidden_layers: int = flag(2, low=1)
+    num_attention_heads: int = flag(2, low=1)
+    intermediate_size: int = flag(512, low=1)
+    per_device_eval_batch_size: int = flag(64, low=1)
     record_sample_ids: bool = field(default=False, metadata={"help": "each rank writes the sample ids it saw"})
-    ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
 # Bad flags and a non-empty --output_dir (without --overwrite_output_dir or a resume) end here,
 # with one `error:` line, before anything is written.
-args = common_args.parse_args(Args, output_dir="runs/ddp_classifier", learning_rate=1e-3, weight_decay=0.01,
+args = common_args.parse_args(Args, description=__doc__, output_dir="runs/ddp_classifier", learning_rate=1e-3, weight_decay=0.01,
                               warmup_steps=30, num_train_epochs=2, logging_steps=20, per_device_train_batch_size=32)
-if not 0 < args.validation_split_percentage < 100:
-    sys.exit(f"error: --validation_split_percentage must be in (0, 100), got {args.validation_split_percentage}")
-for flag, least in (("block_size", 2), ("per_device_eval_batch_size", 1), ("hidden_size", 1), ("num_hidden_layers", 1),
-                    ("num_attention_heads", 1), ("intermediate_size", 1), ("vocab_size", 256),
-                    ("max_train_samples", 1), ("max_eval_samples", 1)):
-    if getattr(args, flag) is not None and getattr(args, flag) < least:
-        sys.exit(f"error: --{flag} must be at least {least}, got {getattr(args, flag)}")
+common_args.make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
 if args.hidden_size % args.num_attention_heads:
     sys.exit(f"error: --hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
              f"{args.num_attention_heads}")
@@ -164,7 +159,6 @@ if accelerator.distributed_type == DistributedType.FSDP:
 precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
 set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
 world_size, rank = accelerator.num_processes, accelerator.process_index
-os.makedirs(args.output_dir, exist_ok=True)
 try:
     checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
 except ValueError as err:
@@ -420,3 +414,4 @@ accelerator.wait_for_everyone()
 del model, optimizer
 accelerator.free_memory()
 accelerator.end_training()
+accelerator.print(metrics.final_line(metrics_path, f"model in {final_dir}, metrics in {metrics_path}"))

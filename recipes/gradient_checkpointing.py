@@ -74,7 +74,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
-from common.args import parse_args, unsupported  # noqa: E402
+from common.args import flag, make_output_dir, parse_args, unsupported  # noqa: E402
 from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
 
 MIB = 2 ** 20
@@ -88,19 +88,19 @@ class Args:
     variants: str = field(default="auto", metadata={"help": "comma-separated subset of none,hf,manual,fsdp; "
                                                             "auto = none,hf,manual (+ fsdp under FSDP)"})
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
-    vocab_size: int = 4096
-    block_size: int = 256
+    vocab_size: int = flag(4096, low=256)
+    block_size: int = flag(256, low=2)
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    timing_rounds: int = field(default=2, metadata={"help": "rounds over the variants, in alternating order"})
+    timing_rounds: int = flag(2, "rounds over the variants, in alternating order", low=1)
     ddp_find_unused_parameters: bool = field(default=False, metadata={
         "help": "DDP: search the graph for unused parameters each step (with reentrant checkpointing this is "
                 "what raises 'marked ready twice'; the non-reentrant variants here work either way)"})
-    ddp_timeout: int = 1800
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
 # --max_steps: steps per variant, depth and round (the first untimed). weight_decay 0.01 is what
 # torch's AdamW applied here before the flag existed (now on matrices only).
-args = parse_args(Args, output_dir="runs/gradient_checkpointing", per_device_train_batch_size=2, learning_rate=1e-3,
+args = parse_args(Args, description=__doc__, output_dir="runs/gradient_checkpointing", per_device_train_batch_size=2, learning_rate=1e-3,
                   weight_decay=0.01, max_steps=4)
 no_training_run = "it measures a few steps of each variant and keeps none of them"
 unsupported(args, "gradient_checkpointing.py", warmup_steps="it trains at a constant --learning_rate (no schedule)",
@@ -113,13 +113,13 @@ try:
     depths = [int(n) for n in args.num_layers.split(",")]
 except ValueError:
     sys.exit(f"error: --num_layers {args.num_layers!r}: expected comma-separated integers such as 4,8,24")
-if min(depths) < 1 or args.max_steps < 2 or args.timing_rounds < 1:
-    sys.exit(f"error: need --num_layers >= 1 (got {args.num_layers}), --max_steps >= 2 (got {args.max_steps}) "
-             f"and --timing_rounds >= 1 (got {args.timing_rounds})")
+if min(depths) < 1 or args.max_steps < 2:
+    sys.exit(f"error: need --num_layers >= 1 (got {args.num_layers}) and --max_steps >= 2 (got {args.max_steps})")
 if precision.detect_device()[0] == "cpu" and args.max_steps < 3:  # step 1 untimed, step 2 metered: one more to time
     sys.exit(f"error: --max_steps {args.max_steps}: on CPU step 2 is metered for memory, not timed; need at least 3")
 if args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+make_output_dir(args.output_dir)  # before the measurements: a path that cannot be created fails now
 
 # ---------------------------------------------------------------------------------------------
 # Accelerator: strategy and precision come from the accelerate config, as in every recipe (bf16
@@ -360,7 +360,6 @@ if ckpt:
 table = "\n".join(lines)
 if accelerator.is_main_process:
     print(table)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     Path(args.output_dir, "table.md").write_text(table + "\n")
     Path(args.output_dir, "results.json").write_text(json.dumps(
         {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
@@ -372,3 +371,4 @@ if accelerator.is_main_process:
 accelerator.wait_for_everyone()
 accelerator.free_memory()  # the models were freed in the loop
 accelerator.end_training()
+accelerator.print(f"done: table in {Path(args.output_dir, 'table.md')}, figures in {Path(args.output_dir, 'results.json')}")

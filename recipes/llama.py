@@ -4,7 +4,7 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/llama.py --max_steps 30
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/single.yaml --mixed_precision no recipes/llama.py
-    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py --config_name my_qwen2/config.json \
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py --config_name my_qwen2/config.json \\
         --config_overrides num_hidden_layers=4 --train_file my_text.txt
 
 Any causal LM that transformers builds from a config (Llama, Qwen2, Mistral, GPT-2, ...) trains
@@ -44,7 +44,7 @@ from transformers.initialization import no_init_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
-from common.args import parse_args  # noqa: E402
+from common.args import flag, make_output_dir, parse_args  # noqa: E402
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Args:
         "help": "on top of --config_name or the preset, e.g. 'n_embd=64,n_layer=2' (config.update_from_string)"})
     tokenizer_name_or_path: str = field(default=None, metadata={
         "help": "default: --model_name_or_path's, or without one a byte-level BPE trained on the training text"})
-    vocab_size: int = field(default=4096, metadata={"help": "size of the BPE trained when no tokenizer is given"})
+    vocab_size: int = flag(4096, "size of the BPE trained when no tokenizer is given", low=256)
     # data (transformers run_clm conventions)
     dataset_name: str = None
     dataset_config_name: str = None
@@ -72,32 +72,35 @@ class Args:
                 "document). A .txt without --validation_file holds out its start, about --validation_split_percentage "
                 "% of its characters, cut at a blank line (or a line end), for validation"})
     validation_file: str = None
-    validation_split_percentage: int = 5
-    block_size: int = 256
+    validation_split_percentage: int = flag(5, "without a validation file or split: the % held out", low=1, high=99)
+    block_size: int = flag(256, "tokens per sequence", low=2)
     packing: bool = field(default=True, metadata={"help": "concatenate rows into blocks; false: one padded row each"})
-    max_eval_samples: int = field(default=None, metadata={"help": "cap on validation blocks per evaluation"})
+    max_eval_samples: int = flag(None, "cap on validation blocks per evaluation; default: all", low=1)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     # optimisation, beyond the core flags
-    per_device_eval_batch_size: int = field(default=None, metadata={"help": "default: --per_device_train_batch_size"})
+    per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
     scale_lr: bool = field(default=False, metadata={"help": "linear scaling rule vs --reference_global_batch"})
-    reference_global_batch: int = field(default=16, metadata={"help": "global batch --learning_rate was tuned at"})
+    reference_global_batch: int = flag(16, "global batch --learning_rate was tuned at", low=1)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     gradient_checkpointing: bool = False
     # evaluation, checkpoints, hardware
-    eval_steps: int = 100
-    save_total_limit: int = None
+    eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
+    save_total_limit: int = flag(None, "keep only the newest N complete checkpoints (older ones are deleted after "
+                                 "each save); default: keep all", low=1)
     peak_tflops: float = field(default=None, metadata={"help": "device peak for MFU; default from a GPU table"})
-    ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
     save_logits_probe: bool = field(default=False, metadata={
         "help": "write final_logits.safetensors (the live model's logits on 2 validation blocks; tests compare the export)"})
-    sample_tokens: int = field(default=None, metadata={
-        "help": "tokens sampled from the reloaded export at the end; default 40 below 1B parameters, else 0 (off)"})
+    sample_tokens: int = flag(None, "tokens sampled from the reloaded export at the end; default 40 below 1B "
+                              "parameters, else 0 (off)", low=0)
 
 
-args = parse_args(Args, output_dir="runs/llama", per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
-                  warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
+args = parse_args(Args, description=__doc__, output_dir="runs/llama", per_device_train_batch_size=8,
+                  learning_rate=3e-3, weight_decay=0.1, warmup_steps=30, max_steps=300, logging_steps=10,
+                  report_to="tensorboard")
+make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
 if args.per_device_eval_batch_size is None:
     args.per_device_eval_batch_size = args.per_device_train_batch_size
 from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
@@ -108,9 +111,6 @@ if args.config_overrides and not from_scratch:
              "pretrained weights (--model_name_or_path) keep their shapes")
 if args.allow_new_weights and from_scratch:
     sys.exit("error: --allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none")
-for flag in ("per_device_eval_batch_size", "block_size", "eval_steps"):
-    if getattr(args, flag) < 1:
-        sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
 
 # ---------------------------------------------------------------------------------------------
 # Accelerator. Everything about the strategy comes from the accelerate config; the recipe only
@@ -159,7 +159,6 @@ except ValueError as err:
 # low-precision gradients across ranks is where most of the precision is lost.
 precision.keep_fp32_reduction(accelerator)
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
-os.makedirs(args.output_dir, exist_ok=True)
 try:
     checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
 except ValueError as err:
@@ -568,3 +567,4 @@ accelerator.wait_for_everyone()
 del model, optimizer
 accelerator.free_memory()
 accelerator.end_training()
+accelerator.print(metrics.final_line(metrics_path, f"model in {final_dir}, metrics in {metrics_path}"))

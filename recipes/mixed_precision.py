@@ -67,7 +67,7 @@ from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
-from common.args import TrainingFlags, parse_args  # noqa: E402
+from common.args import TrainingFlags, flag, make_output_dir, parse_args  # noqa: E402
 from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
 from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
 
@@ -83,38 +83,35 @@ class Args:
     compare: bool = field(default=False, metadata={"help": "launch no, bf16, fp16 with --config_file; print a table"})
     config_file: str = field(default="accelerate_configs/ddp.yaml", metadata={"help": "--compare: accelerate config"})
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
-    vocab_size: int = 4096
-    block_size: int = 128
-    validation_split_percentage: int = 5
-    max_eval_samples: int = 64
+    vocab_size: int = flag(4096, low=256)
+    block_size: int = flag(128, low=2)
+    validation_split_percentage: int = flag(5, "rows held out for validation, in %", low=1, high=99)
+    max_eval_samples: int = flag(64, low=1)
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    per_device_eval_batch_size: int = field(default=None, metadata={"help": "default: --per_device_train_batch_size"})
+    per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
     # fp16 loss scaling (torch.amp.GradScaler arguments)
     init_scale: float = 2.0 ** 16
-    growth_interval: int = field(default=2000, metadata={"help": "clean steps before the scale doubles"})
+    growth_interval: int = flag(2000, "clean steps before the scale doubles", low=1)
     min_loss_scale: float = field(default=MIN_LOSS_SCALE, metadata={
         "help": "stop the run when the fp16 loss scale falls below this"})
-    inject_inf_grad_at_step: int = field(default=0, metadata={"help": "drill: put an inf in the gradients of step N"})
-    ddp_timeout: int = 1800
+    inject_inf_grad_at_step: int = flag(0, "drill: put an inf in the gradients of step N; 0: never", low=0)
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
 # This recipe's defaults for core flags (the rest keep common/args.py's).
 DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
-args = parse_args(Args, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+args = parse_args(Args, description=__doc__, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
 if args.per_device_eval_batch_size is None:
     args.per_device_eval_batch_size = args.per_device_train_batch_size
 if args.precision not in precision.MODES:
     sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
 if args.model_config not in models.PRESETS:
     sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
-for flag, least in (("block_size", 2), ("per_device_eval_batch_size", 1), ("max_eval_samples", 1), ("vocab_size", 256),
-                    ("growth_interval", 1), ("inject_inf_grad_at_step", 0)):
-    if getattr(args, flag) < least:
-        sys.exit(f"error: --{flag} must be at least {least}, got {getattr(args, flag)}")
-for flag in ("init_scale", "min_loss_scale"):
-    if not getattr(args, flag) > 0:
-        sys.exit(f"error: --{flag} must be positive, got {getattr(args, flag)}")
+for name in ("init_scale", "min_loss_scale"):
+    if not getattr(args, name) > 0:
+        sys.exit(f"error: --{name} must be positive, got {getattr(args, name)}")
 if args.init_scale < args.min_loss_scale:
     sys.exit(f"error: --init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}")
 
@@ -218,7 +215,6 @@ except ValueError as err:
 accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
                                                      if config_mp and config_mp != mode else ""))
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-os.makedirs(args.output_dir, exist_ok=True)  # after parse_args refused a non-empty one, on every rank
 try:
     checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
 except ValueError as err:
@@ -446,3 +442,5 @@ accelerator.wait_for_everyone()
 del model, optimizer
 accelerator.free_memory()
 accelerator.end_training()
+accelerator.print(metrics.final_line(metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}",
+                                     eval_loss=eval_loss))

@@ -63,11 +63,11 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from transformers import HfArgumentParser, LlamaForCausalLM, get_constant_schedule_with_warmup
+from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
-from common.args import parse_args, unsupported  # noqa: E402
+from common.args import flag, make_output_dir, parse_args, parse_flags, unsupported  # noqa: E402
 
 MANIFEST = "manifest.json"
 
@@ -75,13 +75,13 @@ MANIFEST = "manifest.json"
 @dataclass
 class PrepareArgs:
     output_dir: str = field(default=None, metadata={"help": "folder for the shards and manifest.json"})
-    num_shards: int = field(default=2, metadata={"help": "a multiple of the world size you will train with"})
-    repeat: int = field(default=1, metadata={"help": "repeat the corpus K times (bigger corpora for measurements)"})
-    max_blocks: int = field(default=None, metadata={"help": "keep only the first N blocks (quick tests)"})
-    block_size: int = 256
-    rows_per_row_group: int = field(default=256, metadata={"help": "the unit a loader worker reads and shuffles"})
+    num_shards: int = flag(2, "a multiple of the world size you will train with", low=1)
+    repeat: int = flag(1, "repeat the corpus K times (bigger corpora for measurements)", low=1)
+    max_blocks: int = flag(None, "keep only the first N blocks (quick tests)", low=1)
+    block_size: int = flag(256, low=2)
+    rows_per_row_group: int = flag(256, "the unit a loader worker reads and shuffles", low=1)
     tokenizer_name_or_path: str = field(default=None, metadata={"help": "default: the project's corpus BPE"})
-    vocab_size: int = 4096
+    vocab_size: int = flag(4096, low=256)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     overwrite_output_dir: bool = False
 
@@ -94,15 +94,15 @@ class TrainArgs:
     loader: str = field(default="parquet", metadata={"help": "parquet (row groups per rank) or datasets (streaming)"})
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
     # DataLoader (transformers.TrainingArguments names)
-    dataloader_num_workers: int = 2
-    dataloader_prefetch_factor: int = 4
+    dataloader_num_workers: int = flag(2, low=0)
+    dataloader_prefetch_factor: int = flag(4, "batches queued per worker", low=1)
     dataloader_persistent_workers: bool = True
     dataloader_pin_memory: bool = field(default=True, metadata={"help": "applies only where a GPU exists"})
-    shuffle_buffer_size: int = field(default=1024, metadata={"help": "--loader datasets: rows in the shuffle buffer"})
-    loader_benchmark_batches: int = field(default=40, metadata={"help": "batches timed for the loader alone"})
+    shuffle_buffer_size: int = flag(1024, "--loader datasets: rows in the shuffle buffer", low=1)
+    loader_benchmark_batches: int = flag(40, "batches timed for the loader alone", low=1)
     verify_checksums: bool = field(default=True, metadata={"help": "SHA-256 of each own shard against the manifest"})
     record_sample_ids: bool = field(default=False, metadata={"help": "each rank writes the block ids it trained on"})
-    ddp_timeout: int = field(default=1800, metadata={"help": "collective timeout in seconds"})
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
 # Training's defaults for core flags (the rest keep common/args.py's).
@@ -111,13 +111,10 @@ TRAIN_DEFAULTS = dict(output_dir="runs/sharded_data", per_device_train_batch_siz
 
 
 def parse_prepare_args(argv: list[str]) -> PrepareArgs:
-    """The prepare step's flags; an unknown or malformed one exits with one `error:` line."""
-    parser = HfArgumentParser(PrepareArgs)
-    parser.error = lambda message: sys.exit(f"error: {message}")  # argparse would print the whole usage first
-    try:
-        return parser.parse_args_into_dataclasses(argv)[0]
-    except ValueError as err:  # "Some specified arguments are not used by the HfArgumentParser: [...]"
-        sys.exit(f"error: {err}")
+    """The prepare step's flags; an unknown, malformed or out-of-range one exits with one `error:` line."""
+    return parse_flags((PrepareArgs,), argv, description="sharded_data.py prepare: tokenize the bundled corpus "
+                       "once and write parquet shards and manifest.json into --output_dir (training: "
+                       "sharded_data.py --help)")[0][0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,11 +128,9 @@ def prepare(args: PrepareArgs) -> None:
         SystemExit: bad flags, or an existing manifest without --overwrite_output_dir.
     """
     out = Path(args.output_dir or sys.exit("error: prepare needs --output_dir"))
-    if args.num_shards < 1 or args.repeat < 1 or args.rows_per_row_group < 1:
-        sys.exit("error: --num_shards, --repeat and --rows_per_row_group must be positive")
     if (out / MANIFEST).exists() and not args.overwrite_output_dir:
         sys.exit(f"error: {out / MANIFEST} exists; pass --overwrite_output_dir to replace the shards")
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(str(out))
     for old in [out / MANIFEST, *out.glob("shard_*.parquet")]:
         old.unlink(missing_ok=True)  # no stale shard of an earlier, larger set may survive
     # The LM recipe's tokenizer and packing (cached): blocks of block_size tokens, eos between works.
@@ -319,12 +314,13 @@ def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, se
 def main():
     if sys.argv[1:2] == ["prepare"]:
         return prepare(parse_prepare_args(sys.argv[2:]))
-    args = parse_args(TrainArgs, **TRAIN_DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+    args = parse_args(TrainArgs, description=__doc__, **TRAIN_DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
     unsupported(args, "sharded_data.py",
                 num_train_epochs="each rank streams its own shards, whose epochs differ in length: give --max_steps")
     if args.max_steps < 1:
         sys.exit("error: sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
                  "in length, so --num_train_epochs cannot fix one step count for every rank")
+    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
     # a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the flags, ...
@@ -364,7 +360,6 @@ def main():
     try:
         launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
         launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
-        os.makedirs(args.output_dir, exist_ok=True)
         checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
     except ValueError as err:
         sys.exit(f"error: {err}")
@@ -607,6 +602,7 @@ def main():
                   f"| {r['loader_to_step_ratio']:.0f} | {r['data_wait_share']:.1%} | {r['rss_bytes'] / 2**20:.0f} "
                   f"| {r['uss_bytes'] / 2**20:.0f} | {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |")
     teardown()
+    accelerator.print(metrics.final_line(metrics_path, f"metrics in {metrics_path}"))
 
 
 if __name__ == "__main__":  # the guard keeps spawned DataLoader workers from re-running main()

@@ -1,11 +1,16 @@
 """Bad input: one clear line naming the culprit, a non-zero exit, and no hang."""
 
+import ast
+import json
+import runpy
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
-from conftest import FAST, REPO, launch
+from common.args import flag, parse_args, parse_flags
+from conftest import FAST, REPO, launch, run_in_process
 
 
 def fails_with(proc, *fragments):
@@ -53,7 +58,7 @@ def test_block_size_above_max_positions(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--ddp_timeout", 0, "--ddp_timeout must be a positive number of seconds, got 0"),
+    ("--ddp_timeout", 0, "--ddp_timeout must be at least 1, got 0"),
     ("--resume_from_checkpoint", "/nonexistent/ckpt", "--resume_from_checkpoint /nonexistent/ckpt: no such directory"),
     ("--resume_from_checkpoint", "latest", "--resume_from_checkpoint latest: no complete checkpoint in"),
     ("--logging_steps", 0, "--logging_steps must be at least 1, got 0"),
@@ -87,16 +92,14 @@ def test_fsdp1_settings_the_recipes_cannot_use(key, message, tmp_path, cache_dir
     fails_with(proc, f"error: {message}")
 
 
+@dataclass
+class Own:
+    """A recipe's own flags."""
+    block_size: int = flag(64, low=2)
+
+
 def test_core_flags_are_checked_in_one_place(tmp_path):
     # common/args.py parses the core TrainingArguments flags for every recipe (in-process: no launch)
-    from dataclasses import dataclass
-
-    from common.args import parse_args
-
-    @dataclass
-    class Own:
-        block_size: int = 64
-
     def error(*argv):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), *map(str, argv)])
@@ -108,6 +111,25 @@ def test_core_flags_are_checked_in_one_place(tmp_path):
     assert error("--block_sizee", 3).startswith("error: Some specified arguments are not used")
     args = parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), "--report_to", "tensorboard"], max_steps=7)
     assert (args.max_steps, args.block_size, args.report_to) == (7, 64, "tensorboard")
+    # every flag's range, core and own, is the parser's: the recipe's default too
+    assert error("--seed", -1) == "error: --seed must be 0 to 4294967295, got -1"
+    assert error("--max_grad_norm", -0.5) == "error: --max_grad_norm must be at least 0, got -0.5"
+    assert error("--block_size", 1) == "error: --block_size must be at least 2, got 1"
+    # a recipe default never overrides a flag the user gave: --num_train_epochs alone means epochs
+    out = ["--output_dir", str(tmp_path / "out")]
+    args = parse_args(Own, argv=[*out, "--num_train_epochs", "2"], max_steps=300)
+    assert (args.max_steps, args.num_train_epochs) == (-1, 2.0)
+    assert parse_args(Own, argv=[*out, "--num_train_epoch", "2", "--max_step", "5"], max_steps=300).max_steps == 5
+    assert parse_args(Own, argv=out, max_steps=300).max_steps == 300
+
+
+def test_an_integer_flag_without_a_range_does_not_build():
+    @dataclass
+    class NoRange:
+        block_size: int = 64
+
+    with pytest.raises(TypeError, match="--block_size: an integer flag needs a range"):
+        parse_flags((NoRange,), [])
 
 
 @pytest.mark.parametrize("recipe", ["llama", "ddp_classifier", "mixed_precision", "gradient_checkpointing",
@@ -120,3 +142,93 @@ def test_unknown_flag_is_one_error_line_in_every_recipe(recipe, tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
         "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"]
     assert not (tmp_path / "out").exists()
+
+
+# --help of every entry point, in this process (the imports are paid once): exit 0, and the text says
+# what the tool does (its docstring, or the line named here).
+ENTRY_POINTS = sorted(str(p.relative_to(REPO)) for pattern in ("recipes/*.py", "benchmarks/*.py")
+                      for p in REPO.glob(pattern)) + ["common/launch.py", "common/plan.py", "common/consolidate.py"]
+SAYS = {"common/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
+        "recipes/sharded_data.py prepare": "tokenize the bundled corpus once and write parquet shards"}
+
+
+@pytest.mark.parametrize("entry", [*ENTRY_POINTS, "recipes/sharded_data.py prepare"])
+def test_help_of_every_entry_point(entry, monkeypatch, capsys):
+    script, *sub = entry.split()
+    monkeypatch.setattr(sys, "argv", [str(REPO / script), *sub, "--help"])
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code in (0, None) and out.startswith("usage:"), out[-2000:]
+    says = SAYS.get(entry) or ast.get_docstring(ast.parse((REPO / script).read_text())).splitlines()[0]
+    assert " ".join(says.split()) in out, out[:2000]
+    if script.startswith("recipes/") and not sub:  # every integer flag states its range
+        assert "micro batch per rank (at least 1)" in out
+
+
+def test_help_of_gpu_sh():
+    proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu.sh"), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("GPU benchmark, one command on a single-GPU host"), proc
+    assert "--cpu-smoke" in proc.stdout and not proc.stderr
+
+
+# An own flag of each recipe below its range: refused by the parser, before anything is written.
+@pytest.mark.parametrize("recipe, argv, message", [
+    ("llama", ["--save_steps", 3, "--save_total_limit", -1], "--save_total_limit must be at least 1, got -1"),
+    ("llama", ["--save_total_limit", 0], "--save_total_limit must be at least 1, got 0"),
+    ("ddp_classifier", ["--num_hidden_layers", 0], "--num_hidden_layers must be at least 1, got 0"),
+    ("gradient_checkpointing", ["--timing_rounds", 0], "--timing_rounds must be at least 1, got 0"),
+    ("mixed_precision", ["--growth_interval", 0], "--growth_interval must be at least 1, got 0"),
+    ("sharded_data", ["--dataloader_num_workers", -1], "--dataloader_num_workers must be at least 0, got -1"),
+    ("sharded_data", ["prepare", "--num_shards", 0], "--num_shards must be at least 1, got 0"),
+])
+def test_out_of_range_flags_are_refused(recipe, argv, message, tmp_path, monkeypatch):
+    sub = argv[:1] if argv[0] == "prepare" else []
+    message_got = run_in_process(monkeypatch, f"recipes/{recipe}.py", *sub, "--output_dir", tmp_path / "out",
+                                 *argv[len(sub):])
+    assert message_got == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe", ["llama", "ddp_classifier", "mixed_precision", "gradient_checkpointing",
+                                    "sharded_data"])
+def test_an_output_dir_that_cannot_be_one(recipe, tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--output_dir", tmp_path / "a_file")
+    assert message == f"error: --output_dir {tmp_path / 'a_file'} is a file, not a directory"
+    message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--output_dir", "/proc/no_such_dir")
+    assert message == "error: --output_dir /proc/no_such_dir: cannot create it (No such file or directory)"
+
+
+def test_an_empty_data_file_is_named_last(tmp_path, cache_dir):
+    """The error line is also the launcher's last word: torchrun's failure summary ends with it,
+    not with a link to its docs, below its own traceback."""
+    (tmp_path / "train.jsonl").write_text("")
+    proc = launch("ddp", "recipes/llama.py", "--train_file", tmp_path / "train.jsonl", "--output_dir", tmp_path / "out",
+                  *FAST, cache_dir=cache_dir, check=False, timeout=300)
+    error = f"error: data file is empty: {tmp_path / 'train.jsonl'}"
+    assert proc.returncode != 0 and "StopIteration" not in proc.stderr, proc.stderr[-3000:]
+    assert f"\n{error}\n" in proc.stderr, proc.stderr[-3000:]  # the rank's own line (a SIGTERMed peer may not print)
+    last = proc.stderr.strip().splitlines()[-3:]
+    assert f"  traceback : {error}" in last, last
+
+
+def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpus):
+    """A recipe's default --max_steps (300) does not override --num_train_epochs; the run ends with
+    one line naming its figures and its export."""
+    train, valid, tok = small_corpus
+    out = tmp_path / "out"
+    proc = launch("single", "recipes/llama.py", "--train_file", train, "--validation_file", valid,
+                  "--tokenizer_name_or_path", tok, "--block_size", 64, "--num_train_epochs", 1, "--output_dir", out,
+                  "--max_eval_samples", 8, "--report_to", "none", "--sample_tokens", 0, cache_dir=cache_dir,
+                  mixed_precision="no", timeout=300)
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["max_steps"] == info["updates_per_epoch"] and 3 <= info["updates_per_epoch"] <= 8, info
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    last = [r for r in records if "loss" in r][-1]
+    assert last["step"] == info["max_steps"]
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"done: {info['max_steps']} steps | loss {last['loss']:.4f} | eval_loss {last['eval_loss']:.4f} | "
+        f"model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
