@@ -170,6 +170,7 @@ def atomic_export(accelerator, output_dir: str, name: str = "final"):
     if accelerator.is_main_process:
         for debris in (tmp, old):
             shutil.rmtree(debris, ignore_errors=True)
+        tmp.mkdir()
     accelerator.wait_for_everyone()
     yield str(tmp)
     accelerator.wait_for_everyone()  # every rank's part is written
