@@ -143,6 +143,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
             f.write(json.dumps(marker, indent=1))
             f.flush()
             os.fsync(f.fileno())
+        _fsync(tmp)  # the marker's name
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

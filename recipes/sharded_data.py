@@ -577,7 +577,8 @@ def main():
         ctypes.CDLL(None).malloc_trim(0)
     me = psutil.Process()
     kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
-    step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s if compute_s else float("nan")
+    step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s \
+        if compute_s and args.max_steps > start else float("nan")  # (a resume at the end of the run trains none)
     row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_s / (wait_s + compute_s or float("nan")),
            me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
     table = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=device)).cpu().tolist()
