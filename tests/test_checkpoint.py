@@ -3,12 +3,14 @@ checksums), world-size changes, the end of a run on resume, --overwrite_output_d
 export, offline consolidation, and safe loading. (A killed rank, SIGTERM and restarts:
 tests/test_recovery.py.)"""
 
+import io
 import json
 import re
 import shutil
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -55,10 +57,27 @@ def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus, refer
 
 
 def zero_tensor_bytes(path):
-    """Zero everything after a safetensors header (or, for another file, its second half): same size."""
+    """Zero a file's tensor values, keeping its size and format, so that it still loads: everything after
+    a safetensors header; in a .distcp shard (one torch.save zip per tensor, at the offsets in the
+    folder's .metadata) every zip entry under data/."""
     data = bytearray(path.read_bytes())
-    start = 8 + struct.unpack("<Q", data[:8])[0] if path.suffix == ".safetensors" else len(data) // 2
-    data[start:] = bytes(len(data) - start)
+    if path.suffix == ".safetensors":
+        regions = [(8 + struct.unpack("<Q", data[:8])[0], len(data))]
+    else:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        regions = []
+        for item in FileSystemReader(str(path.parent)).read_metadata().storage_data.values():
+            if item.relative_path != path.name:
+                continue
+            for entry in zipfile.ZipFile(io.BytesIO(data[item.offset:item.offset + item.length])).infolist():
+                if "/data/" in entry.filename:  # the raw storage bytes, stored uncompressed
+                    header = item.offset + entry.header_offset
+                    start = header + 30 + sum(struct.unpack("<HH", data[header + 26:header + 30]))
+                    regions.append((start, start + entry.file_size))
+    assert regions
+    for start, end in regions:
+        data[start:end] = bytes(end - start)
     path.write_bytes(data)
 
 
@@ -76,7 +95,7 @@ def test_rotation_latest_and_damaged_checkpoints(tmp_path, cache_dir, small_corp
     zero_tensor_bytes(victim)
     assert victim.stat().st_size == size
     proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", out / "checkpoint-16"),
-                  cache_dir=cache_dir, check=False)
+                  cache_dir=cache_dir, mixed_precision="no", check=False)
     assert proc.returncode != 0
     assert f"checkpoint file {victim} does not match the sha256 recorded when it was saved" in proc.stderr
     # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12.
@@ -105,8 +124,8 @@ def test_rotation_latest_and_damaged_checkpoints(tmp_path, cache_dir, small_corp
 
 
 def test_a_damaged_sharded_checkpoint_is_skipped(tmp_path, cache_dir, small_corpus, reference_run):
-    # A copy of the session's 30-step FSDP2 run (checkpoints 10, 20, 30), one rank's model shard zeroed in its
-    # second half (same size): `latest` skips checkpoint-30 naming the file and continues from 20, exactly.
+    # A copy of the session's 30-step FSDP2 run (checkpoints 10, 20, 30), one rank's model shard's values
+    # zeroed (it still loads): `latest` skips checkpoint-30 naming the file and continues from 20, exactly.
     reference = reference_run("fsdp", *corpus_args(small_corpus), *RUN30)
     out = tmp_path / "run"
     shutil.copytree(reference, out)
