@@ -361,11 +361,12 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
 def start_fresh(accelerator, output_dir: str) -> None:
     """A fresh (not resumed) run: remove the checkpoints an earlier run left in `output_dir`.
 
-    Only reachable with `--overwrite_output_dir` (a non-empty directory is refused otherwise).
-    Without it, a later `--resume_from_checkpoint latest` would pick the earlier run's newest
-    checkpoint whenever this run saved none yet (a crash before its first save), and train the
-    old weights under the new flags. Only `checkpoint-N` and `checkpoint-N.tmp` directories go;
-    nothing else in the directory is touched. Call on every rank (rank 0 deletes, all wait).
+    Under `--overwrite_output_dir`, `run_dir.claim` has emptied the directory already; this also
+    covers a restarted job whose `auto` found no intact checkpoint (damaged ones, unfinished
+    saves). Left there, a later `--resume_from_checkpoint latest` would pick such a checkpoint
+    whenever this run saved none yet (a crash before its first save), and train the old weights
+    under the new flags. Only `checkpoint-N` and `checkpoint-N.tmp` directories go; nothing else
+    in the directory is touched. Call on every rank (rank 0 deletes, all wait).
     """
     if accelerator.is_main_process:
         for path in Path(output_dir).glob("checkpoint-*"):
