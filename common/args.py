@@ -107,7 +107,10 @@ class TrainingFlags:
 
     output_dir: str = field(default=None, metadata={"help": "where metrics, checkpoints and the export go"})
     overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "train into an --output_dir that already holds files (they are written over, not deleted)"})
+        "help": "train into an --output_dir that already holds files: everything in it (an earlier run's "
+                "checkpoints, final/, metrics, logits probe, ...) is deleted at start-up, on the first attempt only "
+                "(a restarted or requeued job keeps its checkpoints); with --resume_from_checkpoint PATH inside "
+                "it, that checkpoint is kept"})
     seed: int = flag(42, low=0, high=SEED_MAX)
     per_device_train_batch_size: int = flag(8, "micro batch per rank", low=1)
     gradient_accumulation_steps: int = flag(1, low=1)
@@ -222,14 +225,15 @@ def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: s
     resumable = os.path.isdir(output_dir) and any(Path(output_dir).glob("checkpoint-*/COMPLETE.json"))
     resuming = resume_from_checkpoint not in (None, "auto") or (resume_from_checkpoint == "auto" and
                                                                  (resumable or restarted))
-    if overwrite or resuming or not os.path.isdir(output_dir) or not os.listdir(output_dir):
+    held = sorted(set(os.listdir(output_dir)) - {".lock"}) if os.path.isdir(output_dir) else []  # (common/run_dir.py)
+    if overwrite or resuming or not held:
         return None
-    return (f"--output_dir {output_dir} already holds files ({', '.join(sorted(os.listdir(output_dir))[:4])}"
-            f"{', ...' if len(os.listdir(output_dir)) > 4 else ''}): a fresh run would overwrite them"
+    return (f"--output_dir {output_dir} already holds files ({', '.join(held[:4])}"
+            f"{', ...' if len(held) > 4 else ''}): a fresh run would overwrite them"
             + (" (--resume_from_checkpoint auto found no complete checkpoint to resume from)"
                if resume_from_checkpoint == "auto" else "") + ". Pass "
             + ("--resume_from_checkpoint latest to continue that run, " if resumable else "")
-            + "--overwrite_output_dir to write over it, or another --output_dir")
+            + "--overwrite_output_dir to delete them and start over, or another --output_dir")
 
 
 def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:

@@ -56,7 +56,8 @@ from transformers import BertConfig, BertForSequenceClassification, get_linear_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common.args import flag  # noqa: E402
-from common import args as common_args, checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import args as common_args, checkpoint, checks, data, grad_norm, launch, metrics, models  # noqa: E402
+from common import precision, run_dir  # noqa: E402
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
 # Cressida (printed between the histories and the tragedies) and Cymbeline (the last tragedy)
@@ -159,8 +160,8 @@ if accelerator.distributed_type == DistributedType.FSDP:
 precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
 set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
 world_size, rank = accelerator.num_processes, accelerator.process_index
-try:
-    checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+try:  # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
+    run_dir.claim(accelerator, args)
 except ValueError as err:
     sys.exit(f"error: {err}")
 
@@ -240,7 +241,7 @@ lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max
 # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so the
 # global batch, seed and passages must be the ones it was saved with; refused before prepare.
 try:
-    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
@@ -254,7 +255,7 @@ same_run = {"learning_rate": args.learning_rate, "weight_decay": args.weight_dec
             "model_config": models.config_state(model.config),
             "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
             "world_size": world_size}
-run_state = {"distributed_type": strategy, **data_state, **same_run}
+run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
 if resume_path:  # with dropout, even the batch split must match (the masks depend on it)
     if error := checkpoint.resume_error(resume_path, saved, run_state, [*data_state, *same_run]):
         sys.exit(f"error: {error}")
@@ -391,11 +392,12 @@ if accuracy is None:  # resumed from the last step: nothing trained, evaluate wh
 per_genre = {g: ((preds == i) & (labels == i)).sum().item() / max(1, (labels == i).sum().item())
              for i, g in enumerate(GENRES)}
 state_dict = launch.full_state_dict(accelerator, model)
-final_dir = os.path.join(args.output_dir, "final")
-accelerator.unwrap_model(model).save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
-                                                save_function=accelerator.save, state_dict=state_dict)
+with checkpoint.atomic_export(accelerator, args.output_dir) as export_dir:  # final/ is never half written
+    accelerator.unwrap_model(model).save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
+                                                    save_function=accelerator.save, state_dict=state_dict)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(export_dir)
 if accelerator.is_main_process:
-    tokenizer.save_pretrained(final_dir)
     summary = {"summary": True, "step": step, "eval_accuracy": accuracy, "majority_baseline": baseline_accuracy,
                "majority_genre": GENRES[majority], "n_eval": len(labels), "n_eval_passages": len(eval_set),
                "n_train_passages": len(train_set), "n_params": n_params, "world_size": world_size,

@@ -73,7 +73,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import checks, data, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, unsupported  # noqa: E402
 from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
 
@@ -159,6 +159,10 @@ try:
 except ValueError as err:
     sys.exit(f"error: {err}")
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
+try:  # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
+    run_dir.claim(accelerator, args)
+except ValueError as err:
+    sys.exit(f"error: {err}")
 is_fsdp = accelerator.distributed_type == DistributedType.FSDP
 variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])) if args.variants == "auto" \
     else args.variants.split(",")

@@ -44,6 +44,7 @@ from transformers.initialization import no_init_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, schedule  # noqa: E402
+from common import run_dir  # noqa: E402
 from common.args import flag, make_output_dir, parse_args  # noqa: E402
 
 
@@ -159,8 +160,8 @@ except ValueError as err:
 # low-precision gradients across ranks is where most of the precision is lost.
 precision.keep_fp32_reduction(accelerator)
 set_seed(args.seed)  # same seed on every rank: identical initial weights, so no broadcast needed
-try:
-    checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+try:  # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
+    run_dir.claim(accelerator, args)
 except ValueError as err:
     sys.exit(f"error: {err}")
 
@@ -290,7 +291,7 @@ lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max
 # global batch must be unchanged (its split may change), and sharded states (FSDP, ZeRO) need the
 # same world size. Checked before prepare, so a refused resume leaves before any wrapped model exists.
 try:
-    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]
@@ -521,10 +522,11 @@ unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True r
 state_dict = launch.full_state_dict(accelerator, model) if is_fsdp or is_deepspeed else unwrapped.state_dict()
 if state_dict and unwrapped.config.tie_word_embeddings:  # (non-zero ranks may hold none)
     state_dict.pop("lm_head.weight", None)  # gathered copies no longer share storage: store the tie once, as HF does
-unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
-                          save_function=accelerator.save, state_dict=state_dict)
-if accelerator.is_main_process:
-    tokenizer.save_pretrained(final_dir)
+with checkpoint.atomic_export(accelerator, args.output_dir) as export_dir:  # final/ is never half written
+    unwrapped.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save, state_dict=state_dict)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(export_dir)
 # --save_logits_probe: a fixed batch's logits from the live (still sharded) model, for tests that
 # compare the export to them (2 x block x vocab fp32: 2.1 GB at 2048 tokens and a 128k vocabulary).
 if args.save_logits_probe:

@@ -66,7 +66,7 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
 from common.args import TrainingFlags, flag, make_output_dir, parse_args  # noqa: E402
 from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
 from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
@@ -215,8 +215,8 @@ except ValueError as err:
 accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
                                                      if config_mp and config_mp != mode else ""))
 precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-try:
-    checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+try:  # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
+    run_dir.claim(accelerator, args)
 except ValueError as err:
     sys.exit(f"error: {err}")
 
@@ -272,9 +272,10 @@ run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + 
              "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
              # the optimizer state brings its own LR and decay back, whatever the flags say
              "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(config)}
+             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(config),
+             "max_steps": max_steps}  # (not compared: a resume may train longer; see resume_error)
 try:
-    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]

@@ -66,7 +66,7 @@ import torch
 from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, parse_flags, unsupported  # noqa: E402
 
 MANIFEST = "manifest.json"
@@ -360,7 +360,7 @@ def main():
     try:
         launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
         launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
-        checkpoint.check_shared_dir(accelerator, args.output_dir)  # several nodes: one shared filesystem
+        run_dir.claim(accelerator, args)  # locked for this job, emptied by --overwrite_output_dir, shared by every node
     except ValueError as err:
         sys.exit(f"error: {err}")
     world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
@@ -454,9 +454,10 @@ def main():
                  "manifest_sha256": manifest_sha256,
                  "model_config": models.config_state(config), "learning_rate": args.learning_rate,
                  "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-                 "max_grad_norm": args.max_grad_norm, **checkpoint.precision_state(accelerator)}
+                 "max_grad_norm": args.max_grad_norm, **checkpoint.precision_state(accelerator),
+                 "max_steps": args.max_steps}  # (not compared: a resume may train longer; see resume_error)
     try:
-        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: cannot resume: {err}")
     if resume_path:
@@ -577,7 +578,8 @@ def main():
         ctypes.CDLL(None).malloc_trim(0)
     me = psutil.Process()
     kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
-    step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s if compute_s else float("nan")
+    step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s \
+        if compute_s and args.max_steps > start else float("nan")  # (a resume at the end of the run trains none)
     row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_s / (wait_s + compute_s or float("nan")),
            me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
     table = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=device)).cpu().tolist()

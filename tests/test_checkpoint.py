@@ -1,17 +1,23 @@
-"""Checkpoints: exact mid-epoch resume on every strategy, atomic saves, damaged checkpoints,
-world-size changes, offline consolidation, and safe loading. (A killed rank, SIGTERM and restarts:
+"""Checkpoints: exact mid-epoch resume on every strategy, atomic saves, damaged checkpoints (sizes and
+checksums), world-size changes, the end of a run on resume, --overwrite_output_dir and the atomic
+export, offline consolidation, and safe loading. (A killed rank, SIGTERM and restarts:
 tests/test_recovery.py.)"""
 
+import io
 import json
 import re
+import shutil
+import struct
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from common.checkpoint import verify_checkpoint
-from conftest import CONFIGS, REPO, launch, read_metrics
+from common.checkpoint import atomic_export, resume_error, verify_checkpoint
+from conftest import CONFIGS, REPO, RUN30, corpus_args, launch, read_metrics
 
 STEPS, SAVE = 16, 10  # with 6 optimizer steps per epoch, step 10 is mid-way through epoch 2
 
@@ -50,28 +56,149 @@ def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus, refer
     assert got[-1]["eval_loss"] == pytest.approx(want[STEPS]["eval_loss"], rel=1e-6)
 
 
+def zero_tensor_bytes(path):
+    """Zero a file's tensor values, keeping its size and format, so that it still loads: everything after
+    a safetensors header; in a .distcp shard (one torch.save zip per tensor, at the offsets in the
+    folder's .metadata) every zip entry under data/."""
+    data = bytearray(path.read_bytes())
+    if path.suffix == ".safetensors":
+        regions = [(8 + struct.unpack("<Q", data[:8])[0], len(data))]
+    else:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        regions = []
+        for item in FileSystemReader(str(path.parent)).read_metadata().storage_data.values():
+            if item.relative_path != path.name:
+                continue
+            for entry in zipfile.ZipFile(io.BytesIO(data[item.offset:item.offset + item.length])).infolist():
+                if "/data/" in entry.filename:  # the raw storage bytes, stored uncompressed
+                    header = item.offset + entry.header_offset
+                    start = header + 30 + sum(struct.unpack("<HH", data[header + 26:header + 30]))
+                    regions.append((start, start + entry.file_size))
+    assert regions
+    for start, end in regions:
+        data[start:end] = bytes(end - start)
+    path.write_bytes(data)
+
+
 def test_rotation_latest_and_damaged_checkpoints(tmp_path, cache_dir, small_corpus):
     out = tmp_path / "run"
     launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--save_steps", 4, "--save_total_limit", 2),
-           cache_dir=cache_dir)
+           cache_dir=cache_dir, mixed_precision="no")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
     assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
+    straight = {r["step"]: r["loss"] for r in read_metrics(out)[0]}
 
-    # A truncated file: an explicit resume names it and exits non-zero...
-    victim = out / "checkpoint-16" / "optimizer.bin"
-    victim.write_bytes(victim.read_bytes()[:100])
+    # Weights zeroed on disk, the file's size kept: an explicit resume names the file and exits non-zero...
+    victim = out / "checkpoint-16" / "model.safetensors"
+    size = victim.stat().st_size
+    zero_tensor_bytes(victim)
+    assert victim.stat().st_size == size
     proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", out / "checkpoint-16"),
-                  cache_dir=cache_dir, check=False)
+                  cache_dir=cache_dir, mixed_precision="no", check=False)
     assert proc.returncode != 0
-    assert f"checkpoint file {victim}" in proc.stderr and "truncated" in proc.stderr
+    assert f"checkpoint file {victim} does not match the sha256 recorded when it was saved" in proc.stderr
     # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12.
     (out / "checkpoint-20.tmp").mkdir()
     (out / "checkpoint-24").mkdir()
     proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", "latest"),
-                  cache_dir=cache_dir)
-    assert "skipping damaged checkpoint" in proc.stderr
+                  cache_dir=cache_dir, mixed_precision="no")
+    assert f"skipping damaged checkpoint: checkpoint file {victim} does not match" in proc.stderr
     assert "resumed from" in proc.stdout and "checkpoint-12 at step 12" in proc.stdout
-    assert [r["step"] for r in read_metrics(out)[0]] == list(range(1, STEPS + 1))  # 13-16 replaced, no duplicates
+    got = read_metrics(out)[0]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # 13-16 replaced, no duplicates
+    for r in got[12:]:  # the intact weights: the uninterrupted run's losses (zeroed ones give ln 4096 = 8.318)
+        assert r["loss"] == pytest.approx(straight[r["step"]], rel=1e-6), r["step"]
+    # A truncated file fails on its size, before any hashing; a marker without sums (an older
+    # checkpoint) is checked by size only, with a warning.
+    truncated = out / "checkpoint-12" / "optimizer.bin"
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"checkpoint file {re.escape(str(truncated))} is 100 bytes.*truncated"):
+        verify_checkpoint(out / "checkpoint-12")
+    marker = json.loads((out / "checkpoint-16" / "COMPLETE.json").read_text())
+    assert marker["sha256"].keys() == marker["files"].keys() and "model.safetensors" in marker["sha256"]
+    del marker["sha256"]
+    (out / "checkpoint-16" / "COMPLETE.json").write_text(json.dumps(marker))
+    with pytest.warns(UserWarning, match="saved without checksums.*sizes checked only"):
+        assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
+
+
+def test_a_damaged_sharded_checkpoint_is_skipped(tmp_path, cache_dir, small_corpus, reference_run):
+    # A copy of the session's 30-step FSDP2 run (checkpoints 10, 20, 30), one rank's model shard's values
+    # zeroed (it still loads): `latest` skips checkpoint-30 naming the file and continues from 20, exactly.
+    reference = reference_run("fsdp", *corpus_args(small_corpus), *RUN30)
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shard = sorted((out / "checkpoint-30").glob("pytorch_model_fsdp_0/*.distcp"))[-1]
+    zero_tensor_bytes(shard)
+    proc = launch("fsdp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
+                  "--resume_from_checkpoint", "latest", cache_dir=cache_dir, mixed_precision="no")
+    assert f"skipping damaged checkpoint: checkpoint file {shard} does not match" in proc.stderr
+    assert f"resumed from {out / 'checkpoint-20'} at step 20" in proc.stdout
+    want = {r["step"]: r for r in read_metrics(reference)[0]}
+    got = read_metrics(out)[0]
+    assert [r["step"] for r in got] == list(range(1, 31))
+    for r in got[20:]:
+        assert r["loss"] == pytest.approx(want[r["step"]]["loss"], rel=1e-6), r["step"]
+    assert verify_checkpoint(out / "checkpoint-30")["step"] == 30  # saved again, whole
+
+
+def test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused(tmp_path, cache_dir, small_corpus):
+    # An earlier run's files, of kinds a run writes: everything goes, and only this run's files remain.
+    out = tmp_path / "run"
+    for name in ("final/model.safetensors", "final_logits.safetensors", "checkpoint-30/COMPLETE.json",
+                 "checkpoint-31.tmp/optimizer.bin", "sample_ids/rank0.json", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}")
+    launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--overwrite_output_dir", "--max_steps", 12,
+           "--save_steps", 6), cache_dir=cache_dir, mixed_precision="no")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-12", "checkpoint-6", "final", "metrics.jsonl",
+                                                     "run_info.json"]
+    exported = load_file(out / "final/model.safetensors")
+    assert exported["model.norm.weight"].shape == (256,)  # this run's export, whole
+    # A checkpoint at the end of a 12-step run, resumed as a 6-step one: refused, nothing written.
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--max_steps", 6, "--save_steps", 6,
+                  "--resume_from_checkpoint", "latest"), cache_dir=cache_dir, check=False)
+    assert proc.returncode != 0
+    assert (f"error: cannot resume from {out / 'checkpoint-12'}: it is at step 12 of a 12-step run, and this run "
+            "ends at step 6") in proc.stderr
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def test_the_end_of_a_run_on_resume():
+    # Past the end: refused. At the end: a no-op for the same run only (the export is written again).
+    for step, saved_max, max_steps, refused in [(12, 12, 6, True), (6, 12, 6, True), (12, 12, 12, False),
+                                                 (6, None, 6, False), (6, 12, 12, False), (6, 6, 12, False),
+                                                 (13, None, 12, True)]:
+        saved = {"step": step, **({"max_steps": saved_max} if saved_max else {})}
+        run = {"distributed_type": "MULTI_CPU", "world_size": 2, "max_steps": max_steps}
+        error = resume_error(Path("ckpt"), saved, run, ["max_steps"])
+        assert bool(error) == refused, (step, saved_max, max_steps, error)
+        if refused:
+            assert error.startswith(f"cannot resume from ckpt: it is at step {step}") and "nothing would train" in error
+
+
+class OneProcess:
+    """What `atomic_export` uses of an Accelerator, in a single process."""
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_the_export_is_replaced_whole_or_not_at_all(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "model.safetensors").write_text("old")
+    with pytest.raises(RuntimeError):  # a crash half-way through writing the new export
+        with atomic_export(OneProcess(), tmp_path) as export:
+            Path(export, "config.json").write_text("new")
+            raise RuntimeError
+    assert [p.name for p in (tmp_path / "final").iterdir()] == ["model.safetensors"]  # the old one, untouched
+    with atomic_export(OneProcess(), tmp_path) as export:
+        Path(export, "model.safetensors").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp, no .old
+    assert (tmp_path / "final" / "model.safetensors").read_text() == "new"
 
 
 def test_world_size_change(tmp_path, cache_dir, small_corpus):

@@ -1,11 +1,12 @@
 """Jobs that recover on their own: a killed rank under `--max_restarts`, SIGTERM (preemption) or
 Ctrl-C saving at the next step boundary, a SIGKILLed launcher leaving no workers behind, a node-local
---output_dir refused, and `--resume_from_checkpoint auto`. Every resumed run is compared with
+--output_dir refused, a second live job in one --output_dir refused, and `--resume_from_checkpoint auto`. Every resumed run is compared with
 one uninterrupted run (`reference_run`, shared with tests/test_slurm.py)."""
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,6 +151,33 @@ def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, wh
                   "--resume_from_checkpoint", "auto", cache_dir=cache_dir, mixed_precision="no")
     assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in proc.stdout
     assert_same_run(out, reference)
+
+
+def test_one_live_job_per_output_dir(tmp_path, cache_dir, small_corpus):
+    # A double submission (or a requeue while the first job still runs): the same command twice.
+    out = tmp_path / "run"
+    job = start("ddp", out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto", "--max_steps", 10_000)
+    try:
+        wait_until(lambda: last_step(out) >= 1, job, "step 1")
+        workers = ranks(job)
+        holder = workers[0].pid
+        proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
+                      "--resume_from_checkpoint", "auto", cache_dir=cache_dir, check=False)
+        assert proc.returncode != 0
+        assert f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}" in proc.stderr
+        assert job.poll() is None  # the first job trains on, alone
+        os.killpg(job.pid, signal.SIGKILL)  # then crashes: no exit handler runs
+        job.wait()
+        assert not psutil.wait_procs(list(workers.values()), timeout=30)[1]
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    steps = [r["step"] for r in read_metrics(out)[0]]
+    assert steps == list(range(1, len(steps) + 1))  # one job's lines only
+    # The crashed job's lock is not stale: the kernel dropped it with the process; the file names it still.
+    assert f'"pid": {holder}' in (out / ".lock").read_text()
+    taken = subprocess.run([sys.executable, "-c", f"from common.run_dir import lock; print(lock({str(out)!r}))"],
+                           cwd=REPO, capture_output=True, text=True, check=True)
+    assert taken.stdout.strip() == "None", taken.stderr[-2000:]
 
 
 def test_a_sigkilled_launcher_takes_its_workers_with_it(tmp_path, cache_dir, small_corpus):

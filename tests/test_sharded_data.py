@@ -149,7 +149,7 @@ def test_exactly_one_writer_per_file(run):
     writes = writes_by_file(run["out"], run["log"])
     on_disk = files_under(run["out"])
     assert set(on_disk) <= set(writes), set(on_disk) - set(writes)
-    assert set(on_disk) == {"metrics.jsonl", "sample_ids/rank0.json", "sample_ids/rank1.json"}
+    assert set(on_disk) == {".lock", "metrics.jsonl", "sample_ids/rank0.json", "sample_ids/rank1.json"}
     for path, ranks in writes.items():  # each rank touches its own `.shared-check-{token}-{rank}` (check_shared_dir)
         owner = int(path[len("sample_ids/rank"):-len(".json")]) if path.startswith("sample_ids/") else \
             int(path.rsplit("-", 1)[1]) if path.startswith(".shared-check-") else 0

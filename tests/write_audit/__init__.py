@@ -22,14 +22,21 @@ def audit_writes(root, log):
 
 
 def writes_by_file(root, log):
-    """{path relative to root: [rank of each write, in log order]}; rank is None for the launcher."""
+    """{path relative to root: [rank of each write, in time order]}; rank is None for the launcher.
+
+    A rename counts as a write of its target, and moves what was written under its source there
+    (a folder written as `final.tmp/` and renamed: its files are listed under `final/`).
+    """
+    records = sorted((json.loads(line) for path in Path(log).glob("*.jsonl") for line in path.read_text().splitlines()),
+                     key=lambda rec: rec["t"])
     out = defaultdict(list)
-    for path in sorted(Path(log).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            rank = None if rec["rank"] is None else int(rec["rank"])
-            out[os.path.relpath(rec["path"], os.path.abspath(root))].append(rank)
-    return dict(out)
+    for rec in records:
+        if "src" in rec:
+            src = rec["src"]
+            for moved in [p for p in out if p == src or p.startswith(src + os.sep)]:
+                out[rec["path"] + moved[len(src):]] += out.pop(moved)
+        out[rec["path"]].append(None if rec["rank"] is None else int(rec["rank"]))
+    return {os.path.relpath(p, os.path.abspath(root)): ranks for p, ranks in out.items()}
 
 
 def files_under(root):

@@ -7,7 +7,8 @@ launch (the launcher, each rank, each forked DataLoader worker). It records a wr
     returns the files it saved (these open files in native code, where no audit event fires;
     they are wrapped here, before the recipe imports them).
 Environment: WRITE_AUDIT_ROOT (the directory to watch) and WRITE_AUDIT_LOG (where the logs go,
-outside the watched one). Each process appends JSON lines {"rank", "pid", "path", "how"} to
+outside the watched one). Each process appends JSON lines {"rank", "pid", "path", "how", "t"} (a
+rename adds "src") to
 {WRITE_AUDIT_LOG}/{pid}.jsonl: its own file, so the log itself has one writer per file.
 `rank` is the RANK set by torchrun, or null for the launcher.
 """
@@ -15,19 +16,21 @@ outside the watched one). Each process appends JSON lines {"rank", "pid", "path"
 import json
 import os
 import sys
+import time
 
 _ROOT = os.environ.get("WRITE_AUDIT_ROOT")
 _LOG = os.environ.get("WRITE_AUDIT_LOG")
 
 
-def _record(path, how):
+def _record(path, how, **extra):
     try:
         path = os.path.abspath(os.fsdecode(path))
     except TypeError:  # a file descriptor or a file object: not a path we can attribute
         return
     if not path.startswith(_ROOT + os.sep):
         return
-    line = json.dumps({"rank": os.environ.get("RANK"), "pid": os.getpid(), "path": path, "how": how}) + "\n"
+    line = json.dumps({"rank": os.environ.get("RANK"), "pid": os.getpid(), "path": path, "how": how,
+                       "t": time.time_ns(), **extra}) + "\n"
     fd = os.open(os.path.join(_LOG, f"{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())
@@ -42,8 +45,8 @@ def _hook(event, args):
             mode is None and flags is not None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
         if writes:
             _record(path, "open")
-    elif event in ("os.rename", "os.replace"):
-        _record(args[1], event)
+    elif event in ("os.rename", "os.replace"):  # (src: what was written there now lies under the new name)
+        _record(args[1], event, src=os.path.abspath(os.fsdecode(args[0])))
 
 
 def _wrap(module, name):
