@@ -203,3 +203,57 @@ def skipped_step_warning(scale: float | None, skipped_in_a_row: int, min_scale: 
         return (f"warning: {skipped_in_a_row} fp16 steps in a row skipped for inf/NaN gradients (loss scale now "
                 f"{scale:g}); the run stops if the scale falls below {min_scale:g}")
     return None
+
+
+def precision_name(mixed_precision: str) -> str:
+    """Accelerate's mixed-precision name as a user reads it: "no" is "fp32"."""
+    return "fp32" if mixed_precision == "no" else mixed_precision
+
+
+class NonFiniteGuard:
+    """Stops a run whose training loss or gradient norm went inf/NaN, without a host read per step.
+
+    Outside fp16 loss scaling nothing stops such a step: DDP and FSDP let AdamW apply NaN gradients
+    (every weight turns NaN and the export holds nothing else), DeepSpeed skips every step from
+    then on (the export holds the last good weights, and the run still reports each step). fp16
+    has its own rule (a skipped step, then `skipped_step_warning`), so the guard is off there.
+
+    `record` folds each step's verdict into a device tensor (no sync: on a GPU the host never
+    waits for it); `problem` reads it, a collective, where the recipe reads values anyway: at
+    logging steps, and before every checkpoint and export, so no non-finite weights are saved.
+
+    Args:
+        accelerator: the run's `Accelerator`; model: the prepared model (DeepSpeed: its engine),
+            to tell fp16 loss scaling (`loss_scale`) apart.
+    """
+
+    def __init__(self, accelerator, model=None):
+        self.accelerator = accelerator
+        self.precision = precision_name(accelerator.mixed_precision)
+        self.on = loss_scale(accelerator, model) is None
+        # [first bad step (0: none yet), its loss, its gradient norm], float64 on the device
+        self.first = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+
+    def record(self, step: int, loss, norm) -> None:
+        """Note optimizer step `step` (1-based): `loss` this rank's loss of the step, `norm` the global
+        gradient norm (0-dim tensors on the run's device, or floats). No host read, no host-to-device copy."""
+        if not self.on:
+            return
+        loss, norm = (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else
+                      torch.full((), v, dtype=torch.float64, device=self.first.device) for v in (loss, norm))
+        new = (self.first[0] == 0) & ~(torch.isfinite(loss) & torch.isfinite(norm))
+        self.first = torch.where(new, torch.stack([torch.full_like(loss, step), loss, norm.to(loss.device)]), self.first)
+
+    def problem(self) -> str | None:
+        """One line naming the first step whose loss or gradient norm was not finite on any rank, or None.
+        A collective (call it on every rank at the same step) and a host read."""
+        if not self.on:
+            return None
+        rows = self.accelerator.gather(self.first[None]).tolist()  # [ranks, 3]
+        bad = [r for r in rows if r[0] > 0]
+        if not bad:
+            return None
+        step, loss, norm = min(bad)
+        return (f"step {step:.0f}: the training loss is {loss:g} and the gradient norm {norm:g} in {self.precision}; "
+                "stopped before saving any weights (only fp16 loss scaling skips such a step and goes on). Lower "
+                "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data")

@@ -391,6 +391,7 @@ epoch = step // updates_per_epoch
 # and windows without a single target token (possible with --packing false and empty rows).
 skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
 skipped_in_a_row = 0
+guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
 tokens_seen = (step - empty_windows) * global_batch * args.block_size
 # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
 preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
@@ -447,6 +448,7 @@ while step < max_steps:
         step += 1
         progress.update(1)
         if has_targets:  # an empty window trained on nothing
+            guard.record(step, loss_total, norm_before_clip)  # on the device: read at logging and saving steps
             window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
             tokens_seen += global_batch * args.block_size
 
@@ -478,7 +480,11 @@ while step < max_steps:
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
-        if preempt or (args.save_steps and step % args.save_steps == 0):
+        save = preempt or (args.save_steps and step % args.save_steps == 0)
+        if (save or step >= max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
+            progress.close()
+            sys.exit(f"error: {problem}")  # before any checkpoint or export of non-finite weights
+        if save:
             saved_to = checkpoint.save_checkpoint(
                 accelerator, args.output_dir, step, args.save_total_limit,
                 {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
@@ -494,7 +500,8 @@ progress.close()
 if empty_windows:
     accelerator.print(f"warning: {empty_windows} of {step} windows had no target tokens and were skipped")
 if skipped_steps:
-    accelerator.print(f"warning: {skipped_steps} of {step} fp16 steps were skipped for inf/NaN gradients")
+    accelerator.print(f"warning: {skipped_steps} of {step} {precision.precision_name(accelerator.mixed_precision)} "
+                      "steps were skipped for inf/NaN gradients")
 
 # ---------------------------------------------------------------------------------------------
 # Export: gather the full state dict on every rank (a collective), write from rank 0 only.
