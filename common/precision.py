@@ -94,13 +94,17 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
 
 
 def keep_fp32_reduction(accelerator) -> None:
-    """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in fp32.
+    """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in
+    fp32, and keep buffers (rotary `inv_freq`) in fp32.
 
     Accelerate's FSDP mixed-precision policy reduces gradients in the compute dtype, where most
     of the precision of a sum over ranks is lost, and (FSDP2) casts every wrapped module's output
     to it, which rounds the fp32 loss the model computes to bf16 (steps of 0.03 at a loss of 8);
     under fp16 the backward then starts by casting the loss scale itself (by default 65536, above
     fp16's max 65504) to fp16, so the first step overflows and is skipped (measured: it was).
+    FSDP1's policy also has `buffer_dtype` = the compute dtype: its first forward rounds the rotary
+    frequencies to bf16 (a phase error growing with position: 0.45 rad at 1023 for head dim 64),
+    where DDP, FSDP2, DeepSpeed (0.19 casts parameters only) and the export keep them fp32.
     Call after building the Accelerator and before `prepare`; a no-op for other strategies.
     """
     from dataclasses import replace
@@ -111,7 +115,8 @@ def keep_fp32_reduction(accelerator) -> None:
         return
     plugin = accelerator.state.fsdp_plugin
     plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32,
-                                            **({"output_dtype": None} if accelerator.is_fsdp2 else {}))
+                                            **({"output_dtype": None} if accelerator.is_fsdp2 else
+                                               {"buffer_dtype": torch.float32}))
 
 
 def drop_fp32_output_copy(accelerator, model) -> bool:

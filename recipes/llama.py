@@ -532,6 +532,7 @@ if accelerator.is_main_process:
                   os.path.join(args.output_dir, "final_logits.safetensors"))
     summary = {"summary": True, "step": step, "total_tokens": tokens_seen, "wall_seconds": time.perf_counter() - t_start,
                "peak_memory_bytes": metrics.peak_memory_bytes(device), "empty_windows": empty_windows,
+               "buffer_dtypes": metrics.buffer_dtypes(unwrapped),  # rotary inv_freq: fp32 under every strategy
                # CUDA: the most the caching allocator held (allocated + cached blocks), beside the allocated peak
                **({"peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device)}
                   if device.type == "cuda" else {}),

@@ -66,6 +66,9 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8
     assert math.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] < steps[0]["loss"]
     assert summary and summary[0]["total_tokens"] == 12 * 4 * world * 128
+    # Position buffers stay fp32 in the live bf16 model (FSDP1's buffer_dtype rounded them to bf16).
+    assert summary[0]["buffer_dtypes"] == {"model.rotary_emb.inv_freq": "float32",
+                                           "model.rotary_emb.original_inv_freq": "float32"}
 
     # The export: full-size safetensors that plain transformers reloads to the live model's logits.
     final = out / "final"
