@@ -460,12 +460,13 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
                                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                                         "launch at most one process per GPU"))
     for name, value in (config.get("dropped_launch_flags") or {}).items():
+        if name == "--gradient_accumulation_steps" and _same(value, flags.get("gradient_accumulation_steps")):
+            continue  # the recipe accumulates as many anyway
         instead = f"give {name} {value} to the recipe (after the script name)" if name == \
             "--gradient_accumulation_steps" else "drop it, or launch a DeepSpeed config"
         out.append(Problem("error", f"accelerate launch {name} {value}: Accelerate passes it to DeepSpeed only, and "
                                     f"this launch is not DeepSpeed ({config.get('distributed_type')}), so it would "
-                                    f"be ignored; "
-                                    f"{instead}"))
+                                    f"be ignored; {instead}"))
     if ds is not None:
         out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
         if (launch_ds := config.get("deepspeed_config") or {}).get("deepspeed_config_file"):

@@ -337,11 +337,17 @@ run_info = {
         torch.tensor([metrics.local_parameter_elements(model)], device=device)).tolist(),
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,
     "model_class": model_cls.__name__, "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
-    "fsdp_units": fsdp_units, "torch_compile": compiled and {
+    "fsdp_units": fsdp_units, "deepspeed": launch.deepspeed_in_use(accelerator), "torch_compile": compiled and {
         "backend": compiled, "mode": dynamo.mode, "regional": bool(dynamo.use_regional_compilation)},
     "args": vars(args),
 }
-accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
+if (ds_used := run_info["deepspeed"]) and ds_used["train_batch_size"] != global_batch:  # (checks.py refuses the causes)
+    sys.exit(f"error: DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe counts "
+             f"{global_batch}: {ds_used}")
+offload = ds_used and ", ".join(f"{part} to {ds_used[f'offload_{part}_device']}" for part in ("optimizer", "param")
+                                if ds_used[f"offload_{part}_device"] != "none")
+zero = ds_used and f" | ZeRO-{ds_used['zero_stage']}" + (f" (offload: {offload})" if offload else "")
+accelerator.print(f"{run_info['distributed_type']} x{world_size}{zero or ''} | {accelerator.mixed_precision} | "
                   f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps"
                   + (f" | torch.compile {compiled}" if compiled else ""))
 

@@ -39,6 +39,11 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
             assert abs(n / info["n_params"] - 0.5) < 0.02, (n, info["n_params"])
     else:
         assert local == [info["n_params"]] * world
+    # What DeepSpeed ran with (its filled-in config), as run_info.json and the start line report it.
+    stage = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}.get(config)
+    assert info["deepspeed"] == (stage and {
+        "zero_stage": stage, "offload_optimizer_device": "none", "offload_param_device": "none",
+        "gradient_accumulation_steps": 1, "train_batch_size": 4 * world, "gradient_clipping": 1.0})
 
     # No read of a device value in an ordinary step (steps 1, 3, ..., 11 and the training of the
     # next): on a GPU each one would stall the host until the device catches up. Reads from
