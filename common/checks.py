@@ -12,6 +12,9 @@ prints each warning once and exits with every error line.
 |--------------------------------------------------------|----------|-----------------------------------------|
 | DeepSpeed JSON batch keys vs the batch flags           | error    | Accelerate adopts the JSON's: other     |
 |                                                        |          | steps and schedule than the flags say   |
+| `accelerate launch` DeepSpeed flags (--zero_stage,     | error    | a JSON's own value wins silently; one   |
+|   --offload_*, --gradient_accumulation_steps, ...) vs  |          |   that reaches DeepSpeed must match the |
+|   the JSON, the recipe's flags, a non-DeepSpeed launch |          |   recipe's; elsewhere Accelerate drops it|
 | `gradient_clipping` vs `--max_grad_norm`               | error    | the engine clips with the JSON's        |
 | the JSON's explicit `bf16`/`fp16` block vs the launch's| error    | the JSON's wins (or Accelerate raises)  |
 | bf16 on a GPU below compute capability 8.0             | error    | emulated, several times slower          |
@@ -43,6 +46,18 @@ from typing import NamedTuple
 
 from common import precision
 
+# DeepSpeed settings that `accelerate launch` takes as flags (or an accelerate config's deepspeed_config
+# keys, which Accelerate refuses next to a JSON), the JSON key each one fills, and DeepSpeed's value
+# when the JSON lacks it. Accelerate 1.15 (DeepSpeedPlugin.__post_init__) copies a flag into the
+# JSON only where the key says "auto"; elsewhere the JSON wins, silently.
+LAUNCH_DS_KEYS = {"gradient_accumulation_steps": ("gradient_accumulation_steps", 1),
+                  "gradient_clipping": ("gradient_clipping", 0.0),
+                  "zero_stage": ("zero_optimization.stage", 0),
+                  "offload_optimizer_device": ("zero_optimization.offload_optimizer.device", "none"),
+                  "offload_param_device": ("zero_optimization.offload_param.device", "none"),
+                  "offload_optimizer_nvme_path": ("zero_optimization.offload_optimizer.nvme_path", "none"),
+                  "offload_param_nvme_path": ("zero_optimization.offload_param.nvme_path", "none"),
+                  "zero3_save_16bit_model": ("zero_optimization.stage3_gather_16bit_weights_on_model_save", False)}
 # DeepSpeed batch keys and the flag each must equal (train_batch_size is the product).
 BATCH_KEYS = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
               "gradient_accumulation_steps": "gradient_accumulation_steps"}
@@ -72,22 +87,28 @@ def launch_config_from_env(env=os.environ) -> dict:
         fsdp_use_orig_params, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap,
         fsdp_reshard_after_forward), "deepspeed_config" (deepspeed_config_file, or the YAML's own
         gradient_accumulation_steps / gradient_clipping / zero_stage), "dynamo_config" ({"dynamo_backend":
-        "INDUCTOR"} when torch.compile was asked for; under DeepSpeed from `launcher_dynamo_backend`)};
-        absent values are left out.
+        "INDUCTOR"} when torch.compile was asked for; under DeepSpeed from `launcher_dynamo_backend`),
+        "dropped_launch_flags" ({"--zero_stage": "3", ...}: DeepSpeed flags of the `accelerate launch` line
+        of a launch that is not DeepSpeed, which Accelerate drops)}; absent values are left out.
     """
     world = int(env.get("WORLD_SIZE", 1))
     config = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "num_processes": world,
               "num_machines": max(1, world // int(env.get("LOCAL_WORLD_SIZE", world)))}
     # The launch line's --mixed_precision (or a hand-set variable, without accelerate launch) is a
     # demand; the YAML's is a default that follows the hardware (common/precision.py).
-    config["mixed_precision_forced"] = (launcher := launcher_args()) is None or "--mixed_precision" in launcher
+    launcher = launcher_args()
+    config["mixed_precision_forced"] = launcher is None or "--mixed_precision" in launcher
     if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
         config["distributed_type"] = "DEEPSPEED"
         ds = {"deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
               "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
               "gradient_clipping": env.get("ACCELERATE_GRADIENT_CLIPPING"),
-              "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")}
-        config["deepspeed_config"] = {k: v for k, v in ds.items() if v not in (None, "none")}
+              "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+              # set only when given (the launch line, or the YAML without a JSON): "none" is a value here
+              **{key: env.get(f"ACCELERATE_DEEPSPEED_{key.upper()}") for key in LAUNCH_DS_KEYS
+                 if key.startswith(("offload_", "zero3_save"))}}
+        config["deepspeed_config"] = {k: v for k, v in ds.items() if v is not None and (
+            v != "none" or k.startswith("offload_"))}
     elif _true(env.get("ACCELERATE_USE_FSDP")):
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
@@ -99,6 +120,10 @@ def launch_config_from_env(env=os.environ) -> dict:
                if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") else {})}
     else:
         config["distributed_type"] = "MULTI_GPU" if world > 1 else "NO"
+    if config["distributed_type"] != "DEEPSPEED":  # accelerate launch drops its DeepSpeed flags here
+        names = {f"--{key}" for key in (*LAUNCH_DS_KEYS, "zero3_init_flag")}
+        if dropped := {k: v for k, v in (launcher or {}).items() if k in names}:
+            config["dropped_launch_flags"] = dropped
     # torch.compile: accelerate launch passes its dynamo settings in ACCELERATE_DYNAMO_*, except to
     # DeepSpeed ranks; there we read what the launcher was asked for (config_problems refuses it).
     backend = env.get("ACCELERATE_DYNAMO_BACKEND") or (
@@ -172,9 +197,11 @@ def deepspeed_settings(config: dict, root: str = ".") -> tuple[dict | None, str]
     yaml_ds = config.get("deepspeed_config") or {}
     path = yaml_ds.get("deepspeed_config_file")
     if not path:
+        offload = {part: {"device": yaml_ds[f"{part}_device"]} for part in ("offload_optimizer", "offload_param")
+                   if f"{part}_device" in yaml_ds}
         keys = {"gradient_accumulation_steps": yaml_ds.get("gradient_accumulation_steps", "auto"),
                 "gradient_clipping": yaml_ds.get("gradient_clipping", "auto"),
-                "zero_optimization": {"stage": int(yaml_ds.get("zero_stage", 2))}}
+                "zero_optimization": {"stage": int(yaml_ds.get("zero_stage", 2)), **offload}}
         return keys, "the accelerate config's deepspeed_config"
     try:
         with open(os.path.join(root, path)) as f:
@@ -235,6 +262,61 @@ def _deepspeed_problems(ds: dict, where: str, flags: dict, ranks: int, mixed_pre
                                         f"{dtype} ({dtype}.enabled: {enabled}): its bf16/fp16 \"enabled\" keys win; "
                                         "set them to \"auto\" so the config's mixed_precision (or --mixed_precision) "
                                         "decides"))
+    return out
+
+
+def _json_value(ds: dict, dotted: str):
+    """The value at a dotted key path of a DeepSpeed JSON ("zero_optimization.stage"), None where absent."""
+    for key in dotted.split("."):
+        ds = ds.get(key) if isinstance(ds, dict) else None
+    return ds
+
+
+def _same(a, b) -> bool:
+    """Setting values equal as DeepSpeed reads them: "3" == 3, "0.5" == 0.5, "true" == True, "CPU" == "cpu"."""
+    def norm(v):
+        text = str(v).strip().lower()
+        try:
+            return float(text)
+        except ValueError:
+            return {"true": 1.0, "false": 0.0}.get(text, text)
+    return norm(a) == norm(b)
+
+
+def launch_flag_problems(launch_ds: dict, ds: dict, ds_where: str, flags: dict) -> list[Problem]:
+    """The DeepSpeed settings of the launch line (`launch_ds`: the accelerate config's deepspeed_config,
+    as `launch_config_from_env` reads it) that a DeepSpeed JSON (`ds`) would ignore, or that change
+    what the recipe's flags say, each one line.
+
+    Accelerate 1.15 copies `accelerate launch --zero_stage 3`, `--offload_optimizer_device cpu`,
+    `--gradient_accumulation_steps 4`, ... into the JSON only where its key is "auto"; where the
+    JSON has a value, or lacks the key, the flag is dropped without a word (measured: --zero_stage 3
+    ran ZeRO-2, --offload_optimizer_device cpu ran without offload). Where a flag does reach
+    DeepSpeed, accumulation and clipping must still be the recipe's own (--gradient_accumulation_steps,
+    --max_grad_norm), or DeepSpeed steps on another schedule than the one the recipe counts and reports.
+    """
+    out = []
+    for key, (json_key, default) in LAUNCH_DS_KEYS.items():
+        if key not in launch_ds:
+            continue
+        value, in_json = launch_ds[key], _json_value(ds, json_key)
+        flag = f"accelerate launch --{key} {value}"
+        if in_json != "auto":
+            used = default if in_json is None else in_json
+            if not _same(value, used):
+                how = f"sets {json_key}: {json.dumps(in_json)}" if in_json is not None else \
+                    f"has no {json_key} (DeepSpeed's default: {json.dumps(used)})"
+                out.append(Problem("error", f"{flag} conflicts with {ds_where}, which {how} and wins (Accelerate "
+                                            "ignores the flag next to a JSON); drop the flag, or launch with a JSON "
+                                            "that says what you want"))
+            continue
+        recipe = {"gradient_accumulation_steps": "gradient_accumulation_steps",
+                  "gradient_clipping": "max_grad_norm"}.get(key)
+        if recipe in flags and not _same(value, flags[recipe] or 0):
+            out.append(Problem("error", f"{flag} differs from the recipe's --{recipe} {flags[recipe]}: DeepSpeed "
+                                        f"would follow the launch flag ({ds_where} says \"auto\") while the recipe "
+                                        "counts and reports its own; give the value to the recipe (after the script "
+                                        "name) and drop the launch flag"))
     return out
 
 
@@ -413,8 +495,18 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
                                         "launch at most one process per GPU"))
         if problem := _idle_gpus_problem(config, where, hardware, ranks, per_machine):
             out.append(problem)
+    for name, value in (config.get("dropped_launch_flags") or {}).items():
+        if name == "--gradient_accumulation_steps" and _same(value, flags.get("gradient_accumulation_steps")):
+            continue  # the recipe accumulates as many anyway
+        instead = f"give {name} {value} to the recipe (after the script name)" if name == \
+            "--gradient_accumulation_steps" else "drop it, or launch a DeepSpeed config"
+        out.append(Problem("error", f"accelerate launch {name} {value}: Accelerate passes it to DeepSpeed only, and "
+                                    f"this launch is not DeepSpeed ({config.get('distributed_type')}), so it would "
+                                    f"be ignored; {instead}"))
     if ds is not None:
         out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
+        if (launch_ds := config.get("deepspeed_config") or {}).get("deepspeed_config_file"):
+            out += launch_flag_problems(launch_ds, ds, ds_where, flags)
     if (problem := _dynamo_problem(config, where, compiles)) is not None:
         out.append(problem)
     if config.get("distributed_type") == "FSDP":

@@ -296,6 +296,24 @@ def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
 
 
 
+def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
+    """What DeepSpeed really runs with, read from its config after `prepare` (where Accelerate has filled
+    the "auto" keys and any launch-line flags): for run_info.json and the start line. None off DeepSpeed.
+
+    Returns:
+        {"zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
+        "train_batch_size" (samples per optimizer step, all ranks), "gradient_clipping"}.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    zero = ds.get("zero_optimization") or {}
+    return {"zero_stage": zero.get("stage", 0),
+            "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
+            "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
+            **{key: ds.get(key) for key in ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")}}
+
+
 def install_cpu_grad_scaler(accelerator) -> bool:
     """Make `mixed_precision="fp16"` real on CPU ranks (see the module docstring). Call before `prepare`.
 

@@ -176,6 +176,12 @@ def local_parameter_elements(model: torch.nn.Module) -> int:
     return total
 
 
+def buffer_dtypes(model: torch.nn.Module) -> dict[str, str]:
+    """{name: dtype} of the floating-point buffers of a live model (pass the unwrapped module), e.g.
+    {"model.rotary_emb.inv_freq": "float32"}: what the strategy's mixed precision left them in."""
+    return {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers() if b.is_floating_point()}
+
+
 def strict_json(record: dict) -> dict:
     """`record` with every non-finite float (NaN, inf), at any depth, replaced by None, and the
     top-level keys that held one listed under `"nonfinite"`, so that the result is standard JSON

@@ -172,13 +172,17 @@ def for_launch(launch_config: dict, hardware: dict, n_params: int = 0) -> dict:
 
 
 def keep_fp32_reduction(accelerator) -> None:
-    """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in fp32.
+    """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in
+    fp32, and keep buffers (rotary `inv_freq`) in fp32.
 
     Accelerate's FSDP mixed-precision policy reduces gradients in the compute dtype, where most
     of the precision of a sum over ranks is lost, and (FSDP2) casts every wrapped module's output
     to it, which rounds the fp32 loss the model computes to bf16 (steps of 0.03 at a loss of 8);
     under fp16 the backward then starts by casting the loss scale itself (by default 65536, above
     fp16's max 65504) to fp16, so the first step overflows and is skipped (measured: it was).
+    FSDP1's policy also has `buffer_dtype` = the compute dtype: its first forward rounds the rotary
+    frequencies to bf16 (a phase error growing with position: 0.45 rad at 1023 for head dim 64),
+    where DDP, FSDP2, DeepSpeed (0.19 casts parameters only) and the export keep them fp32.
     Call after building the Accelerator and before `prepare`; a no-op for other strategies.
     """
     from dataclasses import replace
@@ -189,7 +193,8 @@ def keep_fp32_reduction(accelerator) -> None:
         return
     plugin = accelerator.state.fsdp_plugin
     plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32,
-                                            **({"output_dtype": None} if accelerator.is_fsdp2 else {}))
+                                            **({"output_dtype": None} if accelerator.is_fsdp2 else
+                                               {"buffer_dtype": torch.float32}))
 
 
 def drop_fp32_output_copy(accelerator, model) -> bool:
@@ -281,3 +286,57 @@ def skipped_step_warning(scale: float | None, skipped_in_a_row: int, min_scale: 
         return (f"warning: {skipped_in_a_row} fp16 steps in a row skipped for inf/NaN gradients (loss scale now "
                 f"{scale:g}); the run stops if the scale falls below {min_scale:g}")
     return None
+
+
+def precision_name(mixed_precision: str) -> str:
+    """Accelerate's mixed-precision name as a user reads it: "no" is "fp32"."""
+    return "fp32" if mixed_precision == "no" else mixed_precision
+
+
+class NonFiniteGuard:
+    """Stops a run whose training loss or gradient norm went inf/NaN, without a host read per step.
+
+    Outside fp16 loss scaling nothing stops such a step: DDP and FSDP let AdamW apply NaN gradients
+    (every weight turns NaN and the export holds nothing else), DeepSpeed skips every step from
+    then on (the export holds the last good weights, and the run still reports each step). fp16
+    has its own rule (a skipped step, then `skipped_step_warning`), so the guard is off there.
+
+    `record` folds each step's verdict into a device tensor (no sync: on a GPU the host never
+    waits for it); `problem` reads it, a collective, where the recipe reads values anyway: at
+    logging steps, and before every checkpoint and export, so no non-finite weights are saved.
+
+    Args:
+        accelerator: the run's `Accelerator`; model: the prepared model (DeepSpeed: its engine),
+            to tell fp16 loss scaling (`loss_scale`) apart.
+    """
+
+    def __init__(self, accelerator, model=None):
+        self.accelerator = accelerator
+        self.precision = precision_name(accelerator.mixed_precision)
+        self.on = loss_scale(accelerator, model) is None
+        # [first bad step (0: none yet), its loss, its gradient norm], float64 on the device
+        self.first = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+
+    def record(self, step: int, loss, norm) -> None:
+        """Note optimizer step `step` (1-based): `loss` this rank's loss of the step, `norm` the global
+        gradient norm (0-dim tensors on the run's device, or floats). No host read, no host-to-device copy."""
+        if not self.on:
+            return
+        loss, norm = (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else
+                      torch.full((), v, dtype=torch.float64, device=self.first.device) for v in (loss, norm))
+        new = (self.first[0] == 0) & ~(torch.isfinite(loss) & torch.isfinite(norm))
+        self.first = torch.where(new, torch.stack([torch.full_like(loss, step), loss, norm.to(loss.device)]), self.first)
+
+    def problem(self) -> str | None:
+        """One line naming the first step whose loss or gradient norm was not finite on any rank, or None.
+        A collective (call it on every rank at the same step) and a host read."""
+        if not self.on:
+            return None
+        rows = self.accelerator.gather(self.first[None]).tolist()  # [ranks, 3]
+        bad = [r for r in rows if r[0] > 0]
+        if not bad:
+            return None
+        step, loss, norm = min(bad)
+        return (f"step {step:.0f}: the training loss is {loss:g} and the gradient norm {norm:g} in {self.precision}; "
+                "stopped before saving any weights (only fp16 loss scaling skips such a step and goes on). Lower "
+                "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data")

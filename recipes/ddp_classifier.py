@@ -306,6 +306,7 @@ def evaluate():
 # ---------------------------------------------------------------------------------------------
 model.train()
 t_start, skipped_in_a_row, accuracy = time.perf_counter(), 0, None
+guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
 epoch = step // steps_per_epoch
 seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
 # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
@@ -337,6 +338,7 @@ while step < max_steps:
         if args.record_sample_ids:  # kept on the device: a host copy here would wait for the GPU every step
             seen[-1] += [b["sample_id"] for b in window]
         step += 1
+        guard.record(step, window_loss, norm_before_clip)  # on the device: read at logging and saving steps
         scale = precision.loss_scale(accelerator, model)  # None unless fp16
         if scale is not None:
             skipped = accelerator.optimizer_step_was_skipped
@@ -364,7 +366,10 @@ while step < max_steps:
             accelerator.print(f"step {step} (epoch {epoch}) | held-out accuracy {accuracy:.3f} "
                               f"(majority baseline {baseline_accuracy:.3f})")
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
-        if preempt or (args.save_steps and step % args.save_steps == 0):  # after the eval, which a resume does not redo
+        save = preempt or (args.save_steps and step % args.save_steps == 0)
+        if (save or step >= max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
+            sys.exit(f"error: {problem}")  # before any checkpoint or export of non-finite weights
+        if save:  # after the eval, which a resume does not redo
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,
                                                   run_state={**run_state, "skipped_steps": skipped_steps},
                                                   hf_files=(accelerator.unwrap_model(model).config, tokenizer))

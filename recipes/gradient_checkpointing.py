@@ -267,6 +267,7 @@ for num_layers in depths:
     for rnd in range(args.timing_rounds):
         for variant in (variants if rnd % 2 == 0 else variants[::-1]):
             model, optimizer = build(num_layers, variant)
+            guard = precision.NonFiniteGuard(accelerator, model)  # inf/NaN outside fp16 loss scaling: stop, not measure
             run = runs[variant]
             run["saved"].tag = "rest"  # split the count: what the decoder blocks save, whatever wraps them, the rest
             for layer in accelerator.unwrap_model(model).model.layers:
@@ -297,16 +298,19 @@ for num_layers in depths:
                         if accelerator.sync_gradients:
                             if rnd == 0 and step == 0:  # after the all-reduce / reduce-scatter, before clipping
                                 run["grads"] = local_grads(model)
-                            grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
+                            norm = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
                         optimizer.step()  # no-op until the window's last micro batch
                         optimizer.zero_grad()
                     step_loss += loss.detach() / accumulation
+                guard.record(step + 1, step_loss, norm)
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # the clock reads the step's kernels, not just their launch
                 if step > 0 and not cpu_metered:
                     run["times"].append(time.perf_counter() - t0)
                 if rnd == 0:  # later rounds repeat the same steps from the same seed
                     run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
+            if problem := guard.problem():
+                sys.exit(f"error: L={num_layers} {variant} round {rnd}: {problem}")
             accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
                               f"{run['saved'].bytes / MIB:.2f} MiB, fastest step {min(run['times']):.3f} s, "
                               f"loss {run['losses'][-1]:.4f}")

@@ -353,11 +353,17 @@ run_info = {
     "updates_per_epoch": updates_per_epoch, "max_steps": max_steps, "model_type": config.model_type,
     "model_class": model_cls.__name__, "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
     "fsdp_units": fsdp_units, "data": data.pack_stats(lm_data),  # tokens per split, and what packing dropped
-    "torch_compile": compiled and {
+    "deepspeed": launch.deepspeed_in_use(accelerator), "torch_compile": compiled and {
         "backend": compiled, "mode": dynamo.mode, "regional": bool(dynamo.use_regional_compilation)},
     "args": vars(args),
 }
-accelerator.print(f"{run_info['distributed_type']} x{world_size} | {accelerator.mixed_precision} | "
+if (ds_used := run_info["deepspeed"]) and ds_used["train_batch_size"] != global_batch:  # (checks.py refuses the causes)
+    sys.exit(f"error: DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe counts "
+             f"{global_batch}: {ds_used}")
+offload = ds_used and ", ".join(f"{part} to {ds_used[f'offload_{part}_device']}" for part in ("optimizer", "param")
+                                if ds_used[f"offload_{part}_device"] != "none")
+zero = ds_used and f" | ZeRO-{ds_used['zero_stage']}" + (f" (offload: {offload})" if offload else "")
+accelerator.print(f"{run_info['distributed_type']} x{world_size}{zero or ''} | {accelerator.mixed_precision} | "
                   f"{n_params / 1e6:.2f}M params | global batch {global_batch} | {max_steps} steps"
                   + (f" | torch.compile {compiled}" if compiled else ""))
 
@@ -407,6 +413,7 @@ epoch = step // updates_per_epoch
 # and windows without a single target token (possible with --packing false and empty rows).
 skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
 skipped_in_a_row = 0
+guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
 tokens_seen = (step - empty_windows) * global_batch * args.block_size
 # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
 preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
@@ -463,6 +470,7 @@ while step < max_steps:
         step += 1
         progress.update(1)
         if has_targets:  # an empty window trained on nothing
+            guard.record(step, loss_total, norm_before_clip)  # on the device: read at logging and saving steps
             window_tokens += sum(b["input_ids"].numel() for b in window)  # tokens this rank trained on
             tokens_seen += global_batch * args.block_size
 
@@ -494,7 +502,11 @@ while step < max_steps:
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
-        if preempt or (args.save_steps and step % args.save_steps == 0):
+        save = preempt or (args.save_steps and step % args.save_steps == 0)
+        if (save or step >= max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
+            progress.close()
+            sys.exit(f"error: {problem}")  # before any checkpoint or export of non-finite weights
+        if save:
             saved_to = checkpoint.save_checkpoint(
                 accelerator, args.output_dir, step, args.save_total_limit,
                 {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
@@ -510,7 +522,8 @@ progress.close()
 if empty_windows:
     accelerator.print(f"warning: {empty_windows} of {step} windows had no target tokens and were skipped")
 if skipped_steps:
-    accelerator.print(f"warning: {skipped_steps} of {step} fp16 steps were skipped for inf/NaN gradients")
+    accelerator.print(f"warning: {skipped_steps} of {step} {precision.precision_name(accelerator.mixed_precision)} "
+                      "steps were skipped for inf/NaN gradients")
 
 # ---------------------------------------------------------------------------------------------
 # Export: gather the full state dict on every rank (a collective), write from rank 0 only.
@@ -542,6 +555,7 @@ if accelerator.is_main_process:
                   os.path.join(args.output_dir, "final_logits.safetensors"))
     summary = {"summary": True, "step": step, "total_tokens": tokens_seen, "wall_seconds": time.perf_counter() - t_start,
                "peak_memory_bytes": metrics.peak_memory_bytes(device), "empty_windows": empty_windows,
+               "buffer_dtypes": metrics.buffer_dtypes(unwrapped),  # rotary inv_freq: fp32 under every strategy
                # CUDA: the most the caching allocator held (allocated + cached blocks), beside the allocated peak
                **({"peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device)}
                   if device.type == "cuda" else {}),

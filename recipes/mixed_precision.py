@@ -29,7 +29,8 @@ weights), --save_steps, --resume_from_checkpoint, --report_to, ...) plus the rec
 
 `--inject_inf_grad_at_step N` is a drill: it puts an inf into step N's gradients on every rank,
 as an overflow would. Under fp16 the step is skipped and the scale halved; in fp32/bf16 nothing
-stops it, the weights turn NaN, and the recipe warns at the next logged loss.
+can skip it, so the run stops with an error naming the step, before any checkpoint
+(common/precision.py, NonFiniteGuard: checked at logging and saving steps).
 
 fp16 on CPU ranks: Accelerate 1.15 builds neither the GradScaler nor fp16 autocast for a CPU
 device, so `mixed_precision="fp16"` would silently train in fp32. torch 2.13 supports both on
@@ -335,6 +336,7 @@ def evaluate():
 # ---------------------------------------------------------------------------------------------
 model.train()
 start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
+guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
 window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
 epoch = step // updates_per_epoch
 # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
@@ -371,6 +373,7 @@ while step < max_steps:
         if not accelerator.sync_gradients:
             continue
         step += 1
+        guard.record(step, window_loss / window_batches, norm_before_clip)  # on the device: read at logging/saving
         step_skipped = accelerator.optimizer_step_was_skipped
         skipped_steps += step_skipped
         skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
@@ -385,6 +388,10 @@ while step < max_steps:
             stop = f"step {step}: {err}"
         if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
             tokens, t0 = 0, time.perf_counter()
+        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
+        save = preempt or (args.save_steps and step % args.save_steps == 0)
+        if not stop and (save or step % args.logging_steps == 0 or step == max_steps):
+            stop = guard.problem()  # before any checkpoint of non-finite weights
 
         if step % args.logging_steps == 0 or step == max_steps or stop:
             loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
@@ -392,7 +399,7 @@ while step < max_steps:
                       "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
                       "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
             nonfinite_losses += not math.isfinite(loss_mean)
-            if not math.isfinite(loss_mean) and accelerator.is_main_process:
+            if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:  # (else: the guard's error)
                 warnings.warn(f"step {step}: the training loss is {loss_mean} ({mode if mode != 'no' else 'fp32'}); "
                               f"{REMEDIES}")
             if accelerator.is_main_process:
@@ -409,8 +416,7 @@ while step < max_steps:
             accelerator.free_memory()
             accelerator.end_training()
             sys.exit(f"error: {stop}")
-        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
-        if preempt or (args.save_steps and step % args.save_steps == 0):
+        if save:
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
                                                   run_state={**run_state, "skipped_steps": skipped_steps,
                                                              "skipped_in_a_row": skipped_in_a_row})

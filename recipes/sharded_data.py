@@ -514,6 +514,7 @@ def main():
 
     # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
     preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
+    guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
     for step in range(start + 1, args.max_steps + 1):
         lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
         window_loss = torch.zeros((), device=device)
@@ -533,6 +534,7 @@ def main():
             window_loss += loss.detach() / accumulation
             if args.record_sample_ids:  # kept as tensors: no value is read in an ordinary step
                 seen.setdefault(epoch, []).append(b["block_id"])
+        guard.record(step, window_loss, norm_before_clip)  # on the device: read at logging and saving steps
         skipped = accelerator.optimizer_step_was_skipped
         skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
         scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
@@ -553,7 +555,11 @@ def main():
             if accelerator.is_main_process:
                 metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
-        if preempt or (args.save_steps and step % args.save_steps == 0):
+        save = preempt or (args.save_steps and step % args.save_steps == 0)
+        if (save or step == args.max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
+            teardown()  # before any checkpoint of non-finite weights
+            sys.exit(f"error: {problem}")
+        if save:
             t_save = time.perf_counter()
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state={
                 **run_state, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,

@@ -32,8 +32,9 @@ def cache_dir(tmp_path_factory):
     return path
 
 
-def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True):
-    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {script} {args}`
+def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True,
+           launcher_args=()):
+    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {launcher_args} {script} {args}`
     (`config` may also be the path of a YAML file).
 
     Returns the CompletedProcess; with check=True, fails the test with the output tail on error.
@@ -44,7 +45,7 @@ def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision
         cmd += ["--num_processes", str(num_processes)]
     if mixed_precision is not None:
         cmd += ["--mixed_precision", mixed_precision]
-    cmd += [str(REPO / script), *map(str, args)]
+    cmd += [*map(str, launcher_args), str(REPO / script), *map(str, args)]
     env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            # every process runs tests/device_guard: project code may not hand a collective a host tensor

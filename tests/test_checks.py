@@ -230,6 +230,49 @@ def test_zero3_where_the_plan_fits_something_cheaper():
                                   hardware=CPU)[0].text.startswith("ZeRO-3")
 
 
+def test_deepspeed_settings_on_the_launch_line():
+    """`accelerate launch --zero_stage 3 ...` next to a JSON: Accelerate copies a flag only where the JSON
+    says "auto"; any other flag is dropped silently, and one that reaches DeepSpeed must match the recipe's."""
+    env = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE":
+           "ds_configs/zero2.json", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4", "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+           "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}
+    config = checks.launch_config_from_env(env)
+    assert config["deepspeed_config"] == {"deepspeed_config_file": "ds_configs/zero2.json", "zero_stage": "3",
+                                          "gradient_accumulation_steps": "4", "gradient_clipping": "1.0",
+                                          "offload_optimizer_device": "cpu"}
+    ds, where = checks.deepspeed_settings(config, root=str(REPO))
+    flags = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0}
+    assert lines(checks.config_problems(config, ds=ds, ds_where=where, flags=flags)) == [
+        "error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's --gradient_accumulation_steps "
+        "1: DeepSpeed would follow the launch flag (the DeepSpeed JSON ds_configs/zero2.json says \"auto\") while the "
+        "recipe counts and reports its own; give the value to the recipe (after the script name) and drop the launch "
+        "flag",
+        "error: accelerate launch --zero_stage 3 conflicts with the DeepSpeed JSON ds_configs/zero2.json, which sets "
+        "zero_optimization.stage: 2 and wins (Accelerate ignores the flag next to a JSON); drop the flag, or launch "
+        "with a JSON that says what you want",
+        "error: accelerate launch --offload_optimizer_device cpu conflicts with the DeepSpeed JSON "
+        "ds_configs/zero2.json, which has no zero_optimization.offload_optimizer.device (DeepSpeed's default: "
+        "\"none\") and wins (Accelerate ignores the flag next to a JSON); drop the flag, or launch with a JSON that "
+        "says what you want"]
+    # What DeepSpeed would do anyway, or what the recipe was told too, is no problem (the clipping above is one).
+    same = {"gradient_accumulation_steps": "1", "zero_stage": "2", "offload_optimizer_device": "none",
+            "gradient_clipping": "1", "zero3_save_16bit_model": "false"}
+    assert checks.launch_flag_problems(same, ds, where, flags) == []
+    zero3_offload, where3 = checks.deepspeed_settings(
+        {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds_configs/zero3_offload.json"}},
+        root=str(REPO))
+    assert [p.text.split(",")[0] for p in checks.launch_flag_problems(
+        {"offload_param_device": "none", "zero3_save_16bit_model": "false"}, zero3_offload, where3, flags)] == [
+        "accelerate launch --offload_param_device none conflicts with the DeepSpeed JSON ds_configs/zero3_offload.json",
+        "accelerate launch --zero3_save_16bit_model false conflicts with the DeepSpeed JSON ds_configs/zero3_offload.json"]
+    # Under another strategy Accelerate drops every DeepSpeed flag of the launch line.
+    config = {"distributed_type": "MULTI_GPU", "dropped_launch_flags": {"--gradient_accumulation_steps": "4"}}
+    assert lines(checks.config_problems(config)) == [
+        "error: accelerate launch --gradient_accumulation_steps 4: Accelerate passes it to DeepSpeed only, and this "
+        "launch is not DeepSpeed (MULTI_GPU), so it would be ignored; give --gradient_accumulation_steps 4 to the "
+        "recipe (after the script name)"]
+
+
 def test_launch_config_from_env_and_stop_on(capsys):
     env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
            "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false",

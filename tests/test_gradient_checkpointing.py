@@ -97,3 +97,18 @@ def test_checkpointing_changes_memory_not_gradients(config, tmp_path, cache_dir)
     # (plus a constant: the rotary cos/sin, made once and first saved inside block 0).
     blocks = {depth: rows[(depth, "none")]["saved_block_bytes"] for depth in DEPTHS}
     assert blocks[4] - blocks[2] == 2 * (blocks[2] - blocks[1]) > 0
+
+
+def test_a_nan_loss_stops_the_measurement(tmp_path, cache_dir):
+    """fp32, --learning_rate 1e10: step 2's loss is NaN; the first variant stops with one line naming it
+    and no table is written (a measurement of NaN training compares nothing)."""
+    out = tmp_path / "gc"
+    proc = launch("ddp", RECIPE, "--num_layers", 1, "--max_steps", 3, "--timing_rounds", 1, "--learning_rate", 1e10,
+                  "--per_device_train_batch_size", BATCH, "--block_size", 64, "--output_dir", out,
+                  "--ddp_timeout", 120, cache_dir=cache_dir, mixed_precision="no", check=False)
+    assert proc.returncode != 0
+    errors = {line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line}
+    assert len(errors) == 1 and next(iter(errors)).startswith(
+        "error: L=1 none round 0: step 2: the training loss is nan and the gradient norm nan in fp32"), \
+        proc.stderr[-3000:]
+    assert not (out / "results.json").exists()

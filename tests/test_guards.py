@@ -144,3 +144,28 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, cache_dir):
            cache_dir=cache_dir, mixed_precision="no")
     assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
     assert not stale.exists() and (out / "final").is_dir()
+
+
+@pytest.mark.parametrize("config, launcher_args, expected", [
+    # DeepSpeed copies --gradient_accumulation_steps into the JSON's "auto" key (the recipe counted 1 and
+    # reported 4x the optimizer steps); a stage the JSON sets, or an offload it lacks, was dropped silently.
+    ("deepspeed_zero3", ["--gradient_accumulation_steps", 4, "--zero_stage", 2, "--offload_optimizer_device", "cpu"],
+     ["error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's --gradient_accumulation_steps 1",
+      "error: accelerate launch --offload_optimizer_device cpu conflicts with the DeepSpeed JSON ds_configs/zero3.json, "
+      "which has no zero_optimization.offload_optimizer.device",
+      "error: accelerate launch --zero_stage 2 conflicts with the DeepSpeed JSON ds_configs/zero3.json, which sets "
+      "zero_optimization.stage: 3 and wins"]),
+    # Accelerate passes these flags to DeepSpeed only: under DDP it dropped them.
+    ("ddp", ["--gradient_accumulation_steps", 4],
+     ["error: accelerate launch --gradient_accumulation_steps 4: Accelerate passes it to DeepSpeed only, and this "
+      "launch is not DeepSpeed (MULTI_GPU), so it would be ignored"]),
+])
+def test_deepspeed_flags_of_the_launch_line_are_refused_where_they_would_not_run(config, launcher_args, expected,
+                                                                                 tmp_path, cache_dir):
+    out = tmp_path / "out"
+    proc = launch(config, "recipes/llama.py", "--output_dir", out, "--max_steps", 2, "--per_device_train_batch_size", 2,
+                  *FL, cache_dir=cache_dir, mixed_precision="no", launcher_args=launcher_args, check=False)
+    assert proc.returncode != 0
+    errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
+    assert len(errors) == len(expected) and all(e.startswith(x) for e, x in zip(errors, expected)), proc.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists()  # stopped at start-up

@@ -51,6 +51,11 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
     train = info["data"]["train"]
     assert train["rows"] == 40 and train["blocks"] * 128 + train["dropped_tokens"] == train["tokens"] > 1.5e6
     assert all(split["dropped_tokens"] < 128 for split in info["data"].values())
+    # What DeepSpeed ran with (its filled-in config), as run_info.json and the start line report it.
+    stage = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}.get(config)
+    assert info["deepspeed"] == (stage and {
+        "zero_stage": stage, "offload_optimizer_device": "none", "offload_param_device": "none",
+        "gradient_accumulation_steps": 1, "train_batch_size": 4 * world, "gradient_clipping": 1.0})
 
     # No read of a device value in an ordinary step (steps 1, 3, ..., 11 and the training of the
     # next): on a GPU each one would stall the host until the device catches up. Reads from
@@ -78,6 +83,9 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8
     assert math.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] < steps[0]["loss"]
     assert summary and summary[0]["total_tokens"] == 12 * 4 * world * 128
+    # Position buffers stay fp32 in the live bf16 model (FSDP1's buffer_dtype rounded them to bf16).
+    assert summary[0]["buffer_dtypes"] == {"model.rotary_emb.inv_freq": "float32",
+                                           "model.rotary_emb.original_inv_freq": "float32"}
 
     # The export: full-size safetensors that plain transformers reloads to the live model's logits.
     final = out / "final"

@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -322,22 +323,25 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(config, tmp_pa
     assert hit["step_skipped"] and hit["loss_scale"] == 16384 and hit["skipped_steps"] == 2
 
 
-def test_fp32_has_no_safety_net_and_a_nan_loss_is_flagged(tmp_path, cache_dir):
-    """The same inf gradient without a GradScaler: the step is taken, the weights turn NaN, and the
-    recipe warns (once: only the main process logs). Every file stays standard JSON: null + "nonfinite"."""
+def test_fp32_has_no_safety_net_so_the_run_stops_at_the_bad_step(tmp_path, cache_dir):
+    """The same inf gradient without a GradScaler: nothing can skip the step (the weights would turn
+    NaN), so the run logs it and stops there with one line, before the checkpoint of step 2. Every
+    file stays standard JSON: null + "nonfinite"."""
     out = tmp_path / "fp32"
     proc = launch("ddp", RECIPE, "--precision", "no", "--output_dir", out, "--max_steps", 3, "--logging_steps", 1,
-                  "--inject_inf_grad_at_step", 2, "--per_device_train_batch_size", 1, "--max_eval_samples", 8,
-                  "--ddp_timeout", 120, cache_dir=cache_dir)
+                  "--inject_inf_grad_at_step", 2, "--save_steps", 2, "--per_device_train_batch_size", 1,
+                  "--max_eval_samples", 8, "--ddp_timeout", 120, cache_dir=cache_dir, check=False)
+    assert proc.returncode != 0
     steps = strict_lines(out / "metrics.jsonl")
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == [1, 2]
     assert not steps[1]["step_skipped"] and steps[1]["grad_norm"] is None and steps[1]["nonfinite"] == ["grad_norm"]
-    assert math.isfinite(steps[1]["loss"]) and steps[2]["loss"] is None and "loss" in steps[2]["nonfinite"]
+    assert math.isfinite(steps[1]["loss"])  # the inf is in the gradients
     assert all(r["loss_scale"] is None and r["skipped_steps"] == 0 for r in steps)  # no loss scaling in fp32
-    assert proc.stderr.count("step 3: the training loss is nan (fp32); usual remedies") == 1
-    summary = strict_json((out / "summary.json").read_text())
-    assert summary["nonfinite_losses"] == 1 and summary["train_loss"] is None and summary["eval_loss"] is None
-    assert {"train_loss", "eval_loss"} <= set(summary["nonfinite"])
+    errors = {line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line}
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(r"error: step 2: the training loss is [0-9.]+ and the gradient norm inf in fp32; stopped "
+                        r"before saving any weights .*", next(iter(errors))), errors
+    assert not list(out.glob("checkpoint-*")) and not (out / "summary.json").exists()
 
 
 def test_compare_prints_the_table(tmp_path, cache_dir):

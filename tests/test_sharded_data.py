@@ -386,3 +386,15 @@ def test_nodes_with_other_shard_sets_are_refused(tiny, uneven, tmp_path, cache_d
         assert errors[0].startswith(f"error: the shard manifest {dirs[m] / 'manifest.json'} differs between ranks: "
                                     "rank(s) 1 read another one than rank 0"), errors
         assert 'sharded_data.py", line' not in text  # no traceback from the recipe (only the launcher's)
+
+
+def test_a_nan_loss_stops_the_run_before_any_checkpoint(tiny, tmp_path, cache_dir):
+    """fp32, --learning_rate 1e10: step 2's loss is NaN; the run stops there (tests/test_nonfinite.py)."""
+    from test_nonfinite import WRECK, assert_stopped_at_step_2
+
+    out = tmp_path / "run"
+    proc = launch("ddp", RECIPE, "--data_dir", tiny[0], "--output_dir", out, "--per_device_train_batch_size", 2,
+                  "--max_steps", 4, "--logging_steps", 1, "--save_steps", 4, "--dataloader_num_workers", 0,
+                  "--loader_benchmark_batches", 2, *WRECK, cache_dir=cache_dir, num_processes=WORLD,
+                  mixed_precision="no", check=False)
+    assert_stopped_at_step_2(proc, out)
