@@ -159,11 +159,11 @@ def for_launch(launch_config: dict, hardware: dict, n_params: int = 0) -> dict:
     Returns:
         {"requested", "used", "reason"} for run_info.json; pass "used" to `Accelerator(mixed_precision=...)`.
         When the two differ, or the precision is emulated, rank 0 prints the reason as one line.
-
-    Raises:
-        ValueError: bf16 on a GPU without it (`choose_precision`).
+        A GPU keeps what was asked: `checks.config_problems` refuses bf16 below compute capability 8.0.
     """
     requested = launch_config.get("mixed_precision") or "no"
+    if hardware["device_type"] != "cpu":
+        return {"requested": requested, "used": requested, "reason": f"{requested} as requested"}
     used, reason = choose_precision(requested, hardware["device_type"], hardware["capability"], n_params,
                                     forced=launch_config.get("mixed_precision_forced", True))
     if (used != requested or "emulated" in reason) and int(os.environ.get("RANK", 0)) == 0:
