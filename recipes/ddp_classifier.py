@@ -421,4 +421,4 @@ accelerator.wait_for_everyone()
 del model, optimizer
 accelerator.free_memory()
 accelerator.end_training()
-accelerator.print(metrics.final_line(metrics_path, f"model in {final_dir}, metrics in {metrics_path}"))
+accelerator.print(metrics.final_line(metrics_path, f"model in {os.path.join(args.output_dir, 'final')}, metrics in {metrics_path}"))
