@@ -177,7 +177,8 @@ def test_partial_pretrained_load_stops_every_rank(config, model_config, tmp_path
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode != 0, output[-4000:]
     lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 2 and lines[0] == lines[1], output[-4000:]  # one line on each rank
+    # one line per rank; torchrun may end the second rank before it prints its own
+    assert 1 <= len(lines) <= 2 and len(set(lines)) == 1, output[-4000:]
     missing = {"six": "18 of the model's weights, which would start random: model.layers.{4,5}.* (18 tensors)",
                "untied": "1 of the model's weights, which would start random: lm_head.weight"}[model_config]
     assert lines[0].startswith(f"error: cannot load --model_name_or_path {small_export['A']}: the checkpoint lacks "
