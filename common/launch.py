@@ -188,8 +188,10 @@ def report_errors_to_launcher() -> None:
     35 lines up. torch's `@record` fills the file from an exception that leaves a function, but
     the recipes are scripts that stop with `sys.exit("error: ...")`, which `@record` passes on
     unrecorded. So here `sys.exit` with an `error:` message and an uncaught exception
-    (`sys.excepthook`) write the file, in the format `ProcessFailure` reads. Outside torchrun, or
-    called twice, it does nothing.
+    (`sys.excepthook`) write the file, in the format `ProcessFailure` reads. The `error:` line
+    itself goes to stderr in one write: Python's own exit prints the message and its newline
+    apart, so two ranks stopping at once (PYTHONUNBUFFERED) could splice their lines. Outside
+    torchrun, or called twice, it does nothing.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or getattr(sys.exit, "reports_to", None) == path:
@@ -206,6 +208,12 @@ def report_errors_to_launcher() -> None:
     def exit_and_report(status=None):
         if isinstance(status, str) and status.startswith("error:"):
             write(status)
+            sys.stderr.flush()
+            try:
+                os.write(2, f"{status}\n".encode())
+                status = 1  # printed: the exit status `sys.exit(message)` gives
+            except OSError:
+                pass
         exit_(status)
 
     def hook_and_report(kind, value, traceback):

@@ -232,3 +232,21 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
     assert proc.stdout.strip().splitlines()[-1] == (
         f"done: {info['max_steps']} steps | loss {last['loss']:.4f} | eval_loss {last['eval_loss']:.4f} | "
         f"model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
+
+
+def test_an_error_line_is_one_write(tmp_path, monkeypatch):
+    # Ranks that stop at once share the launcher's stderr: each line must reach it whole, or two
+    # ranks' lines splice (Python's own exit writes the message and its newline apart).
+    from common import launch as launch_module
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(sys, "exit", sys.exit)  # restored after the test
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    writes = []
+    monkeypatch.setattr(launch_module.os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
+    launch_module.report_errors_to_launcher()
+    with pytest.raises(SystemExit) as exc:
+        sys.exit("error: step 2: the training loss is nan")
+    assert exc.value.code == 1
+    assert writes == [(2, b"error: step 2: the training loss is nan\n")]
+    assert json.loads((tmp_path / "error.json").read_text())["message"] == "error: step 2: the training loss is nan"
