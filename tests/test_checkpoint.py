@@ -201,52 +201,57 @@ def test_the_export_is_replaced_whole_or_not_at_all(tmp_path):
     assert (tmp_path / "final" / "model.safetensors").read_text() == "new"
 
 
-def test_world_size_change(tmp_path, cache_dir, small_corpus):
-    # A 1-process checkpoint resumes on 2 DDP ranks (same global batch 8) and continues the run.
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    launch("single", "recipes/llama.py", *args(single, small_corpus, *batch_args("single")), cache_dir=cache_dir,
-           mixed_precision="no")
+def test_world_size_change(tmp_path, cache_dir, small_corpus, reference_run):
+    # A 1-process checkpoint (the session's single-process run) resumes on 2 DDP ranks (same global
+    # batch 8) and continues the run.
+    single = reference_run("single", *args(None, small_corpus, *batch_args("single"))[2:])
+    ddp = tmp_path / "ddp"
     launch("ddp", "recipes/llama.py", *args(ddp, small_corpus, *batch_args("ddp"), "--resume_from_checkpoint",
            single / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="no")
     want = {r["step"]: r["loss"] for r in read_metrics(single)[0]}
-    for r in read_metrics(ddp)[0]:
+    got = read_metrics(ddp)[0]
+    assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
+    for r in got:
         assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-5)
-    # A 2-rank FSDP2 checkpoint refuses 1 rank, at once and saying what is supported.
-    fsdp = tmp_path / "fsdp"
-    launch("fsdp", "recipes/llama.py", *args(fsdp, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir)
-    proc = launch("fsdp", "recipes/llama.py", *args(tmp_path / "fsdp1rank", small_corpus, "--per_device_train_batch_size",
-                  16, "--resume_from_checkpoint", fsdp / f"checkpoint-{SAVE}"), num_processes=1,
-                  cache_dir=cache_dir, check=False)
+    # A 2-rank FSDP2 checkpoint (the session's 30-step run, global batch 4) refuses 1 rank with the
+    # same global batch, at once and saying what is supported.
+    fsdp = reference_run("fsdp", *corpus_args(small_corpus), *RUN30)
+    proc = launch("fsdp", "recipes/llama.py", "--output_dir", tmp_path / "fsdp1rank", *corpus_args(small_corpus), *RUN30,
+                  "--per_device_train_batch_size", 4, "--resume_from_checkpoint", fsdp / f"checkpoint-{SAVE}",
+                  num_processes=1, cache_dir=cache_dir, mixed_precision="no", check=False)
     assert proc.returncode != 0
     assert "FSDP2 state of 2 rank(s)" in proc.stderr and "same strategy and world size" in proc.stderr
 
 
-def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus):
-    # The step count only locates the data position under the same seed and blocks.
-    run = tmp_path / "run"
-    launch("ddp", "recipes/llama.py", *args(run, small_corpus, "--max_steps", 4, "--save_steps", 4),
-           cache_dir=cache_dir, mixed_precision="no")
-    marker = verify_checkpoint(run / "checkpoint-4")
+def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, reference_run):
+    # The step count only locates the data position under the same seed and blocks. The checkpoint:
+    # step 10 of the session's 16-step DDP run.
+    ckpt = reference_run("ddp", *args(None, small_corpus, *batch_args("ddp"))[2:]) / f"checkpoint-{SAVE}"
+    marker = verify_checkpoint(ckpt)
     assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, True) and marker["train_blocks"] > 0
     for flag, value, change in [("--seed", 7, "seed 42 -> 7"), ("--block_size", 32, "block_size 64 -> 32")]:
-        proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, flag, value,
-                      "--resume_from_checkpoint", run / "checkpoint-4"), cache_dir=cache_dir, check=False)
+        proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, *batch_args("ddp"), flag,
+                      value, "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no", check=False)
         assert proc.returncode != 0
-        assert f"cannot resume from {run / 'checkpoint-4'}: {change}" in proc.stderr
+        assert f"cannot resume from {ckpt}: {change}" in proc.stderr
     # Unchanged data, a longer run: accepted, with a warning that the LR schedule now differs.
-    proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, "--resume_from_checkpoint",
-                  run / "checkpoint-4"), cache_dir=cache_dir, mixed_precision="no")
-    assert "was saved by a 4-step run, this one has 16" in proc.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "longer")[0]] == list(range(5, STEPS + 1))
+    proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, *batch_args("ddp"), "--max_steps",
+                  20, "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no")
+    assert f"was saved by a {STEPS}-step run, this one has 20" in proc.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "longer")[0]] == list(range(SAVE + 1, 21))
 
 
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
-def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpus):
-    out = tmp_path / "run"
-    # fp32: in bf16 ZeRO exports the bf16 weights, the checkpoint holds the fp32 masters
-    launch(config, "recipes/llama.py", *args(out, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir,
-           mixed_precision="no")
-    subprocess.run([sys.executable, REPO / "common/consolidate.py", out / f"checkpoint-{SAVE}", tmp_path / "hf"],
+def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpus, reference_run):
+    # fp32: in bf16 ZeRO exports the bf16 weights, the checkpoint holds the fp32 masters. A run whose
+    # last step saves: FSDP2's is the session's 30-step run.
+    if config == "fsdp":
+        out, last = reference_run("fsdp", *corpus_args(small_corpus), *RUN30), 30
+    else:
+        out, last = tmp_path / "run", SAVE
+        launch(config, "recipes/llama.py", *args(out, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir,
+               mixed_precision="no")
+    subprocess.run([sys.executable, REPO / "common/consolidate.py", out / f"checkpoint-{last}", tmp_path / "hf"],
                    check=True, capture_output=True)
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
     assert merged.keys() == exported.keys()
