@@ -81,6 +81,11 @@ def test_resume_from_a_checkpoint_that_is_not_there(tmp_path, cache_dir):
         checkpoint.resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
 
 
+# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py launch_config_from_env), on 2 CPU ranks.
+DEEPSPEED_ZERO2_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
+                       "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+
+
 def test_max_grad_norm_must_match_deepspeed_json(tmp_path, cache_dir, monkeypatch):
     # DeepSpeed clips with its JSON's gradient_clipping (1.0): a different flag would be ignored.
     message = "error: --max_grad_norm 0.5 differs from the DeepSpeed JSON's gradient_clipping 1.0"
@@ -96,11 +101,6 @@ def test_max_grad_norm_must_match_deepspeed_json(tmp_path, cache_dir, monkeypatc
                           tmp_path / "classifier").startswith(message)
 
 
-# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py launch_config_from_env), on 2 CPU ranks.
-DEEPSPEED_ZERO2_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
-                       "ACCELERATE_MIXED_PRECISION": "bf16",
-                       "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-
 
 @pytest.mark.parametrize("key,message", [
     ("fsdp_use_orig_params: true", "fsdp_use_orig_params: false in the accelerate config"),
@@ -113,8 +113,8 @@ def test_fsdp1_settings_the_recipes_cannot_use(key, message, tmp_path, cache_dir
         # the same check and exit as the launch below (config_problems, before the Accelerator): in this
         # process, with the variables an fsdp1.yaml launch with offload gives its ranks
         for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "true",
-                            "FSDP_OFFLOAD_PARAMS": "true",
-                            "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+                            "FSDP_OFFLOAD_PARAMS": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2",
+                            "LOCAL_WORLD_SIZE": "2"}.items():
             monkeypatch.setenv(name, value)
         assert run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", tmp_path / "out", *FAST).startswith(
             f"error: {message}")
