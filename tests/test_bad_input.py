@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from common import checkpoint
 from common.args import flag, parse_args, parse_flags
 from conftest import FAST, REPO, launch, run_in_process
 
@@ -30,10 +31,11 @@ def test_missing_config_file(tmp_path):
     fails_with(proc, "nope.yaml not found", "available: ddp, deepspeed_zero2, deepspeed_zero3", "fsdp, fsdp1", "single")
 
 
-def test_unknown_model_config(tmp_path, cache_dir):
-    proc = launch("single", "recipes/llama.py", "--model_config", "llama-9000", "--output_dir", tmp_path,
-                  cache_dir=cache_dir, check=False, timeout=300)
-    fails_with(proc, "unknown --model_config 'llama-9000'", "'debug'", "'llama-3-8b'")
+def test_unknown_model_config(tmp_path, monkeypatch):
+    # refused before the Accelerator is built: in this process (no launch)
+    message = run_in_process(monkeypatch, "recipes/llama.py", "--model_config", "llama-9000", "--output_dir", tmp_path)
+    for fragment in ("error: unknown --model_config 'llama-9000'", "'debug'", "'llama-3-8b'"):
+        assert fragment in message, message
 
 
 def test_missing_data_file_ends_both_ranks(tmp_path, cache_dir):
@@ -59,32 +61,64 @@ def test_block_size_above_max_positions(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("flag,value,message", [
     ("--ddp_timeout", 0, "--ddp_timeout must be at least 1, got 0"),
-    ("--resume_from_checkpoint", "/nonexistent/ckpt", "--resume_from_checkpoint /nonexistent/ckpt: no such directory"),
-    ("--resume_from_checkpoint", "latest", "--resume_from_checkpoint latest: no complete checkpoint in"),
     ("--logging_steps", 0, "--logging_steps must be at least 1, got 0"),
     ("--max_stepz", 5, "Some specified arguments are not used by the HfArgumentParser: ['--max_stepz', '5']"),
 ])
-def test_bad_flags(flag, value, message, tmp_path, cache_dir):
-    proc = launch("single", "recipes/llama.py", flag, value, "--output_dir", tmp_path, *FAST[:-2],
+def test_bad_flags(flag, value, message, tmp_path, monkeypatch):
+    # the parser's refusals, before the Accelerator: in this process (test_unknown_flag_is_one_error_line_in_every_recipe
+    # runs the script for real)
+    message_got = run_in_process(monkeypatch, "recipes/llama.py", flag, value, "--output_dir", tmp_path, *FAST[:-2])
+    assert message_got.startswith(f"error: {message}"), message_got
+
+
+def test_resume_from_a_checkpoint_that_is_not_there(tmp_path, cache_dir):
+    # the recipe's resume refusal, for real (it comes after the model is built: a launch) ...
+    proc = launch("single", "recipes/llama.py", "--resume_from_checkpoint", "latest", "--output_dir", tmp_path,
+                  *FAST[:-2], cache_dir=cache_dir, check=False, timeout=300)
+    fails_with(proc, "error: cannot resume: --resume_from_checkpoint latest: no complete checkpoint in")
+    # ... and the same function's refusal of a path that does not exist (the recipe's call, without the launch)
+    with pytest.raises(FileNotFoundError, match="--resume_from_checkpoint /nonexistent/ckpt: no such directory"):
+        checkpoint.resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
+
+
+# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py launch_config_from_env), on 2 CPU ranks.
+DEEPSPEED_ZERO2_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
+                       "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_max_grad_norm_must_match_deepspeed_json(tmp_path, cache_dir, monkeypatch):
+    # DeepSpeed clips with its JSON's gradient_clipping (1.0): a different flag would be ignored.
+    message = "error: --max_grad_norm 0.5 differs from the DeepSpeed JSON's gradient_clipping 1.0"
+    proc = launch("deepspeed_zero2", "recipes/llama.py", "--max_grad_norm", 0.5, "--output_dir", tmp_path,
                   cache_dir=cache_dir, check=False, timeout=300)
     fails_with(proc, message)
+    # ddp_classifier.py makes the same check before its Accelerator: in this process, with the variables
+    # `accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml` gives its ranks
+    monkeypatch.chdir(REPO)
+    for key, value in DEEPSPEED_ZERO2_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert run_in_process(monkeypatch, "recipes/ddp_classifier.py", "--max_grad_norm", 0.5, "--output_dir",
+                          tmp_path / "classifier").startswith(message)
 
-
-@pytest.mark.parametrize("recipe", ["recipes/llama.py", "recipes/ddp_classifier.py"])
-def test_max_grad_norm_must_match_deepspeed_json(recipe, tmp_path, cache_dir):
-    # DeepSpeed clips with its JSON's gradient_clipping (1.0): a different flag would be ignored.
-    proc = launch("deepspeed_zero2", recipe, "--max_grad_norm", 0.5, "--output_dir", tmp_path,
-                  cache_dir=cache_dir, check=False, timeout=300)
-    fails_with(proc, "error: --max_grad_norm 0.5 differs from the DeepSpeed JSON's gradient_clipping 1.0")
 
 
 @pytest.mark.parametrize("key,message", [
     ("fsdp_use_orig_params: true", "fsdp_use_orig_params: false in the accelerate config"),
     ("fsdp_offload_params: false", "fsdp_offload_params: true in the accelerate config needs a GPU")])
-def test_fsdp1_settings_the_recipes_cannot_use(key, message, tmp_path, cache_dir):
+def test_fsdp1_settings_the_recipes_cannot_use(key, message, tmp_path, cache_dir, monkeypatch):
     # use_orig_params false trained nothing, silently (the optimizer held the unwrapped parameters);
     # parameter offload on a CPU-only host failed deep inside torch's pin_memory.
     flipped = key.replace("true", "false") if key.endswith("true") else key.replace("false", "true")
+    if key.startswith("fsdp_offload_params"):
+        # the same check and exit as the launch below (config_problems, before the Accelerator): in this
+        # process, with the variables an fsdp1.yaml launch with offload gives its ranks
+        for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "true",
+                            "FSDP_OFFLOAD_PARAMS": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2",
+                            "LOCAL_WORLD_SIZE": "2"}.items():
+            monkeypatch.setenv(name, value)
+        assert run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", tmp_path / "out", *FAST).startswith(
+            f"error: {message}")
+        return
     config = tmp_path / "fsdp1.yaml"
     config.write_text((REPO / "accelerate_configs" / "fsdp1.yaml").read_text().replace(key, flipped))
     proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "out", *FAST,
@@ -134,7 +168,14 @@ def test_an_integer_flag_without_a_range_does_not_build():
 
 @pytest.mark.parametrize("recipe", ["llama", "ddp_classifier", "mixed_precision", "gradient_checkpointing",
                                     "sharded_data"])
-def test_unknown_flag_is_one_error_line_in_every_recipe(recipe, tmp_path):
+def test_unknown_flag_is_one_error_line_in_every_recipe(recipe, tmp_path, monkeypatch, capsys):
+    if recipe != "llama":  # the same parser (common/args.py) in this process; llama.py's run below is the real one
+        message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--max_steps", "3", "--no_such_flag", "1",
+                                 "--output_dir", tmp_path / "out")
+        assert message == "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"
+        assert "Traceback" not in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+        return
     proc = subprocess.run([sys.executable, str(REPO / f"recipes/{recipe}.py"), "--max_steps", "3", "--no_such_flag",
                            "1", "--output_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
                           timeout=300)

@@ -124,11 +124,32 @@ def test_model_states_agree_with_deepspeeds_estimator(preset):
 
 
 def run_cli(*args):
+    """`python common/plan.py ARGS` for real (a subprocess)."""
     return subprocess.run([sys.executable, str(REPO / "common" / "plan.py"), *map(str, args)], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
 
 
-def test_cli_table_json_and_bad_input():
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`plan.main(ARGS)` in this process, as `run_cli` returns it: returncode, stdout, and stderr with the
+    exit message that Python would print (one line and a newline) after what main printed there."""
+    monkeypatch.chdir(REPO)
+
+    def run(*args):
+        code = 0
+        try:
+            plan.main(list(map(str, args)))
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        if isinstance(code, str):
+            err, code = err + code + "\n", 1
+        return subprocess.CompletedProcess(args, code or 0, out, err)
+    return run
+
+
+def test_cli_table_json_and_bad_input(cli):
+    # the real command line once (a subprocess); the rest through plan.main in this process
     proc = run_cli("--all", "--model_config", "llama-3-8b", "--block_size", 2048, "--per_device_train_batch_size", 1,
                    "--num_processes", 8, "--device_memory", "80GB", "--format", "json")
     assert proc.returncode == 0, proc.stderr
@@ -142,7 +163,7 @@ def test_cli_table_json_and_bad_input():
     # fits, and sends 8Ψ bytes; DeepSpeed's ZeRO-2 all-reduces its fp32 gradients: 10Ψ
     assert "Recommendation: fsdp " in result["recommendation"]
     assert plans["deepspeed_zero2"]["comm_per_step"] == 10 * 8_030_261_248 * 7 // 8
-    table = run_cli("--config", "fsdp", "--config", "accelerate_configs/deepspeed_zero3.yaml",
+    table = cli("--config", "fsdp", "--config", "accelerate_configs/deepspeed_zero3.yaml",
                     "--gradient_checkpointing")
     assert table.returncode == 0 and "| fits | yes | yes |" in table.stdout
     assert "benchmarks/compare_strategies.py" in table.stdout
@@ -150,7 +171,7 @@ def test_cli_table_json_and_bad_input():
                          (["--device_memory", "80XB"], "error: --device_memory '80XB'"),
                          (["--model_config", "/nonexistent"], "error: --model_config '/nonexistent'"),
                          (["--block_size", "0"], "error: --block_size 0: must be >= 1")]:
-        proc = run_cli(*bad)
+        proc = (run_cli if bad[0] == "--config" else cli)(*bad)  # one refusal by the real command line too
         assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
         assert proc.stderr.startswith(message), proc.stderr
 
@@ -184,8 +205,8 @@ def test_what_the_review_found(tmp_path, capsys):
     two_nodes = _plans(capsys, tmp_path, ("two", FSDP2.replace("num_processes: 8", "num_processes: 16")
                                           + "num_machines: 2\n"), args=["--device_memory", "80GB"])
     assert two_nodes["plans"]["two"]["ranks"] == 16  # not 32
-    debug = json.loads(subprocess.run([sys.executable, "common/plan.py", "--all", "--format", "json"], cwd=REPO,
-                                      capture_output=True, text=True, check=True).stdout)
+    plan.main(["--all", "--format", "json"])
+    debug = json.loads(capsys.readouterr().out)
     assert debug["recommendation"].startswith("Recommendation: ddp ")  # ties with the sharded ones: least sharding
     if "host RAM" in debug["device_memory_source"]:  # CPU host: offloaded bytes use the same memory
         offload = debug["plans"]["deepspeed_zero3_offload"]
@@ -197,19 +218,19 @@ def test_what_the_review_found(tmp_path, capsys):
     (["--device_memory", "."], "error: --device_memory '.': expected a positive size"),
     (["--num_processes", "3", "--num_machines", "2"], "error: --num_processes 3 is not a multiple of --num_machines 2"),
 ])
-def test_bad_flags_are_one_line(args, message):
-    proc = run_cli(*args)
+def test_bad_flags_are_one_line(args, message, cli):
+    proc = cli(*args)
     assert proc.returncode == 1 and proc.stderr.strip().startswith(message), proc.stderr
 
 
-def test_bad_configs_are_one_line(tmp_path):
+def test_bad_configs_are_one_line(tmp_path, cli):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     (tmp_path / "ds.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
                                       "  deepspeed_config_file: " + str(tmp_path / "stage4.json") + "\n")
     (tmp_path / "stage4.json").write_text('{"zero_optimization": {"stage": 4}}')
     (tmp_path / "inline.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
                                           "  zero_stage: 3\n  offload_optimizer_device: cpu\n")
-    assert run_cli("--config", tmp_path / "list.yaml").stderr.startswith("error: --config")
-    assert "zero_optimization.stage 4" in run_cli("--config", tmp_path / "ds.yaml").stderr
-    inline = run_cli("--config", tmp_path / "inline.yaml", "--device_memory", "80GB", "--format", "json")
+    assert cli("--config", tmp_path / "list.yaml").stderr.startswith("error: --config")
+    assert "zero_optimization.stage 4" in cli("--config", tmp_path / "ds.yaml").stderr
+    inline = cli("--config", tmp_path / "inline.yaml", "--device_memory", "80GB", "--format", "json")
     assert inline.returncode == 0 and json.loads(inline.stdout)["plans"]["inline"]["host"] > 0, inline.stderr

@@ -153,24 +153,37 @@ def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, wh
     assert_same_run(out, reference)
 
 
-def test_one_live_job_per_output_dir(tmp_path, cache_dir, small_corpus):
+def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_with_it(tmp_path, cache_dir,
+                                                                                          small_corpus):
     # A double submission (or a requeue while the first job still runs): the same command twice.
+    # Then the first job's launcher is SIGKILLed (one launch serves both checks).
     out = tmp_path / "run"
     job = start("ddp", out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto", "--max_steps", 10_000)
+    workers = {}
     try:
         wait_until(lambda: last_step(out) >= 1, job, "step 1")
         workers = ranks(job)
+        assert len(workers) == 2
         holder = workers[0].pid
         proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
                       "--resume_from_checkpoint", "auto", cache_dir=cache_dir, check=False)
         assert proc.returncode != 0
         assert f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}" in proc.stderr
         assert job.poll() is None  # the first job trains on, alone
-        os.killpg(job.pid, signal.SIGKILL)  # then crashes: no exit handler runs
+        job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
         job.wait()
-        assert not psutil.wait_procs(list(workers.values()), timeout=30)[1]
+        t0 = time.time()
+        # the kernel SIGKILLs the workers (launch.die_with_launcher): a crash, no exit handler runs
+        gone, alive = psutil.wait_procs(list(workers.values()), timeout=60)
+        assert not alive, f"workers still running 60 s after their launcher died: {[p.pid for p in alive]}"
+        print(f"workers gone {time.time() - t0:.2f} s after the launcher")
     finally:
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+        for p in workers.values():  # none left after a pass; after a failure, no orphans
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
     steps = [r["step"] for r in read_metrics(out)[0]]
     assert steps == list(range(1, len(steps) + 1))  # one job's lines only
     # The crashed job's lock is not stale: the kernel dropped it with the process; the file names it still.
@@ -178,25 +191,6 @@ def test_one_live_job_per_output_dir(tmp_path, cache_dir, small_corpus):
     taken = subprocess.run([sys.executable, "-c", f"from common.run_dir import lock; print(lock({str(out)!r}))"],
                            cwd=REPO, capture_output=True, text=True, check=True)
     assert taken.stdout.strip() == "None", taken.stderr[-2000:]
-
-
-def test_a_sigkilled_launcher_takes_its_workers_with_it(tmp_path, cache_dir, small_corpus):
-    out = tmp_path / "run"
-    job = start("ddp", out, small_corpus, cache_dir, "--max_steps", 10_000)
-    try:
-        wait_until(lambda: last_step(out) >= 1, job, "step 1")
-        workers = list(ranks(job).values())
-        assert len(workers) == 2
-        job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
-        job.wait()
-        t0 = time.time()
-        gone, alive = psutil.wait_procs(workers, timeout=60)
-        assert not alive, f"workers still running 60 s after their launcher died: {[p.pid for p in alive]}"
-        print(f"workers gone {time.time() - t0:.2f} s after the launcher")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-        for p in ranks(job).values() if job.poll() is None else []:
-            p.kill()
 
 
 @pytest.mark.parametrize("node_local", ["--output_dir", "--train_file"])

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -37,11 +38,22 @@ def strict_metrics(out):
 
 
 
-def prepare(out, *args, cache_dir):
-    cmd = [sys.executable, str(REPO / "recipes/sharded_data.py"), "prepare", "--output_dir", str(out),
-           "--cache_dir", cache_dir, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def recipe_functions():
+    """The recipe's module globals (its `prepare`, `parse_prepare_args`, `own_shards`), for calls in this process."""
+    return runpy.run_path(str(REPO / RECIPE), run_name="sharded_data_in_tests")
+
+
+def prepare(out, *args, cache_dir, real=False):
+    """`sharded_data.py prepare` into `out`: with `real`, the command line (a subprocess); else its
+    function in this process (the same work without an interpreter start). Returns the manifest."""
+    argv = ["--output_dir", str(out), "--cache_dir", cache_dir, *map(str, args)]
+    if real:
+        proc = subprocess.run([sys.executable, str(REPO / RECIPE), "prepare", *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    else:
+        recipe = recipe_functions()
+        recipe["prepare"](recipe["parse_prepare_args"](argv))
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -54,7 +66,7 @@ def train(config, data_dir, out, *args, cache_dir, check=True):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("shards") / "tiny"
-    return out, prepare(out, *TINY, cache_dir=cache_dir)
+    return out, prepare(out, *TINY, cache_dir=cache_dir, real=True)  # the prepare command line, for real
 
 
 def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
@@ -298,18 +310,28 @@ def flip_bytes(path, offset, n=16):
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("case", ["missing", "sha256", "footer"])
+@pytest.mark.parametrize("case", ["missing", "sha256"])  # rank 0's shard, rank 1's shard: launched
 def test_bad_shard_gives_a_clear_error(case, tiny, tmp_path, cache_dir):
     damage, extra, expected = {
         "missing": (lambda d: (d / "shard_0002.parquet").unlink(), [], "missing shard {d}/shard_0002.parquet"),
         "sha256": (lambda d: flip_bytes(d / "shard_0001.parquet", 400), [],
                    "corrupt shard {d}/shard_0001.parquet: SHA-256"),
-        "footer": (lambda d: flip_bytes(d / "shard_0003.parquet", (d / "shard_0003.parquet").stat().st_size - 8, 8),
-                   ["--verify_checksums", "false"], "corrupt parquet file {d}/shard_0003.parquet"),
     }[case]
     d = damaged(tiny, tmp_path, damage)
     proc = train("ddp", d, tmp_path / "run", "--max_steps", 2, *extra, cache_dir=cache_dir, check=False)
     assert_one_error_line(proc, expected.format(d=d))
+
+
+def test_a_bad_parquet_footer_is_named(tiny, tmp_path):
+    """The footer check of the function both launches above stop in (`own_shards`, called on every rank
+    before any data is read), here directly: rank 1's shard 3, without --verify_checksums."""
+    d = damaged(tiny, tmp_path, lambda d: flip_bytes(d / "shard_0003.parquet",
+                                                     (d / "shard_0003.parquet").stat().st_size - 8, 8))
+    own_shards = recipe_functions()["own_shards"]
+    assert [p.name for p in own_shards(str(d), WORLD, 0, False)[1]] == ["shard_0000.parquet", "shard_0002.parquet"]
+    with pytest.raises(ValueError) as err:
+        own_shards(str(d), WORLD, 1, False)
+    assert f"corrupt parquet file {d}/shard_0003.parquet" in str(err.value) and "\n" not in str(err.value), err.value
 
 
 def assert_one_error_line(proc, expected):
@@ -320,9 +342,12 @@ def assert_one_error_line(proc, expected):
 
 
 def test_shard_count_not_a_multiple_of_world_size(tmp_path, cache_dir):
+    # every rank meets it in `own_shards`, the function test_bad_shard_gives_a_clear_error's launches stop in
     prepare(tmp_path / "three", "--num_shards", 3, "--block_size", 64, "--max_blocks", 96, cache_dir=cache_dir)
-    proc = train("ddp", tmp_path / "three", tmp_path / "run", "--max_steps", 2, cache_dir=cache_dir, check=False)
-    assert_one_error_line(proc, "lists 3 shards for a world size of 2")
+    own_shards = recipe_functions()["own_shards"]
+    for rank in range(WORLD):
+        with pytest.raises(ValueError, match="lists 3 shards for a world size of 2"):
+            own_shards(str(tmp_path / "three"), WORLD, rank, True)
 
 
 def two_machines(data_dirs, out, *flags, logs, cache_dir, timeout=300):
