@@ -5,6 +5,9 @@ import pytest
 from common.schedule import scaled_learning_rate
 from conftest import FAST, launch, read_metrics
 
+# FAST's batch (the global batch the messages name), with small blocks, a small eval and no sample.
+SMALL = [*FAST, "--block_size", 64, "--max_eval_samples", 8, "--sample_tokens", 0]
+
 
 def test_linear_scaling_arithmetic():
     assert scaled_learning_rate(3e-4, 256, 32) == pytest.approx(2.4e-3)  # 8x the batch, 8x the LR
@@ -18,7 +21,7 @@ def test_linear_scaling_arithmetic():
 
 def test_scale_lr_in_the_recipe(tmp_path, cache_dir):
     out = tmp_path / "run"
-    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *FAST, "--scale_lr", "--reference_global_batch", 2,
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *SMALL, "--scale_lr", "--reference_global_batch", 2,
                   "--learning_rate", 1e-3, "--warmup_steps", 2, "--max_steps", 4, "--logging_steps", 1,
                   "--eval_steps", 4, cache_dir=cache_dir)
     # global batch 8 = 4 per device x 2 ranks: 4x the reference batch, so 4x the LR, after warmup
@@ -26,6 +29,6 @@ def test_scale_lr_in_the_recipe(tmp_path, cache_dir):
     lrs = [r["lr"] for r in read_metrics(out)[0]]
     assert lrs[:3] == pytest.approx([0.0, 0.002, 0.004])
     # without --scale_lr, a batch above the reference is flagged
-    proc = launch("ddp", "recipes/llama.py", "--output_dir", tmp_path / "plain", *FAST, "--reference_global_batch", 2,
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", tmp_path / "plain", *SMALL, "--reference_global_batch", 2,
                   "--max_steps", 1, "--eval_steps", 1, cache_dir=cache_dir)
     assert "warning: global batch 8 > 2 without --scale_lr" in proc.stdout
