@@ -21,8 +21,8 @@ def error_lines(proc):
 
 
 # DDP, and ZeRO-2 for the sharded strategies (DeepSpeed reports the overflow its own way: inf, and it would
-# skip the steps). FSDP2's launch was dropped for time: the stop is common code, and a non-finite gradient
-# norm through FSDP2's all-reduced shard norms is launched in test_mixed_precision.py (fp16 inf drill, fsdp).
+# skip the steps). FSDP2 is not launched here: the stop is common code, and a non-finite gradient norm
+# through FSDP2's all-reduced shard norms is launched in test_mixed_precision.py (fp16 inf drill, fsdp).
 @pytest.mark.parametrize("config", ["ddp", "deepspeed_zero2"])
 def test_a_nan_loss_stops_the_run_before_any_weights_are_saved(config, tmp_path, cache_dir):
     # Logged at step 4, saved at 3: the device-side flag is read at the save (no read per step),
