@@ -36,6 +36,7 @@ Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU of
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -151,9 +152,26 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
         state = PartialState(cpu=True, backend="gloo", timeout=timeout)
         state.distributed_type = DistributedType.MULTI_GPU
         state.device = torch.device("cpu")  # not "cpu:0": FSDP1 rejects an indexed CPU device_id
-    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        skip_deepspeed_shm_build()
+    else:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # DDP: Accelerate's MULTI_CPU path over gloo
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+
+
+def skip_deepspeed_shm_build() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce, which training never calls.
+
+    deepspeed 0.19.8's CPU accelerator builds the `deepspeed_shm_comm` op when it sets up its
+    process group (`TorchBackend.__init__`): ~40 s of gcc on 2 cores in a fresh environment, and
+    a load of the cached build on every later launch. Only `inference_all_reduce` (tensor-parallel
+    inference) uses it; ZeRO's collectives go through torch.distributed. Marking the op
+    incompatible makes `build_shm_op` return None. Canary:
+    tests/test_deepspeed_config.py::test_deepspeed_on_cpu_does_not_build_its_shm_all_reduce.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def die_with_launcher() -> None:
@@ -242,9 +260,12 @@ def allow_mixed_precision_with_deepspeed_json() -> None:
         os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields.split(",") if f != "mixed_precision")
 
 
-def _destroy_process_group() -> None:
+def _end_process() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # Everything is written by now: leave torch's objects to the OS. The interpreter's last
+    # garbage collection over them takes ~2 s per process at exit (2-core CPU).
+    gc.freeze()
 
 
 def check_distributed(accelerator: Accelerator) -> None:
@@ -255,7 +276,8 @@ def check_distributed(accelerator: Accelerator) -> None:
     Compares Accelerate's view with what the launcher set (`WORLD_SIZE`, and the strategy chosen
     by `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`). Registers an `atexit` hook that
     destroys the process group if it is still up, so that a rank leaving through `sys.exit`
-    (a refused flag, say) ends cleanly instead of aborting in gloo's teardown.
+    (a refused flag, say) ends cleanly instead of aborting in gloo's teardown, and then skips the
+    interpreter's final garbage collection (`gc.freeze`).
 
     Raises:
         RuntimeError: if `accelerator.num_processes` differs from `WORLD_SIZE`, or the
@@ -278,7 +300,7 @@ def check_distributed(accelerator: Accelerator) -> None:
             f"the accelerate config asks for {wanted} but Accelerate chose "
             f"{accelerator.distributed_type}; common/launch.py no longer matches this Accelerate version"
         )
-    atexit.register(_destroy_process_group)
+    atexit.register(_end_process)
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from common import launch
 from conftest import REPO
 
 HIDDEN = 64  # a tiny Llama: Accelerate's "auto" gives buckets of HIDDEN**2 = 4096 elements
@@ -29,6 +30,9 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common import launch
+
+launch.skip_deepspeed_shm_build()  # as the recipes do on CPU
 results = {}
 for path in sys.argv[2:]:
     accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path),
@@ -85,7 +89,8 @@ def test_json_scales_buckets_and_reduces_in_fp32(name):
 def test_engines_size_buckets_from_the_model_and_keep_gradients_in_fp32(tmp_path):
     paths = [str(REPO / "ds_configs" / f"{name}.json") for name in ("zero2", "zero3")]
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", ENGINES, str(HIDDEN), *paths], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -101,3 +106,15 @@ def test_engines_size_buckets_from_the_model_and_keep_gradients_in_fp32(tmp_path
     assert zero3["buckets"] == [[HIDDEN ** 2, "torch.float32"]]
     assert zero3["prefetch_bucket_size"] == int(0.9 * HIDDEN ** 2)
     assert zero3["param_persistence_threshold"] == 10 * HIDDEN
+
+
+def test_deepspeed_on_cpu_does_not_build_its_shm_all_reduce():
+    """Canary for `launch.skip_deepspeed_shm_build`: while DeepSpeed's CPU accelerator offers the
+    shared-memory all-reduce op, its process-group setup compiles it; the patch makes it build nothing."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    assert builder is not None and builder.is_compatible()  # once this fails, delete the patch
+    launch.skip_deepspeed_shm_build()
+    assert build_shm_op() is None
