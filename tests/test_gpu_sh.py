@@ -1,4 +1,4 @@
-"""benchmarks/gpu.sh --cpu-smoke: the GPU benchmark script itself, on a CPU (debug model, 4 steps per run)."""
+"""benchmarks/gpu.sh --cpu-smoke: the GPU benchmark script itself, on a CPU (debug model, 4 steps, 2 runs)."""
 
 import os
 import re
@@ -19,8 +19,7 @@ def test_gpu_sh_cpu_smoke_writes_the_table(tmp_path, cache_dir):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
             if line.startswith("| DDP") or line.startswith("| FSDP2")]
     compiled = "aot_eager, per block"
-    assert [(r[0], r[1]) for r in rows] == [("DDP", "eager"), ("DDP", compiled), ("FSDP2", "eager"),
-                                            ("FSDP2", compiled)]
+    assert [(r[0], r[1]) for r in rows] == [("DDP", "eager"), ("FSDP2", compiled)]  # the smoke's two runs
     for strategy, compile_, batch, tps, mfu, allocated, reserved, overhead, loss in rows:
         assert batch == "2 x 64"
         assert float(tps.replace(",", "")) > 0
@@ -29,11 +28,11 @@ def test_gpu_sh_cpu_smoke_writes_the_table(tmp_path, cache_dir):
         assert reserved == "-"  # CUDA's reserved memory only
         assert float(overhead) > -1
         assert 6 < float(loss) < 8.4  # trained 4 steps from ln(4096) = 8.3
-    # compiled and eager trained the same model on the same data: the same last loss (bf16 rounding)
-    losses = {(r[0], r[1]): float(r[8]) for r in rows}
-    for strategy in ("DDP", "FSDP2"):
-        assert abs(losses[(strategy, "eager")] - losses[(strategy, compiled)]) < 0.02, losses
-    assert (tmp_path / "work" / "ddp_aot_eager.log").exists()
+    # DDP eager and FSDP2 compiled trained the same model on the same data (one process each):
+    # the same last loss, up to bf16 rounding
+    eager, compiled_fsdp = (float(r[8]) for r in rows)
+    assert abs(eager - compiled_fsdp) < 0.01, rows  # measured 0.001 (7.442, 7.443)
+    assert (tmp_path / "work" / "fsdp_aot_eager.log").exists()
 
 
 def test_gpu_sh_refuses_unknown_arguments():
