@@ -1,6 +1,6 @@
 """slurm/llama.sbatch on a real 2-node SLURM cluster (slurm/local_cluster.sh sets one up on this host):
-a 2-node job matches the 1-machine run, and a job stopped by SIGTERM through SLURM and requeued
-resumes from its preemption checkpoint and ends with the same losses."""
+one 2-node job, stopped by SIGTERM through SLURM and requeued, resumes from its preemption
+checkpoint and ends with the losses of the 1-machine run, every step once."""
 
 import json
 import os
@@ -78,26 +78,12 @@ def assert_same_losses(out, reference):
         assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-6), r["step"]
 
 
-def test_two_node_job_matches_one_machine(tmp_path, cache_dir, small_corpus, reference_run):
-    reference = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
-    out, log = tmp_path / "run", tmp_path / "job.log"
-    job = submit(out, log, small_corpus, cache_dir)
-    try:
-        info = wait_ended(job, log)
-        text = log_text(log)
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-8000:]}"
-        # One launcher per node, each with its own machine rank (from SLURM_NODEID).
-        assert sorted(re.findall(r"node n\d machine_rank (\d) of 2, world size 2, restart 0", text)) == ["0", "1"]
-        run_info = json.loads((out / "run_info.json").read_text())
-        assert (run_info["world_size"], run_info["mixed_precision"]) == (2, "no")
-        assert_same_losses(out, reference)
-    finally:
-        subprocess.run(["scancel", job])
-
-
-def test_sigterm_through_slurm_then_requeue_resumes(tmp_path, cache_dir, small_corpus, reference_run):
-    reference = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
-    out, log = tmp_path / "run", tmp_path / "job.log"
+@pytest.fixture(scope="module")
+def preempted_job(tmp_path_factory, cache_dir, small_corpus):
+    """One 2-node job: SIGTERM through SLURM after step 13, then `scontrol requeue` to the end.
+    Returns the output dir, the state and log after the stop, and after the requeued run."""
+    base = tmp_path_factory.mktemp("slurm")
+    out, log = base / "run", base / "job.log"
     job = submit(out, log, small_corpus, cache_dir)
     try:
         deadline = time.time() + TIMEOUT
@@ -109,26 +95,45 @@ def test_sigterm_through_slurm_then_requeue_resumes(tmp_path, cache_dir, small_c
             time.sleep(0.1)
         # Without --batch/--full, scancel signals the job steps: srun's tasks, the launchers and their workers.
         subprocess.run(["scancel", "--signal=TERM", job], check=True)
-        info = wait_ended(job, log)
-        text = log_text(log)
-        assert info["JobState"] != "COMPLETED", f"the job ignored SIGTERM: {info}\n{text[-8000:]}"
+        stopped = wait_ended(job, log)
+        stopped_text = log_text(log)
         saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
-        assert saved, f"no checkpoint in {out}; job log:\n{text[-8000:]}"
-        step = saved[-1]
-        assert 13 <= step <= 29, (saved, text[-8000:])
-        assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step  # COMPLETE.json, every file's size
-        assert "preempted" in text and f"checkpoint-{step}" in text, text[-8000:]
-        assert not (out / "final").exists()
-
+        final_before_requeue = (out / "final").exists()
         subprocess.run(["scontrol", "requeue", job], check=True)
         deadline = time.time() + 60  # requeue needs a moment to reach the job record
         while job_info(job).get("Restarts") != "1" and time.time() < deadline:
             time.sleep(0.2)
-        info = wait_ended(job, log)
-        text = log_text(log)
-        assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-8000:]}"
-        assert sorted(re.findall(r"machine_rank (\d) of 2, world size 2, restart 1", text)) == ["0", "1"]
-        assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in text, text[-8000:]
-        assert_same_losses(out, reference)
+        ended = wait_ended(job, log)
+        return {"out": out, "stopped": stopped, "stopped_text": stopped_text, "saved": saved,
+                "final_before_requeue": final_before_requeue, "ended": ended, "text": log_text(log)}
     finally:
         subprocess.run(["scancel", job])
+
+
+def test_two_node_job_matches_one_machine(preempted_job, small_corpus, reference_run):
+    """Before the stop, and after the requeue: one launcher per node, each with its own machine rank
+    (from SLURM_NODEID); the job ends COMPLETED with every step's loss of the 1-machine run."""
+    reference = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
+    info, text, out = preempted_job["ended"], preempted_job["text"], preempted_job["out"]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-8000:]}"
+    for restart in (0, 1):
+        found = re.findall(rf"node n\d machine_rank (\d) of 2, world size 2, restart {restart}", text)
+        assert sorted(found) == ["0", "1"], (restart, text[-8000:])
+    run_info = json.loads((out / "run_info.json").read_text())
+    assert (run_info["world_size"], run_info["mixed_precision"]) == (2, "no")
+    assert_same_losses(out, reference)
+
+
+def test_sigterm_through_slurm_then_requeue_resumes(preempted_job):
+    out, text = preempted_job["out"], preempted_job["stopped_text"]
+    assert preempted_job["stopped"]["JobState"] != "COMPLETED", f"the job ignored SIGTERM: {preempted_job['stopped']}"
+    saved = preempted_job["saved"]
+    assert saved, f"no checkpoint in {out}; job log:\n{text[-8000:]}"
+    step = saved[-1]
+    assert 13 <= step <= 29, (saved, text[-8000:])
+    assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step  # COMPLETE.json, every file's size
+    assert "preempted" in text and f"checkpoint-{step}" in text, text[-8000:]
+    assert not preempted_job["final_before_requeue"]
+    info, text = preempted_job["ended"], preempted_job["text"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text[-8000:]}"
+    assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in text, text[-8000:]
