@@ -138,7 +138,8 @@ def corpus_args(corpus):
 # The 30-step fp32 run that the recovery, preemption and SLURM tests compare with (global batch 4:
 # 2 per device x 2 ranks): checkpoints at 10, 20 and 30. Pass it after corpus_args.
 RUN30 = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 30, "--save_steps", 10,
-         "--warmup_steps", 4, "--logging_steps", 1, "--eval_steps", 30, "--report_to", "none", "--ddp_timeout", 60]
+         "--warmup_steps", 4, "--logging_steps", 1, "--eval_steps", 30, "--report_to", "none", "--ddp_timeout", 60,
+         "--sample_tokens", 0]  # the export's reload and sample: tests/test_llama.py
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,8 @@ def args(out, corpus, *extra):
     train, valid, tok = corpus
     return ["--output_dir", out, "--train_file", train, "--validation_file", valid, "--tokenizer_name_or_path", tok,
             "--block_size", 64, "--max_steps", STEPS, "--save_steps", SAVE, "--warmup_steps", 4,
-            "--logging_steps", 1, "--eval_steps", STEPS, "--report_to", "none", "--ddp_timeout", 60, *extra]
+            "--logging_steps", 1, "--eval_steps", STEPS, "--report_to", "none", "--ddp_timeout", 60, "--sample_tokens", 0,
+            *extra]
 
 
 def batch_args(config):

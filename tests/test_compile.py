@@ -23,7 +23,7 @@ from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 sys.path.insert(0, str(REPO))
 from common import checks  # noqa: E402
 
-FP32_RTOL = 1e-4  # inductor reorders fp32 reductions: measured 1.4e-7 relative over 10 steps
+FP32_RTOL = 2e-6  # inductor reorders fp32 reductions: measured 1.4e-7 relative over 10 steps
 
 
 def config_with_dynamo(tmp_path, base, **dynamo):

@@ -114,13 +114,15 @@ def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, wh
     job = start(config, out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto")
     saving = out / "checkpoint-10.tmp"
     try:
+        # both workers, found before the signal, so that the orphan check below has something to check
+        wait_until(lambda: len(ranks(job)) == 2, job, "2 workers", poll=0.2)
+        workers = list(ranks(job).values())
         if when == "at step 14":
             wait_until(lambda: last_step(out) >= 14, job, "step 14")
         else:
             wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10", poll=0.005)
         job.send_signal(sig)  # to the launcher, as SLURM, Kubernetes or a user (Ctrl-C: SIGINT) would
         signalled_after, signalled_while_saving = last_step(out), saving.exists()
-        workers = list(ranks(job).values())
         assert finish(job, timeout=60) != 0  # a preempted run is not a finished one
         assert not psutil.wait_procs(workers, timeout=10)[1]
     finally:

@@ -1,10 +1,12 @@
 """Compare the per-step metrics of runs of recipes/llama.py with a reference run.
 
-    python tests/scripts/compare_runs.py REFERENCE_DIR RUN_DIR [RUN_DIR ...]
+    python tests/scripts/compare_runs.py [--rtol R] REFERENCE_DIR RUN_DIR [RUN_DIR ...]
 
 Prints, per run, the worst relative gap over the shared logged steps of `loss`, `grad_norm` and
-`eval_loss` (|run - ref| / |ref|), and the worst absolute gap of `lr`. tests/test_parity.py uses
-`worst_gaps` for its assertions; the README's "check it by hand" commands use this printout.
+`eval_loss` (|run - ref| / |ref|), and the worst absolute gap of `lr`. Exits 1 when a run has a
+relative gap above R (default 1e-4, the fp32 bound; 2e-2 for bf16 runs), an LR off by more than
+1e-9, or cannot be read. tests/test_parity.py uses `worst_gaps` for its assertions; the README's
+"check it by hand" commands use this printout.
 """
 
 import json
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 KEYS = ("loss", "grad_norm", "eval_loss")
+FP32_RTOL, LR_ATOL = 1e-4, 1e-9
 
 
 def read_steps(output_dir):
@@ -49,10 +52,17 @@ def worst_gaps(run_dir, ref_dir):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
+    argv, rtol = sys.argv[1:], FP32_RTOL
+    if argv[:1] == ["--rtol"] and len(argv) > 1:
+        try:
+            rtol = float(argv[1])
+        except ValueError:
+            sys.exit(f"error: --rtol takes a number, got {argv[1]!r}")
+        argv = argv[2:]
+    if len(argv) < 2:
         sys.exit(__doc__.split("\n\n")[1])
-    reference, *runs = sys.argv[1:]
-    print(f"worst gap vs {reference} over the logged steps")
+    reference, *runs = argv
+    print(f"worst gap vs {reference} over the logged steps (bound: {rtol:.0e} relative, LR {LR_ATOL:.0e})")
     print(f"{'run':<32} {'steps':>5} {'loss':>9} {'grad_norm':>9} {'eval_loss':>9} {'lr (abs)':>9}")
     fmt = lambda x: "-" if x is None else f"{x:.1e}"  # noqa: E731
     failed = False
@@ -63,6 +73,8 @@ if __name__ == "__main__":
             print(f"{run_dir:<32} error: {err}")
             failed = True
             continue
+        over = [k for k in KEYS if g[k] is not None and g[k] > rtol] + ["lr"] * (g["lr"] > LR_ATOL)
         print(f"{run_dir:<32} {g['steps']:>5} {fmt(g['loss']):>9} {fmt(g['grad_norm']):>9} "
-              f"{fmt(g['eval_loss']):>9} {fmt(g['lr']):>9}")
+              f"{fmt(g['eval_loss']):>9} {fmt(g['lr']):>9}" + (f"  OVER: {', '.join(over)}" if over else ""))
+        failed |= bool(over)
     sys.exit(1 if failed else 0)
