@@ -17,32 +17,59 @@ from write_audit import audit_writes, files_under, writes_by_file
 MASKS = Path(__file__).resolve().parent / "dropout_masks"  # a sitecustomize recording each rank's first dropout mask
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "ddp_classifier.py"
 
-EPOCHS, PER_DEVICE, WORLD, TRAIN_SAMPLES = 3, 32, 2, 3072
-# 3 epochs of a 3,072-passage subset: 144 steps, ~40 s per launch on 2 idle cores, ~0.8 accuracy.
-ARGS = ["--num_train_epochs", EPOCHS, "--max_train_samples", TRAIN_SAMPLES, "--per_device_train_batch_size",
-        PER_DEVICE, "--logging_steps", 8, "--record_sample_ids", "--ddp_timeout", 120]
+WORLD = 2
+# DDP: 3 epochs of a 3,072-passage subset, 144 steps, ~40 s per launch on 2 idle cores, ~0.8 accuracy.
+ARGS = ["--num_train_epochs", 3, "--max_train_samples", 3072, "--per_device_train_batch_size", 32,
+        "--logging_steps", 8, "--record_sample_ids", "--ddp_timeout", 120]
+# A tiny run with accumulation, decay 100 and dropout on: 2 steps per epoch, 6 steps. fp32 on any CPU,
+# so a resume is bit-exact and FSDP can be held to DDP step for step.
+TINY = ["--max_train_samples", 64, "--max_eval_samples", 64, "--per_device_train_batch_size", 8,
+        "--gradient_accumulation_steps", 2, "--max_steps", 6, "--learning_rate", 1e-3, "--warmup_steps", 0,
+        "--weight_decay", 100, "--record_sample_ids", "--ddp_timeout", 120]
+# FSDP trains on TINY like the resume tests' uninterrupted DDP run (which also logs every step and saves at
+# step 3), so its correctness is checked against that run, not against a second 144-step launch. Logging
+# every 2nd step leaves ordinary steps (1, 3, 5) for the host-read check; the epochs end on logging steps.
+RUNS = {"ddp": dict(args=ARGS, precision=None, epochs=3, per_device=32, samples=3072, logging=8, max_steps=144),
+        "fsdp": dict(args=[*TINY, "--logging_steps", 2], precision="no", epochs=3, per_device=8, samples=64,
+                     logging=2, max_steps=6)}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, cache_dir):
+    """launched(config): one launch per config (made on first use), with every file write, each rank's
+    first dropout mask and the recipe's host reads of tensor values (tests/device_guard/host_reads.py)
+    logged per rank."""
+    runs = {}
+
+    def get(config):
+        if config not in runs:
+            base = tmp_path_factory.mktemp(f"cls_{config}")
+            out, log, masks, reads = base / "run", base / "writes", base / "masks", base / "reads"
+            reads.mkdir()
+            with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
+                # the masks' sitecustomize runs write_audit's too
+                mp.setenv("PYTHONPATH", os.pathsep.join([str(MASKS), os.environ["PYTHONPATH"]]))
+                mp.setenv("DROPOUT_MASK_DIR", str(masks))
+                mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
+                launch(config, RECIPE, "--output_dir", out, *RUNS[config]["args"], cache_dir=cache_dir,
+                       num_processes=WORLD, mixed_precision=RUNS[config]["precision"])
+            steps, summary = read_metrics(out)
+            runs[config] = {**RUNS[config], "config": config, "out": out, "log": log, "masks": masks, "steps": steps,
+                            "summary": summary[0], "reads": host_reads(reads)}
+        return runs[config]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def run(request, tmp_path_factory, cache_dir):
-    """One launch per config, with every file write, each rank's first dropout mask and the recipe's
-    host reads of tensor values (tests/device_guard/host_reads.py) logged per rank."""
-    base = tmp_path_factory.mktemp(f"cls_{request.param}")
-    out, log, masks, reads = base / "run", base / "writes", base / "masks", base / "reads"
-    reads.mkdir()
-    with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(MASKS), os.environ["PYTHONPATH"]]))  # runs write_audit's too
-        mp.setenv("DROPOUT_MASK_DIR", str(masks))
-        mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
-        launch(request.param, RECIPE, "--output_dir", out, *ARGS, cache_dir=cache_dir, num_processes=WORLD)
-    steps, summary = read_metrics(out)
-    return {"config": request.param, "out": out, "log": log, "masks": masks, "steps": steps, "summary": summary[0],
-            "reads": host_reads(reads)}
+def run(request, launched):
+    return launched(request.param)
 
 
-def test_accuracy_beats_majority_baseline(run):
+def test_accuracy_beats_majority_baseline(launched):
+    run = launched("ddp")
     s = run["summary"]
-    assert s["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[run["config"]] and s["world_size"] == WORLD
+    assert s["distributed_type"] == "MULTI_CPU" and s["world_size"] == WORLD
     # comedy is the largest genre, about a third of the held-out passages
     assert s["majority_genre"] == "comedy" and 0.30 < s["majority_baseline"] < 0.40
     assert s["eval_accuracy"] > s["majority_baseline"] + 0.25, s
@@ -55,13 +82,16 @@ def test_accuracy_beats_majority_baseline(run):
 def test_no_host_reads_outside_logging_steps(run):
     """A read of a tensor's value (`.item()`, `.tolist()`, `float()`, ...) waits for the GPU to finish
     the work queued so far: once per step, it keeps the host from running ahead of the device (the
-    sample-id record did that). Here the logging steps (every 8th), the epoch ends (48, 96) and the
-    end (144) all fall on multiples of 8, and a read made during step k sees `step` = k - 1 or k."""
+    sample-id record did that). In both runs the epoch ends and the end fall on logging steps (DDP:
+    every 8th, epochs of 48; FSDP: every 2nd, epochs of 2), and a read made during step k sees
+    `step` = k - 1 or k."""
+    every, epoch = run["logging"], run["max_steps"] // run["epochs"]
     assert sorted(run["reads"]) == list(range(WORLD))
     for rank, reads in run["reads"].items():
         in_loop = [r for r in reads if r[0] == "project" and r[3] is not None]  # `step` exists from the resume check on
-        assert {(name, step) for _, name, _, step, _ in in_loop} >= {("item", 8), ("__float__", 8), ("tolist", 48)}, rank
-        off = [r for r in ordinary_step_reads(in_loop, 8, 144)]
+        assert {(name, step) for _, name, _, step, _ in in_loop} >= {
+            ("item", every), ("__float__", every), ("tolist", epoch)}, rank
+        off = [r for r in ordinary_step_reads(in_loop, every, run["max_steps"])]
         assert not off, f"rank {rank} read tensor values on non-logging steps: {off[:4]}"
 
 
@@ -75,19 +105,21 @@ def test_each_rank_draws_its_own_dropout_masks(run):
 
 def test_each_epoch_is_a_new_permutation_split_disjointly(run):
     ranks = [json.loads((run["out"] / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    steps = TRAIN_SAMPLES // (PER_DEVICE * WORLD)
+    per_device, epochs, samples = run["per_device"], run["epochs"], run["samples"]
+    steps = samples // (per_device * WORLD)  # micro batches per rank and epoch
+    assert [len(r["epochs"]) for r in ranks] == [epochs] * WORLD
     orders = []
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         per_rank = [r["epochs"][epoch] for r in ranks]
-        assert all(len(ids) == steps * PER_DEVICE for ids in per_rank)
+        assert all(len(ids) == steps * per_device for ids in per_rank)
         assert not set(per_rank[0]) & set(per_rank[1])  # disjoint shares of one permutation
         # rank r trains on micro batches r, r + 2, ... of the epoch's permutation: interleave them back
-        order = [i for k in range(steps) for ids in per_rank for i in ids[k * PER_DEVICE:(k + 1) * PER_DEVICE]]
-        assert len(set(order)) == len(order) == steps * PER_DEVICE * WORLD
-        assert set(order) <= set(range(TRAIN_SAMPLES))
+        order = [i for k in range(steps) for ids in per_rank for i in ids[k * per_device:(k + 1) * per_device]]
+        assert len(set(order)) == len(order) == steps * per_device * WORLD
+        assert set(order) <= set(range(samples))
         orders.append(order)
-    for a in range(EPOCHS):
-        for b in range(a + 1, EPOCHS):
+    for a in range(epochs):
+        for b in range(a + 1, epochs):
             # a replayed epoch would give the identical order; a fresh one shares ~1/N positions
             same = sum(x == y for x, y in zip(orders[a], orders[b]))
             assert same < 0.05 * len(orders[a]), (a, b, same)
@@ -107,8 +139,10 @@ def test_exactly_one_writer_per_file(run):
             "sample_ids/rank0.json", "sample_ids/rank1.json"} <= set(on_disk)
 
 
-def test_export_is_the_trained_full_model(run, cache_dir):
-    """Reload final/ with plain transformers and score the held-out tail of every work again."""
+def test_export_is_the_trained_full_model(launched):
+    """Reload DDP's final/ with plain transformers and score the held-out tail of every work again
+    (FSDP's export is held to DDP's weights in test_fsdp_trains_like_ddp)."""
+    run = launched("ddp")
     final = run["out"] / "final"
     model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
     assert sum(p.numel() for p in model.parameters()) == run["summary"]["n_params"]
@@ -142,12 +176,8 @@ def genre_of(work):
     return "tragedy" if work.startswith(tragedies) or "titus" in work else "comedy"
 
 
-# A tiny run with accumulation, decay 100 and dropout on, checkpointed at step 3 (mid-epoch: 2
-# steps per epoch), then resumed from there in the same output dir. fp32, so a resume is bit-exact.
-SHORT = ["--max_train_samples", 64, "--max_eval_samples", 64, "--per_device_train_batch_size", 8,
-         "--gradient_accumulation_steps", 2, "--max_steps", 6, "--save_steps", 3, "--logging_steps", 1,
-         "--learning_rate", 1e-3, "--warmup_steps", 0, "--weight_decay", 100, "--record_sample_ids",
-         "--ddp_timeout", 120]
+# The tiny run under DDP, checkpointed at step 3 (mid-epoch), then resumed from there in the same output dir.
+SHORT = [*TINY, "--save_steps", 3, "--logging_steps", 1]
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +265,32 @@ def test_bad_flags_and_a_used_output_dir_are_refused(extra, message, tmp_path, m
     error = run_in_process(monkeypatch, RECIPE, "--output_dir", out, *extra)
     assert error.startswith("error:") and "\n" not in error and message in error, error  # one line, no traceback
     assert os.listdir(tmp_path) == ["leftover.txt"]  # nothing written
+
+
+def test_fsdp_trains_like_ddp(launched, resumed):
+    """FSDP (one unit per BertLayer: sharded weights, gradients and Adam state) on the tiny run, against
+    DDP's uninterrupted run of it: the same data, seed, schedule and per-rank dropout streams, in fp32."""
+    fsdp, ddp = launched("fsdp"), resumed[0]
+    s = fsdp["summary"]
+    assert s["distributed_type"] == "FSDP" and s["world_size"] == WORLD
+    ids = [json.loads((fsdp["out"] / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]
+    assert ids == ddp["ids"]  # every rank, every epoch: the same samples in the same order
+    assert [(r["step"], "loss" in r) for r in fsdp["steps"]] == [(2, True), (2, False), (4, True), (4, False),
+                                                                  (6, True), (6, False)]
+    # measured: the same losses, LRs, accuracies and exported weights to the bit, grad norms 2e-16 apart
+    # (FSDP sums the fp64 squares shard by shard); a gradient reduction, clip, decay group or dropout
+    # stream that differed would move the loss from the first step on
+    same_step = {(r["step"], "loss" in r): r for r in ddp["steps"]}
+    for f in fsdp["steps"]:
+        d = same_step[(f["step"], "loss" in f)]
+        assert f.keys() == d.keys() and f["epoch"] == d["epoch"], (f, d)
+        assert all(f[key] == d[key] for key in ("loss", "lr", "eval_accuracy") if key in f), (f, d)
+        assert "grad_norm" not in f or f["grad_norm"] == pytest.approx(d["grad_norm"], rel=2e-15, abs=0), (f, d)
+    # the export: full weights gathered from the shards, written once, reloadable by plain transformers
+    final = fsdp["out"] / "final"
+    model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32)
+    reloaded = model.state_dict()
+    assert sum(p.numel() for p in model.parameters()) == s["n_params"]
+    assert reloaded.keys() == ddp["weights"].keys()
+    assert all(torch.equal(reloaded[k], w) for k, w in ddp["weights"].items())
+    assert len(AutoTokenizer.from_pretrained(final)) == model.config.vocab_size
