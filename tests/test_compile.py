@@ -23,7 +23,7 @@ from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 sys.path.insert(0, str(REPO))
 from common import checks  # noqa: E402
 
-FP32_RTOL = 2e-6  # inductor reorders fp32 reductions: measured 1.4e-7 relative over 10 steps
+FP32_RTOL = 5e-5  # inductor reorders fp32 reductions: measured up to 5.1e-6 (grad norm, step 24 of 30)
 
 
 def config_with_dynamo(tmp_path, base, **dynamo):
@@ -52,7 +52,7 @@ def test_compiled_ddp_matches_eager_and_exports(compiled, small_corpus, referenc
     assert info["torch_compile"] == {"backend": "inductor", "mode": "default", "regional": False}
     assert info["distributed_type"] == "MULTI_CPU" and info["world_size"] == 2
 
-    # fp32: every step's loss and grad norm within 1e-4 of the eager run, and the eval loss
+    # fp32: every step's loss and grad norm within FP32_RTOL of the eager run, and the eval loss
     eager, _ = read_metrics(reference_run("ddp", *corpus_args(small_corpus), *RUN30))
     steps, summary = read_metrics(out)
     assert [r["step"] for r in steps] == [r["step"] for r in eager] == list(range(1, 31))
