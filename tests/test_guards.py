@@ -7,7 +7,7 @@ import math
 import pytest
 
 from common.checkpoint import verify_checkpoint
-from conftest import REPO, launch, read_metrics, strict_lines
+from conftest import REPO, corpus_args, launch, read_metrics, run_in_process, strict_lines
 
 # The issue's settings: blocks of 64 tokens, micro batch 2, one line per step, no evaluation; no text
 # sample from the export (not under test here).
@@ -17,16 +17,37 @@ FL = ["--block_size", 64, "--report_to", "none", "--eval_steps", 1000, "--loggin
 
 
 
+def split(b, a):
+    return ["--per_device_train_batch_size", b, "--gradient_accumulation_steps", a]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, cache_dir):
+    """`run(config, saved_split)`: an fp32 run of 6 steps saved at step 3, launched once per arguments for
+    the module. With --overwrite_output_dir, into a folder that holds an earlier run's metrics.jsonl
+    and checkpoint-4, which test_a_fresh_run_never_overwrites_an_earlier_one checks are gone."""
+    done = {}
+
+    def run(config, saved_split):
+        if (config, saved_split) not in done:
+            out = tmp_path_factory.mktemp(f"straight-{config}")
+            (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+            (out / "checkpoint-4").mkdir()
+            (out / "checkpoint-4" / "COMPLETE.json").write_text(json.dumps({"step": 4, "saved_at": 0, "files": {}}))
+            launch(config, "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", "--max_steps", 6,
+                   "--save_steps", 3, *split(*saved_split), *FL, cache_dir=cache_dir, mixed_precision="no")
+            done[config, saved_split] = out
+        return done[config, saved_split]
+    return run
+
+
 @pytest.mark.parametrize("config, saved_split, resumed_split", [
     ("ddp", (2, 1), (1, 2)),   # the reported case: 9 % 2 = 1 shifted every window by one micro batch (3 % 2 here)
     ("fsdp", (2, 1), (1, 2)),
 ])
-def test_resume_with_another_split_of_the_global_batch(config, saved_split, resumed_split, tmp_path, cache_dir):
-    def split(b, a):
-        return ["--per_device_train_batch_size", b, "--gradient_accumulation_steps", a]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch(config, "recipes/llama.py", "--output_dir", straight, "--max_steps", 6, "--save_steps", 3,
-           *split(*saved_split), *FL, cache_dir=cache_dir, mixed_precision="no")
+def test_resume_with_another_split_of_the_global_batch(config, saved_split, resumed_split, tmp_path, cache_dir,
+                                                       straight_run):
+    straight, resumed = straight_run(config, saved_split), tmp_path / "resumed"
     launch(config, "recipes/llama.py", "--output_dir", resumed, "--max_steps", 6, *split(*resumed_split), *FL,
            "--resume_from_checkpoint", straight / "checkpoint-3", cache_dir=cache_dir, mixed_precision="no")
     want = {r["step"]: r for r in read_metrics(straight)[0]}
@@ -70,11 +91,11 @@ def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, c
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_path, cache_dir):
+def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_path, cache_dir, small_corpus):
     # lr 3.0 wrecks the weights at step 1; every later step overflows and is skipped.
     out = tmp_path / "run"
     args = ["--learning_rate", 3.0, "--warmup_steps", 0, "--per_device_train_batch_size", 1, *FL,
-            "--block_size", 32]  # 18 emulated fp16 steps: blocks of 32 tokens
+            "--block_size", 8, *corpus_args(small_corpus)]  # 18 emulated fp16 steps: blocks of 8 tokens, small corpus
     proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--max_steps", 25, "--save_steps", 5, *args,
                   cache_dir=cache_dir, mixed_precision="fp16", check=False)
     lines = strict_lines(out / "metrics.jsonl")
@@ -126,26 +147,22 @@ def test_windows_without_target_tokens_are_skipped_and_logged(config, tmp_path, 
     assert f"warning: {len(empty)} of 6 windows had no target tokens and were skipped" in proc.stdout
 
 
-def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, cache_dir):
+def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch, straight_run):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--seed", 7, *FL, cache_dir=cache_dir,
-                  check=False, timeout=300)
-    assert proc.returncode != 0
-    assert f"error: --output_dir {out} already holds files (metrics.jsonl)" in proc.stderr
-    assert "--overwrite_output_dir" in proc.stderr
-    assert "--resume_from_checkpoint latest" not in proc.stderr  # it holds no checkpoint to resume
+    message = run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", out, "--seed", 7, *FL)  # a flag check
+    assert message.startswith(f"error: --output_dir {out} already holds files (metrics.jsonl)"), message
+    assert "--overwrite_output_dir" in message
+    assert "--resume_from_checkpoint latest" not in message  # it holds no checkpoint to resume
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
     # The TrainingArguments flag says "write over it" (or resume). The overwritten run's checkpoints go:
-    # else `--resume_from_checkpoint latest` would later resume them under this run's flags.
-    stale = out / "checkpoint-6"
-    stale.mkdir()
-    (stale / "COMPLETE.json").write_text(json.dumps({"step": 6, "saved_at": 0, "files": {}}))
-    launch("ddp", "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", "--max_steps", 2, *FL,
-           cache_dir=cache_dir, mixed_precision="no")
-    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
-    assert not stale.exists() and (out / "final").is_dir()
+    # else `--resume_from_checkpoint latest` would later resume them under this run's flags. (The
+    # straight run of the resume tests, launched so over an earlier run's metrics.jsonl and checkpoint-4.)
+    out = straight_run("ddp", (2, 1))
+    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert (out / "final").is_dir()
 
 
 @pytest.mark.parametrize("config, launcher_args, expected", [
