@@ -93,3 +93,27 @@ def test_device_contexts_still_place_factories(guarded_world):
     with torch.device("meta"):
         made = [torch.arange(4), torch.tensor([1.0]), torch.zeros(2), torch.empty(3), torch.full((2,), 1.0)]
     assert [t.device.type for t in made] == ["meta"] * 5
+
+
+def test_the_guard_leaves_compiled_graphs_whole():
+    """Inside a region dynamo traces, the guard does no bookkeeping, so that tests/test_compile.py
+    checks the program users run: a 2-layer Llama's forward and loss trace to one graph with the
+    guard as without it (with the bookkeeping traced: 10 graphs, 9 breaks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def graphs():
+        torch._dynamo.reset()
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=128))
+        x = torch.randint(0, 128, (2, 16))
+        explained = torch._dynamo.explain(model)(input_ids=x, labels=x)
+        return explained.graph_count, explained.graph_break_count
+
+    plain = graphs()
+    uninstall = collective_guard.install()  # the project's own roots, as in a launched rank
+    try:
+        guarded = graphs()
+    finally:
+        uninstall()
+        torch._dynamo.reset()
+    assert plain == guarded == (1, 0)

@@ -26,7 +26,9 @@ Not tracked: tensors computed from a host tensor (`host * 2`, `host.sum()`, `tor
 views of a `.cpu()` result (their `_base` is the original), and tensors made on the host by
 library code (e.g. a DataLoader's collate). Only wrapped Python entry points pay a cost: a frame
 lookup and a dictionary check per call (about 0.3-0.6 us), no per-op hook. The wrappers return
-what the originals return; `with torch.device(...)` still places the wrapped factories.
+what the originals return; `with torch.device(...)` still places the wrapped factories. Inside
+a region torch.compile traces they skip the bookkeeping (its frame lookups would break the graph),
+so compiled code is checked as users run it, not cut into pieces (tests/test_collective_devices.py).
 
 `install()` patches torch/accelerate in this process; `sitecustomize.py` next to this file calls
 it at start-up in every process of a launch with this folder on PYTHONPATH.
@@ -96,6 +98,8 @@ def _factory(fn, name):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         out = fn(*args, **kwargs)
+        if torch.compiler.is_compiling():  # inside a traced region: no bookkeeping (dynamo would break the graph)
+            return out
         device = kwargs.get("device")
         if (device is None or _is_host_target(device)) and _is_project_file(sys._getframe(1).f_code.co_filename):
             _marks[out] = f"{_where(sys._getframe(1))} (torch.{name} without device=)"
@@ -117,6 +121,8 @@ def _wrap_cpu(fn):
     @functools.wraps(fn)
     def cpu(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return out
         frame = sys._getframe(1)
         return _to_host(out, self, frame, ".cpu()") if _is_project_file(frame.f_code.co_filename) else out
     return cpu
@@ -126,6 +132,8 @@ def _wrap_to(fn):
     @functools.wraps(fn)
     def to(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return out
         target = kwargs.get("device", args[0] if args else None)
         if isinstance(target, (torch.device, int, str)) or isinstance(target, torch.Tensor):
             if _is_host_target(target):
