@@ -7,8 +7,12 @@ file as the project code, with a one-rank gloo group, where a torch.device("cpu"
 accelerator's device.
 """
 
+import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import accelerate
 import accelerate.utils
@@ -20,6 +24,7 @@ from torch.utils._device import _device_constructors
 
 from device_guard import collective_guard
 
+REPO = Path(__file__).resolve().parent.parent
 DEVICE = torch.device("cpu")  # as accelerator.device is on this host
 HERE = os.path.basename(__file__)
 
@@ -117,3 +122,38 @@ def test_the_guard_leaves_compiled_graphs_whole():
         uninstall()
         torch._dynamo.reset()
     assert plain == guarded == (1, 0)
+
+
+# Each idiom that reads a tensor's value on the host (a GPU sync), run as project code: the
+# host-read logger (tests/device_guard/host_reads.py) must log each exactly once, by its name.
+IDIOMS = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tests", "device_guard"))
+import collective_guard, host_reads
+collective_guard.install(roots=[os.path.realpath(__file__)])
+host_reads.install(sys.argv[2])
+import torch
+t = torch.arange(3.0, device=torch.device("cpu"))[1]  # 0-dim, on "the device": not left on the host on purpose
+idioms = {"item": lambda: t.item(), "tolist": lambda: t.tolist(), "__float__": lambda: float(t),
+          "__int__": lambda: int(t), "__bool__": lambda: bool(t), "__format__": lambda: f"{t:.3}",
+          "cpu": lambda: t.cpu(), "to(cpu)": lambda: t.to("cpu").tolist(), "__repr__ (str)": lambda: str(t),
+          "__repr__ (print)": lambda: print(t, file=open(os.devnull, "w"))}
+seen = {}
+for idiom, read in idioms.items():
+    before = len(host_reads._reads)
+    read()
+    seen[idiom] = [(origin, name) for origin, name, *_ in host_reads._reads[before:]]
+print("SEEN " + json.dumps(seen))
+"""
+
+
+def test_the_host_read_logger_sees_every_idiom(tmp_path):
+    script = tmp_path / "idioms.py"
+    script.write_text(IDIOMS)
+    env = {**os.environ, "PYTHONPATH": ""}  # not the suite's sitecustomize: this script installs the logger itself
+    proc = subprocess.run([sys.executable, str(script), str(REPO), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.split("SEEN ", 1)[1])
+    for idiom, reads in seen.items():
+        assert reads == [["project", idiom.split(" ")[0]]], (idiom, reads)

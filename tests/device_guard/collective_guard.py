@@ -48,6 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 PROJECT = tuple(os.path.join(REPO, d) + os.sep for d in ("recipes", "common", "benchmarks"))
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # frames of this folder are not callers
 FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint",
              "from_numpy")
 ACCELERATOR_COLLECTIVES = ("gather", "gather_for_metrics", "reduce", "pad_across_processes")
@@ -94,6 +95,15 @@ def _is_host_target(target) -> bool:
     return (isinstance(target, str) and target.startswith("cpu")) or host_origin(target) is not None
 
 
+def _caller():
+    """The frame that called the wrapper calling this, past this folder's own frames (host_reads.py
+    wraps some of these wrappers in turn)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back
+    return frame
+
+
 def _factory(fn, name):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -101,8 +111,8 @@ def _factory(fn, name):
         if torch.compiler.is_compiling():  # inside a traced region: no bookkeeping (dynamo would break the graph)
             return out
         device = kwargs.get("device")
-        if (device is None or _is_host_target(device)) and _is_project_file(sys._getframe(1).f_code.co_filename):
-            _marks[out] = f"{_where(sys._getframe(1))} (torch.{name} without device=)"
+        if (device is None or _is_host_target(device)) and _is_project_file((frame := _caller()).f_code.co_filename):
+            _marks[out] = f"{_where(frame)} (torch.{name} without device=)"
         return out
     return wrapper
 
@@ -123,7 +133,7 @@ def _wrap_cpu(fn):
         out = fn(self, *args, **kwargs)
         if torch.compiler.is_compiling():
             return out
-        frame = sys._getframe(1)
+        frame = _caller()
         return _to_host(out, self, frame, ".cpu()") if _is_project_file(frame.f_code.co_filename) else out
     return cpu
 
@@ -137,7 +147,7 @@ def _wrap_to(fn):
         target = kwargs.get("device", args[0] if args else None)
         if isinstance(target, (torch.device, int, str)) or isinstance(target, torch.Tensor):
             if _is_host_target(target):
-                frame = sys._getframe(1)
+                frame = _caller()
                 if _is_project_file(frame.f_code.co_filename):
                     out = _to_host(out, self, frame, ".to(cpu)")
             elif out is self:

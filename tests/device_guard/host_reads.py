@@ -1,7 +1,7 @@
 """Test helper: log every read of a tensor's value on the host, with the recipe's `step` at that moment.
 
-On a GPU, `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`, `f"{t}"` and `.cpu()` copy a
-device value to the host: the host waits for every kernel queued so far, and cannot run ahead of
+On a GPU, `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`, `f"{t}"`, `str(t)` / `print(t)`
+(`__repr__`), `.cpu()` and `.to("cpu")` copy a device value to the host: the host waits for every kernel queued so far, and cannot run ahead of
 the device. Once per logging step that is harmless; once per step it stalls the GPU every step.
 On a CPU-only host nothing stalls, so this logger makes the reads visible instead.
 
@@ -38,7 +38,7 @@ import torch
 
 import collective_guard
 
-READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__format__", "cpu")
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__format__", "__repr__", "cpu")  # + .to(host)
 _reads, _depth = [], [0]
 
 
@@ -78,6 +78,22 @@ def _wrap(fn, name):
         finally:
             _depth[0] -= 1
     return read
+
+
+def _wrap_to(fn):
+    """`.to(...)` reads a value when its target is the host ("cpu", or a host tensor): logged as "to(cpu)"."""
+    @functools.wraps(fn)
+    def to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if _depth[0] or not collective_guard._is_host_target(target) or collective_guard.host_origin(self) is not None:
+            return fn(self, *args, **kwargs)
+        _log(sys._getframe(1), "to(cpu)")
+        _depth[0] += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            _depth[0] -= 1
+    return to
 
 
 def _log(origin_frame, name):
@@ -123,4 +139,5 @@ def install(out_dir):
     """
     for name in READS:
         setattr(torch.Tensor, name, _wrap(getattr(torch.Tensor, name), name))
+    torch.Tensor.to = _wrap_to(torch.Tensor.to)
     atexit.register(_dump, out_dir)
