@@ -66,10 +66,12 @@ def _main_step():
     return step
 
 
-def _wrap(fn, name):
+def _wrap(fn, name, reads=lambda *args, **kwargs: True):
+    """Log a call of `fn` as a read named `name`, unless nested in another read, made on a tensor
+    left on the host on purpose, or `reads(*args, **kwargs)` says this call reads nothing."""
     @functools.wraps(fn)
     def read(self, *args, **kwargs):
-        if _depth[0] or collective_guard.host_origin(self) is not None:
+        if _depth[0] or collective_guard.host_origin(self) is not None or not reads(*args, **kwargs):
             return fn(self, *args, **kwargs)
         _log(sys._getframe(1), name)
         _depth[0] += 1
@@ -80,20 +82,9 @@ def _wrap(fn, name):
     return read
 
 
-def _wrap_to(fn):
-    """`.to(...)` reads a value when its target is the host ("cpu", or a host tensor): logged as "to(cpu)"."""
-    @functools.wraps(fn)
-    def to(self, *args, **kwargs):
-        target = kwargs.get("device", args[0] if args else None)
-        if _depth[0] or not collective_guard._is_host_target(target) or collective_guard.host_origin(self) is not None:
-            return fn(self, *args, **kwargs)
-        _log(sys._getframe(1), "to(cpu)")
-        _depth[0] += 1
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            _depth[0] -= 1
-    return to
+def _to_host(*args, **kwargs):
+    """Whether `.to(...)` targets the host ("cpu", or a host tensor): then it reads the value."""
+    return collective_guard._is_host_target(kwargs.get("device", args[0] if args else None))
 
 
 def _log(origin_frame, name):
@@ -139,5 +130,5 @@ def install(out_dir):
     """
     for name in READS:
         setattr(torch.Tensor, name, _wrap(getattr(torch.Tensor, name), name))
-    torch.Tensor.to = _wrap_to(torch.Tensor.to)
+    torch.Tensor.to = _wrap(torch.Tensor.to, "to(cpu)", _to_host)
     atexit.register(_dump, out_dir)
