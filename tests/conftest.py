@@ -142,6 +142,36 @@ RUN30 = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 
          "--sample_tokens", 0]  # the export's reload and sample: tests/test_llama.py
 
 
+# The 10-step runs that tests/test_llama.py checks and tests/test_parity.py compares: global batch 4
+# on every config (4 per device on one process, 2 x 2 ranks), logged every 2nd step so that the odd
+# steps are ordinary ones for the host-read check.
+SHORT = ["--max_steps", 10, "--warmup_steps", 3, "--learning_rate", 3e-3, "--logging_steps", 2, "--eval_steps", 10,
+         "--block_size", 64, "--max_eval_samples", 13, "--per_device_eval_batch_size", 4, "--save_logits_probe",
+         "--report_to", "none", "--ddp_timeout", 120, "--sample_tokens", 0]
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory, cache_dir):
+    """`run(config, precision="no")`: `recipes/llama.py` with SHORT under `config` (a name or a YAML
+    path), once per session; returns (output dir, its host reads as `host_reads` gives them)."""
+    done = {}
+
+    def run(config, precision="no"):
+        key = (str(config), precision)
+        if key not in done:
+            base = tmp_path_factory.mktemp(f"short-{getattr(config, 'stem', config)}-{precision}")
+            out, reads = base / "run", base / "reads"
+            reads.mkdir()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs every read
+                launch(config, "recipes/llama.py", "--output_dir", out,
+                       "--per_device_train_batch_size", 4 if config == "single" else 2, *SHORT,
+                       cache_dir=cache_dir, mixed_precision=precision)
+            done[key] = out, host_reads(reads)
+        return done[key]
+    return run
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory, cache_dir):
     """`run(config, *args)`: launch `recipes/llama.py` in fp32 once per (config, args) for the whole

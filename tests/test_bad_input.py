@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from common import checkpoint
+from common import checkpoint, precision
 from common.args import flag, parse_args, parse_flags
 from conftest import FAST, REPO, launch, run_in_process
 
@@ -258,14 +258,19 @@ def test_an_empty_data_file_is_named_last(tmp_path, cache_dir):
 
 def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpus):
     """A recipe's default --max_steps (300) does not override --num_train_epochs; the run ends with
-    one line naming its figures and its export."""
+    one line naming its figures and its export. The config alone picks the precision: its bf16 where
+    this CPU computes bf16, else fp32 with the reason recorded (the rule: common/precision.py)."""
     train, valid, tok = small_corpus
     out = tmp_path / "out"
     proc = launch("single", "recipes/llama.py", "--train_file", train, "--validation_file", valid,
                   "--tokenizer_name_or_path", tok, "--block_size", 64, "--num_train_epochs", 1, "--output_dir", out,
                   "--max_eval_samples", 8, "--report_to", "none", "--sample_tokens", 0, cache_dir=cache_dir,
-                  mixed_precision="no", timeout=300)
+                  timeout=300)
     info = json.loads((out / "run_info.json").read_text())
+    native = "bf16" in precision.cpu_native_dtypes()
+    assert info["mixed_precision"] == info["precision"]["used"] == ("bf16" if native else "no")
+    assert info["precision"]["requested"] == "bf16"
+    assert native or "no bf16 instructions" in info["precision"]["reason"]
     assert info["max_steps"] == info["updates_per_epoch"] and 3 <= info["updates_per_epoch"] <= 8, info
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     last = [r for r in records if "loss" in r][-1]

@@ -1,9 +1,10 @@
-"""recipes/llama.py under every launch config, for real: 2 gloo ranks (1 for `single`)."""
+"""recipes/llama.py under every launch config, for real: 2 gloo ranks (1 for `single`), in fp32:
+the 10-step runs of global batch 4 that tests/test_parity.py compares (conftest.SHORT). (The
+precision a config picks alone: tests/test_bad_input.py's epoch run.)"""
 
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -11,10 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import CONFIGS, FAST, REPO, host_reads, launch, ordinary_step_reads, read_metrics
-
-sys.path.insert(0, str(REPO))
-from common import precision  # noqa: E402
+from conftest import CONFIGS, ordinary_step_reads, read_metrics
 
 EXPECTED_TYPE = {"single": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP", "fsdp1": "FSDP",
                  "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED"}
@@ -22,24 +20,15 @@ SHARDED = {"fsdp", "fsdp1", "deepspeed_zero3"}  # parameters split across ranks
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatch):
-    out, reads_dir = tmp_path / "run", tmp_path / "reads"
-    reads_dir.mkdir()
-    monkeypatch.setenv("HOST_READS_DIR", str(reads_dir))  # log every read of a tensor value (device_guard)
-    launch(config, "recipes/llama.py", "--output_dir", out, "--max_steps", 12, "--warmup_steps", 2,
-           "--learning_rate", 3e-3, "--logging_steps", 2, "--eval_steps", 12, "--save_logits_probe", *FAST,
-           cache_dir=cache_dir)  # the config alone picks the precision
+def test_every_config_trains_and_exports(config, short_run):
+    out, reads = short_run(config)  # every read of a tensor value logged (tests/device_guard/host_reads.py)
 
     # In-run facts: the run really was distributed the way the config says.
     info = json.loads((out / "run_info.json").read_text())
     world = 1 if config == "single" else 2
     assert info["distributed_type"] == EXPECTED_TYPE[config]
     assert info["world_size"] == world
-    # every config's bf16, the ZeRO ones too, where this CPU computes it; else fp32, and the reason recorded
-    native = "bf16" in precision.cpu_native_dtypes()
-    assert info["mixed_precision"] == ("bf16" if native else "no")
-    assert info["precision"]["requested"] == "bf16" and info["precision"]["used"] == info["mixed_precision"]
-    assert native or "no bf16 instructions" in info["precision"]["reason"]
+    assert info["mixed_precision"] == info["precision"]["requested"] == info["precision"]["used"] == "no"
     local = info["local_param_elements"]
     assert len(local) == world
     if config in SHARDED:
@@ -49,43 +38,39 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
         assert local == [info["n_params"]] * world
     # the bundled corpus, packed: 1.56M training tokens, less than one block of them dropped
     train = info["data"]["train"]
-    assert train["rows"] == 40 and train["blocks"] * 128 + train["dropped_tokens"] == train["tokens"] > 1.5e6
-    assert all(split["dropped_tokens"] < 128 for split in info["data"].values())
+    assert train["rows"] == 40 and train["blocks"] * 64 + train["dropped_tokens"] == train["tokens"] > 1.5e6
+    assert all(split["dropped_tokens"] < 64 for split in info["data"].values())
     # What DeepSpeed ran with (its filled-in config), as run_info.json and the start line report it.
     stage = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}.get(config)
     assert info["deepspeed"] == (stage and {
         "zero_stage": stage, "offload_optimizer_device": "none", "offload_param_device": "none",
-        "gradient_accumulation_steps": 1, "train_batch_size": 4 * world, "gradient_clipping": 1.0})
+        "gradient_accumulation_steps": 1, "train_batch_size": 4, "gradient_clipping": 1.0})
 
-    # No read of a device value in an ordinary step (steps 1, 3, ..., 11 and the training of the
+    # No read of a device value in an ordinary step (steps 1, 3, ..., 9 and the training of the
     # next): on a GPU each one would stall the host until the device catches up. Reads from
     # inside a library (Accelerate, DeepSpeed) are listed apart, in HOST_READS_REPORT if set.
-    reads = host_reads(reads_dir)
     assert sorted(reads) == list(range(world))
     for rank, log in reads.items():
-        assert any(r[0] == "project" and r[3] == 12 for r in log), "the logger saw no logging-step read"
-        ordinary = ordinary_step_reads(log, logging_steps=2, max_steps=12)
+        assert any(r[0] == "project" and r[3] == 10 for r in log), "the logger saw no logging-step read"
+        ordinary = ordinary_step_reads(log, logging_steps=2, max_steps=10)
         project = [r for r in ordinary if r[0] == "project"]
         assert not project, f"rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
         if os.environ.get("HOST_READS_REPORT") and rank == 0:
             with open(os.environ["HOST_READS_REPORT"], "a") as f:
                 library = sorted({(r[1], r[2], r[4]) for r in ordinary})
-                f.write(json.dumps({"config": config, "library_reads_per_step": len(ordinary) / 6,
+                f.write(json.dumps({"config": config, "library_reads_per_step": len(ordinary) / 5,
                                     "where": library}) + "\n")
 
     # Finite losses that go down, and the required metric keys.
     steps, summary = read_metrics(out)
-    assert [r["step"] for r in steps] == list(range(2, 13, 2))
+    assert [r["step"] for r in steps] == list(range(2, 11, 2))
     for r in steps:
         assert {"loss", "lr", "grad_norm", "tokens_per_second"} <= r.keys()
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["tokens_per_second"] > 0
     assert steps[0]["loss"] > 7.5  # step 2, after a step at LR 0: untrained, about ln(4096) = 8.3 nats/token
-    assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8
+    assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8  # measured: 8.36 -> 6.89 (steps 6-10)
     assert math.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] < steps[0]["loss"]
-    assert summary and summary[0]["total_tokens"] == 12 * 4 * world * 128
-    # Position buffers stay fp32 in the live bf16 model (FSDP1's buffer_dtype rounded them to bf16).
-    assert summary[0]["buffer_dtypes"] == {"model.rotary_emb.inv_freq": "float32",
-                                           "model.rotary_emb.original_inv_freq": "float32"}
+    assert summary and summary[0]["total_tokens"] == 10 * 4 * 64
 
     # The export: full-size safetensors that plain transformers reloads to the live model's logits.
     final = out / "final"
@@ -99,6 +84,4 @@ def test_every_config_trains_and_exports(config, tmp_path, cache_dir, monkeypatc
     probe = load_file(out / "final_logits.safetensors")
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits
-    # bf16 tolerance: the live model computed in bf16, the reload in fp32
-    assert torch.allclose(logits, probe["logits"], atol=0.15, rtol=0.05), (logits - probe["logits"]).abs().max()
-    assert (logits.argmax(-1) == probe["logits"].argmax(-1)).float().mean() > 0.9
+    assert torch.allclose(logits, probe["logits"], atol=1e-4, rtol=1e-4), (logits - probe["logits"]).abs().max()

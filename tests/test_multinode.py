@@ -2,7 +2,8 @@
 per "machine" (`--num_machines 2 --machine_rank {0,1}`, 1 process each), train `recipes/llama.py`
 under DDP, FSDP2, FSDP1, ZeRO-2 and ZeRO-3. The per-step fp32 losses and gradient norms must equal
 those of the same run on 1 machine x 2 processes, and a checkpoint saved across the two machines
-must resume there (`--resume_from_checkpoint latest`) to the same steps again.
+mid-way through an epoch must resume there (`--resume_from_checkpoint latest`, new processes) to
+the same steps again: this is every 2-rank strategy's exact-resume test.
 
 The reference is `test_exact_resume_mid_epoch`'s uninterrupted run (tests/test_checkpoint.py), shared
 through the session's `reference_run`: 16 steps, global batch 8 (2 per device x accumulation 2 x 2
@@ -109,7 +110,10 @@ def assert_same_steps(got, want, steps, config):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_corpus, reference_run):
     flags = recipe_flags(config, small_corpus)
-    want = {r["step"]: r for r in read_metrics(reference_run(config, *flags))[0]}
+    straight = reference_run(config, *flags)
+    per_epoch = strict_json((straight / "run_info.json").read_text())["updates_per_epoch"]
+    assert per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch  # the checkpoint is mid-way through epoch 2
+    want = {r["step"]: r for r in read_metrics(straight)[0]}
     out = tmp_path / "run"
 
     launch_two_machines(config, out, *flags, cache_dir=cache_dir, logs=tmp_path / "logs-first")
@@ -131,4 +135,5 @@ def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_co
     assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
     records, summaries = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and len(summaries) == 1
+    assert records[SAVE]["epoch"] == 1  # step 11: the resumed run went on in epoch 2 (0-based 1)
     assert_same_steps({r["step"]: r for r in records}, want, range(SAVE + 1, STEPS + 1), config)
