@@ -24,7 +24,9 @@ Optimizer step k always sees global-batch samples k*G .. (k+1)*G-1 of the epoch'
 whatever the split between micro batch, accumulation and world size (see README).
 
 Outputs in --output_dir: metrics.jsonl (one line per logging step, then a summary), run_info.json
-(what the run really was), checkpoint-N/ (--save_steps), final/ (HF format, safetensors).
+(what the run really was), checkpoint-N/ (--save_steps), final/ (HF format, safetensors), and with
+--record_sample_ids, sample_ids/rank{r}.json (written by rank r alone: per epoch, the training
+block ids it consumed, in order).
 """
 
 import json
@@ -96,6 +98,7 @@ class Args:
         "help": "write final_logits.safetensors (the live model's logits on 2 validation blocks; tests compare the export)"})
     sample_tokens: int = flag(None, "tokens sampled from the reloaded export at the end; default 40 below 1B "
                               "parameters, else 0 (off)", low=0)
+    record_sample_ids: bool = field(default=False, metadata={"help": "each rank writes the block ids it trained on"})
 
 
 args = parse_args(Args, description=__doc__, output_dir="runs/llama", per_device_train_batch_size=8,
@@ -212,6 +215,8 @@ if mismatch := checks.rank_mismatch(accelerator, "data (train and validation tex
 if token_id_changes and (args.config_name or args.model_name_or_path):  # (a preset has none of its own)
     accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(token_id_changes)}")
 train_set, eval_set = lm_data["train"], lm_data["validation"]
+if args.record_sample_ids:  # each block's index in the training set, to check the data order
+    train_set = train_set.add_column("sample_id", list(range(len(train_set))))
 if args.max_eval_samples:
     eval_set = eval_set.select(range(min(args.max_eval_samples, len(eval_set))))
 
@@ -413,6 +418,7 @@ epoch = step // updates_per_epoch
 # and windows without a single target token (possible with --packing false and empty rows).
 skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
 skipped_in_a_row = 0
+seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
 guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
 tokens_seen = (step - empty_windows) * global_batch * args.block_size
 # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
@@ -422,11 +428,14 @@ while step < max_steps:
     done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
     loader = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
     batches = iter(loader)
+    seen.append([])
     for _ in range(done_in_epoch, updates_per_epoch):
         lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
         t0 = time.perf_counter()
         window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         data_wait += time.perf_counter() - t0
+        if args.record_sample_ids:  # kept on the device: a host copy here would wait for the GPU every step
+            seen[-1] += [b.pop("sample_id") for b in window]
         # Token-weighted accumulation: normalise by the target tokens of the whole window on all
         # ranks, so the gradient equals the one of the full global batch even with padding.
         # Scaling by (accumulation x world size) undoes the mean that backward/all-reduce apply.
@@ -517,8 +526,14 @@ while step < max_steps:
             sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:
             break
+    if args.record_sample_ids:  # one host copy per epoch
+        seen[-1] = torch.cat(seen[-1]).tolist() if seen[-1] else []
     epoch += 1
 progress.close()
+if args.record_sample_ids:  # one file per rank, each written by its own rank only
+    os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
+    with open(os.path.join(args.output_dir, "sample_ids", f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump({"rank": accelerator.process_index, "world_size": world_size, "epochs": seen}, f)
 if empty_windows:
     accelerator.print(f"warning: {empty_windows} of {step} windows had no target tokens and were skipped")
 if skipped_steps:

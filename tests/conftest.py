@@ -147,7 +147,7 @@ RUN30 = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 
 # steps are ordinary ones for the host-read check.
 SHORT = ["--max_steps", 10, "--warmup_steps", 3, "--learning_rate", 3e-3, "--logging_steps", 2, "--eval_steps", 10,
          "--block_size", 64, "--max_eval_samples", 13, "--per_device_eval_batch_size", 4, "--save_logits_probe",
-         "--report_to", "none", "--ddp_timeout", 120, "--sample_tokens", 0]
+         "--report_to", "none", "--ddp_timeout", 120, "--sample_tokens", 0, "--peak_tflops", 0.05]  # MFU on a CPU
 
 
 @pytest.fixture(scope="session")

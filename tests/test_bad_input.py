@@ -71,6 +71,14 @@ def test_bad_flags(flag, value, message, tmp_path, monkeypatch):
     assert message_got.startswith(f"error: {message}"), message_got
 
 
+def test_config_overrides_only_change_a_model_trained_from_scratch(tmp_path, monkeypatch):
+    # pretrained weights fix the shapes: refused before anything is loaded
+    message = run_in_process(monkeypatch, "recipes/llama.py", "--model_name_or_path", tmp_path / "model",
+                             "--config_overrides", "num_hidden_layers=2", "--output_dir", tmp_path / "out")
+    assert message == ("error: --config_overrides changes a model trained from scratch (--config_name or the preset); "
+                       "pretrained weights (--model_name_or_path) keep their shapes")
+
+
 def test_resume_from_a_checkpoint_that_is_not_there(tmp_path, cache_dir):
     # the recipe's resume refusal, for real (it comes after the model is built: a launch) ...
     proc = launch("single", "recipes/llama.py", "--resume_from_checkpoint", "latest", "--output_dir", tmp_path,
@@ -100,6 +108,20 @@ def test_max_grad_norm_must_match_deepspeed_json(tmp_path, cache_dir, monkeypatc
     assert run_in_process(monkeypatch, "recipes/ddp_classifier.py", "--max_grad_norm", 0.5, "--output_dir",
                           tmp_path / "classifier").startswith(message)
 
+
+
+def test_an_fsdp_wrap_that_leaves_blocks_unwrapped_is_refused(tmp_path, cache_dir):
+    # A class inside the blocks (the MLP) makes units, but no decoder block is one: each block's
+    # other parameters would stay gathered in the root unit. Refused after prepare, naming the fix.
+    config = tmp_path / "fsdp.yaml"
+    config.write_text((REPO / "accelerate_configs" / "fsdp.yaml").read_text().replace(
+        "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+        "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: LlamaMLP"))
+    proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "out", *FAST, "--max_steps", 2,
+                  cache_dir=cache_dir, mixed_precision="no", check=False, timeout=300)
+    fails_with(proc, "error: FSDP made 0 of the 4 LlamaDecoderLayer blocks their own unit",
+               "set fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer in the accelerate config")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("key,message", [
@@ -258,15 +280,22 @@ def test_an_empty_data_file_is_named_last(tmp_path, cache_dir):
 
 def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpus):
     """A recipe's default --max_steps (300) does not override --num_train_epochs; the run ends with
-    one line naming its figures and its export. The config alone picks the precision: its bf16 where
-    this CPU computes bf16, else fp32 with the reason recorded (the rule: common/precision.py)."""
+    one line naming its figures and its export. Like the README's main command, it runs with the
+    config's precision and the default tracker: the config alone picks the precision (its bf16
+    where this CPU computes bf16, else fp32 with the reason recorded: common/precision.py), and
+    TensorBoard gets the values metrics.jsonl holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     train, valid, tok = small_corpus
     out = tmp_path / "out"
     proc = launch("single", "recipes/llama.py", "--train_file", train, "--validation_file", valid,
                   "--tokenizer_name_or_path", tok, "--block_size", 64, "--num_train_epochs", 1, "--output_dir", out,
-                  "--max_eval_samples", 8, "--report_to", "none", "--sample_tokens", 0, cache_dir=cache_dir,
-                  timeout=300)
+                  "--max_eval_samples", 8, "--sample_tokens", 0, "--logging_steps", 2, "--reference_global_batch", 2,
+                  cache_dir=cache_dir, timeout=300)
     info = json.loads((out / "run_info.json").read_text())
+    # a global batch above the one --learning_rate was tuned at, without --scale_lr: said, LR unchanged
+    assert "warning: global batch 8 > 2 without --scale_lr" in proc.stdout
+    assert info["args"]["learning_rate"] == 3e-3
     native = "bf16" in precision.cpu_native_dtypes()
     assert info["mixed_precision"] == info["precision"]["used"] == ("bf16" if native else "no")
     assert info["precision"]["requested"] == "bf16"
@@ -275,6 +304,15 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     last = [r for r in records if "loss" in r][-1]
     assert last["step"] == info["max_steps"]
+    logged = {r["step"]: r for r in records if "loss" in r and not r.get("summary")}
+    assert info["args"]["report_to"] == "tensorboard" and len(logged) >= 2
+    board = EventAccumulator(str(out / "llama"))
+    board.Reload()
+    for key in ("loss", "lr", "grad_norm", "tokens_per_second"):
+        scalars = {e.step: e.value for e in board.Scalars(key)}
+        assert scalars.keys() == logged.keys(), (key, scalars.keys(), logged.keys())
+        for step, value in scalars.items():  # TensorBoard stores float32
+            assert value == pytest.approx(logged[step][key], rel=1e-6), (key, step)
     assert proc.stdout.strip().splitlines()[-1] == (
         f"done: {info['max_steps']} steps | loss {last['loss']:.4f} | eval_loss {last['eval_loss']:.4f} | "
         f"model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")

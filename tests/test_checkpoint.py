@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from common.checkpoint import atomic_export, resume_error, verify_checkpoint
-from conftest import CONFIGS, REPO, RUN30, corpus_args, launch, read_metrics
+from common.checkpoint import atomic_export, complete_checkpoints, resolve_checkpoint, resume_error, verify_checkpoint
+from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 
-STEPS, SAVE = 16, 10  # with 6 optimizer steps per epoch, step 10 is mid-way through epoch 2
+STEPS, SAVE = 16, 10  # 7 optimizer steps per epoch (56 blocks / global batch 8): step 10 is mid-epoch 2
 
 
 def args(out, corpus, *extra):
@@ -28,7 +28,7 @@ def args(out, corpus, *extra):
     return ["--output_dir", out, "--train_file", train, "--validation_file", valid, "--tokenizer_name_or_path", tok,
             "--block_size", 64, "--max_steps", STEPS, "--save_steps", SAVE, "--warmup_steps", 4,
             "--logging_steps", 1, "--eval_steps", STEPS, "--report_to", "none", "--ddp_timeout", 60, "--sample_tokens", 0,
-            *extra]
+            "--record_sample_ids", *extra]  # the data order: tests/test_data_order.py
 
 
 def batch_args(config):
@@ -156,7 +156,8 @@ def test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused(
     launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--overwrite_output_dir", "--max_steps", 12,
            "--save_steps", 6), cache_dir=cache_dir, mixed_precision="no")
     assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-12", "checkpoint-6", "final", "metrics.jsonl",
-                                                     "run_info.json"]
+                                                     "run_info.json", "sample_ids"]  # (args(): --record_sample_ids)
+    assert json.loads((out / "sample_ids/rank0.json").read_text())["world_size"] == 2  # this run's, not the "{}"
     exported = load_file(out / "final/model.safetensors")
     assert exported["model.norm.weight"].shape == (256,)  # this run's export, whole
     # A checkpoint at the end of a 12-step run, resumed as a 6-step one: refused, nothing written.
@@ -190,6 +191,22 @@ class OneProcess:
         pass
 
 
+def test_latest_and_rotation_follow_the_save_order_not_the_step(tmp_path):
+    """After a resume from checkpoint-2, the new checkpoint-3 is newer than the abandoned
+    checkpoint-8 and checkpoint-10 (no marker: an unfinished save): `latest` is checkpoint-3, and
+    `--save_total_limit 2` (which deletes `complete_checkpoints(...)[:-2]`) keeps 8 and 3. Step
+    order would resume step 8 and delete the checkpoint just written."""
+    for step, saved_at in [(2, 100.0), (8, 200.0), (3, 300.0), (10, None)]:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if saved_at is not None:
+            (tmp_path / f"checkpoint-{step}" / "COMPLETE.json").write_text(
+                json.dumps({"step": step, "saved_at": saved_at, "files": {}, "sha256": {}}))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8", "checkpoint-3"]
+    assert [p.name for p in complete_checkpoints(tmp_path)[:-2]] == ["checkpoint-2"]
+    path, marker = resolve_checkpoint(str(tmp_path), "latest")
+    assert path == tmp_path / "checkpoint-3" and marker["step"] == 3
+
+
 def test_the_export_is_replaced_whole_or_not_at_all(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "model.safetensors").write_text("old")
@@ -216,14 +233,17 @@ def test_world_size_change(tmp_path, cache_dir, small_corpus, reference_run):
     assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
     for r in got:
         assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-5)
-    # A 2-rank FSDP2 checkpoint (the session's 30-step run, global batch 4) refuses 1 rank with the
-    # same global batch, at once and saying what is supported.
-    fsdp = reference_run("fsdp", *corpus_args(small_corpus), *RUN30)
-    proc = launch("fsdp", "recipes/llama.py", "--output_dir", tmp_path / "fsdp1rank", *corpus_args(small_corpus), *RUN30,
-                  "--per_device_train_batch_size", 4, "--resume_from_checkpoint", fsdp / f"checkpoint-{SAVE}",
-                  num_processes=1, cache_dir=cache_dir, mixed_precision="no", check=False)
+    # A sharded state on another strategy and world size: the session's 2-rank ZeRO-3 checkpoint
+    # (same flags as the DDP one above) on 1 FSDP2 rank with the same global batch 8 is refused at
+    # once, saying what is supported.
+    zero3 = reference_run("deepspeed_zero3", *args(None, small_corpus, *batch_args("deepspeed_zero3"))[2:])
+    proc = launch("fsdp", "recipes/llama.py", *args(tmp_path / "fsdp1rank", small_corpus, *batch_args("single"),
+                  "--resume_from_checkpoint", zero3 / f"checkpoint-{SAVE}"), num_processes=1, cache_dir=cache_dir,
+                  mixed_precision="no", check=False)
     assert proc.returncode != 0
-    assert "FSDP2 state of 2 rank(s)" in proc.stderr and "same strategy and world size" in proc.stderr
+    assert "a DEEPSPEED_ZERO3 state of 2 rank(s), this run is FSDP2 with 1" in proc.stderr, proc.stderr[-3000:]
+    assert "same strategy and world size" in proc.stderr
+    assert not (tmp_path / "fsdp1rank" / "metrics.jsonl").exists()
 
 
 def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, reference_run):
@@ -232,12 +252,14 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, re
     ckpt = reference_run("ddp", *args(None, small_corpus, *batch_args("ddp"))[2:]) / f"checkpoint-{SAVE}"
     marker = verify_checkpoint(ckpt)
     assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, True) and marker["train_blocks"] > 0
-    # Two changes, one launch: the refusal names every difference.
+    # Three changes, one launch: the refusal names every difference (the global batch 8 -> 16 too:
+    # the step count would point at another sample).
     proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, *batch_args("ddp"), "--seed", 7,
-                  "--block_size", 32, "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no",
-                  check=False)
+                  "--block_size", 32, "--gradient_accumulation_steps", 4, "--resume_from_checkpoint", ckpt),
+                  cache_dir=cache_dir, mixed_precision="no", check=False)
     assert proc.returncode != 0
-    assert f"cannot resume from {ckpt}: seed 42 -> 7; block_size 64 -> 32" in proc.stderr
+    assert f"cannot resume from {ckpt}: global_batch 8 -> 16; seed 42 -> 7; block_size 64 -> 32" in proc.stderr, \
+        proc.stderr[-3000:]
     assert not (tmp_path / "changed" / "metrics.jsonl").exists()
     # Unchanged data, a longer run: accepted, with a warning that the LR schedule now differs.
     proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, *batch_args("ddp"), "--max_steps",
@@ -249,13 +271,24 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, re
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
 def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpus, reference_run):
     # fp32: in bf16 ZeRO exports the bf16 weights, the checkpoint holds the fp32 masters. A run whose
-    # last step saves: FSDP2's is the session's 30-step run.
+    # last step saves: FSDP2's is the session's 30-step run. ZeRO-3's is built already partitioned
+    # (zero3_init_flag: true, deepspeed.zero.Init), which the shipped YAMLs leave off.
     if config == "fsdp":
         out, last = reference_run("fsdp", *corpus_args(small_corpus), *RUN30), 30
     else:
         out, last = tmp_path / "run", SAVE
-        launch(config, "recipes/llama.py", *args(out, small_corpus, "--max_steps", SAVE), cache_dir=cache_dir,
-               mixed_precision="no")
+        yaml = tmp_path / "zero3_init.yaml"
+        yaml.write_text((REPO / "accelerate_configs/deepspeed_zero3.yaml").read_text().replace(
+            "zero3_init_flag: false", "zero3_init_flag: true"))
+        launch(yaml, "recipes/llama.py", *args(out, small_corpus, *batch_args(config), "--max_steps", SAVE),
+               cache_dir=cache_dir, mixed_precision="no")
+        # the same model (its size counted from the partitions) from another random init: the
+        # 2-rank ZeRO-3 run of these flags that starts from the plain init begins elsewhere
+        plain = reference_run(config, *args(None, small_corpus, *batch_args(config))[2:])
+        info, plain_info = (json.loads((d / "run_info.json").read_text()) for d in (out, plain))
+        assert info["n_params"] == plain_info["n_params"] and info["distributed_type"] == "DEEPSPEED"
+        first, plain_first = read_metrics(out)[0][0], read_metrics(plain)[0][0]
+        assert first["step"] == plain_first["step"] == 1 and first["loss"] != plain_first["loss"]
     subprocess.run([sys.executable, REPO / "common/consolidate.py", out / f"checkpoint-{last}", tmp_path / "hf"],
                    check=True, capture_output=True)
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")

@@ -1,9 +1,11 @@
 """torch.compile through Accelerate's dynamo settings (recipes/llama.py): the same numbers as eager,
-an export that reloads, checkpoints that an eager run resumes, and a one-line refusal where the
-compile would not happen (DeepSpeed under accelerate launch) or fails (regional under FSDP1).
+an export that reloads, checkpoints that move between eager and compiled runs both ways, and a
+one-line refusal where the compile would not happen (DeepSpeed under accelerate launch) or fails
+(regional under FSDP1).
 
-One compiled DDP launch (2 ranks, inductor, fp32) serves every assertion; its eager twin is the
-session's `reference_run` that the recovery and SLURM tests compare with too.
+One compiled DDP launch (2 ranks, inductor, fp32) serves every assertion: it resumes the eager
+checkpoint-10 of the session's `reference_run` (which the recovery and SLURM tests compare with
+too) and trains to step 30, saving checkpoint-20 for an eager run to resume.
 """
 
 import json
@@ -36,31 +38,38 @@ def config_with_dynamo(tmp_path, base, **dynamo):
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory, cache_dir, small_corpus):
-    """The RUN30 fp32 DDP run with `dynamo_config: {dynamo_backend: INDUCTOR}`: (output dir, launch seconds)."""
+def compiled(tmp_path_factory, cache_dir, small_corpus, reference_run):
+    """The RUN30 fp32 DDP run with `dynamo_config: {dynamo_backend: INDUCTOR}`, resumed from the eager
+    run's checkpoint-10: (output dir, launch seconds, stdout)."""
     root = tmp_path_factory.mktemp("compiled")
     out = root / "run"
+    eager = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
     t0 = time.perf_counter()
-    launch(config_with_dynamo(root, "ddp"), "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus),
-           *RUN30, "--ddp_timeout", 300, "--save_logits_probe", cache_dir=cache_dir, mixed_precision="no")
-    return out, time.perf_counter() - t0
+    proc = launch(config_with_dynamo(root, "ddp"), "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus),
+                  *RUN30, "--ddp_timeout", 300, "--save_logits_probe", "--resume_from_checkpoint",
+                  eager / "checkpoint-10", cache_dir=cache_dir, mixed_precision="no")
+    return out, time.perf_counter() - t0, proc.stdout
 
 
 def test_compiled_ddp_matches_eager_and_exports(compiled, small_corpus, reference_run):
-    out, seconds = compiled
+    out, seconds, stdout = compiled
     info = json.loads((out / "run_info.json").read_text())
     assert info["torch_compile"] == {"backend": "inductor", "mode": "default", "regional": False}
     assert info["distributed_type"] == "MULTI_CPU" and info["world_size"] == 2
 
+    # An eager checkpoint resumed by a compiled model (its keys have no "_orig_mod." prefix), and then
     # fp32: every step's loss and grad norm within FP32_RTOL of the eager run, and the eval loss
-    eager, _ = read_metrics(reference_run("ddp", *corpus_args(small_corpus), *RUN30))
+    eager_dir = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
+    assert f"resumed from {eager_dir / 'checkpoint-10'} at step 10" in stdout
+    eager, _ = read_metrics(eager_dir)
+    eager = eager[10:]
     steps, summary = read_metrics(out)
-    assert [r["step"] for r in steps] == [r["step"] for r in eager] == list(range(1, 31))
+    assert [r["step"] for r in steps] == [r["step"] for r in eager] == list(range(11, 31))
     for mine, ref in zip(steps, eager):
         for key in ("loss", "grad_norm"):
             assert mine[key] == pytest.approx(ref[key], rel=FP32_RTOL), (mine["step"], key, mine[key], ref[key])
     assert steps[-1]["eval_loss"] == pytest.approx(eager[-1]["eval_loss"], rel=FP32_RTOL)
-    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it trained
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.3  # it trained: measured 6.14 -> 5.45 (steps 11-30)
 
     # The export: eager key names (no "_orig_mod."), reloaded by plain transformers to the live logits
     weights = load_file(out / "final" / "model.safetensors")
@@ -76,7 +85,7 @@ def test_compiled_ddp_matches_eager_and_exports(compiled, small_corpus, referenc
 def test_an_eager_run_resumes_a_compiled_checkpoint(compiled, tmp_path, cache_dir, small_corpus, reference_run):
     """Checkpoints keep eager key names: an uncompiled run resumes the compiled run's step 20 and
     continues as the eager run did (without it: missing/unexpected '_orig_mod.' keys, a traceback)."""
-    out, _ = compiled
+    out, _, _ = compiled
     ckpt = out / "checkpoint-20"
     weights = load_file(ckpt / "model.safetensors")
     assert weights and not [k for k in weights if "_orig_mod" in k]

@@ -8,6 +8,8 @@ import pytest
 
 from common.checkpoint import verify_checkpoint
 from conftest import REPO, corpus_args, launch, read_metrics, run_in_process, strict_lines
+from test_checkpoint import SAVE, STEPS, batch_args
+from test_checkpoint import args as ckpt_args
 
 # The issue's settings: blocks of 64 tokens, micro batch 2, one line per step, no evaluation; no text
 # sample from the export (not under test here).
@@ -17,54 +19,35 @@ FL = ["--block_size", 64, "--report_to", "none", "--eval_steps", 1000, "--loggin
 
 
 
-def split(b, a):
-    return ["--per_device_train_batch_size", b, "--gradient_accumulation_steps", a]
-
-
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, cache_dir):
-    """`run(config, saved_split)`: an fp32 run of 6 steps saved at step 3, launched once per arguments for
-    the module. With --overwrite_output_dir, into a folder that holds an earlier run's metrics.jsonl
-    and checkpoint-4, which test_a_fresh_run_never_overwrites_an_earlier_one checks are gone."""
-    done = {}
-
-    def run(config, saved_split):
-        if (config, saved_split) not in done:
-            out = tmp_path_factory.mktemp(f"straight-{config}")
-            (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-            (out / "checkpoint-4").mkdir()
-            (out / "checkpoint-4" / "COMPLETE.json").write_text(json.dumps({"step": 4, "saved_at": 0, "files": {}}))
-            launch(config, "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", "--max_steps", 6,
-                   "--save_steps", 3, *split(*saved_split), *FL, cache_dir=cache_dir, mixed_precision="no")
-            done[config, saved_split] = out
-        return done[config, saved_split]
-    return run
-
-
-@pytest.mark.parametrize("config, saved_split, resumed_split", [
-    ("ddp", (2, 1), (1, 2)),   # the reported case: 9 % 2 = 1 shifted every window by one micro batch (3 % 2 here)
-    ("fsdp", (2, 1), (1, 2)),
+@pytest.mark.parametrize("config, resumed_split", [
+    ("ddp", (1, 4)),  # the reported case: skipping by the saved accumulation shifted every window
+    ("fsdp", (4, 1)),
 ])
-def test_resume_with_another_split_of_the_global_batch(config, saved_split, resumed_split, tmp_path, cache_dir,
-                                                       straight_run):
-    straight, resumed = straight_run(config, saved_split), tmp_path / "resumed"
-    launch(config, "recipes/llama.py", "--output_dir", resumed, "--max_steps", 6, *split(*resumed_split), *FL,
-           "--resume_from_checkpoint", straight / "checkpoint-3", cache_dir=cache_dir, mixed_precision="no")
+def test_resume_with_another_split_of_the_global_batch(config, resumed_split, tmp_path, cache_dir, small_corpus,
+                                                       reference_run):
+    """The session's 16-step fp32 run (2 per device x 2 accumulation x 2 ranks, tests/test_checkpoint.py)
+    resumed from checkpoint-10, 3 steps into epoch 2, with the same global batch 8 split otherwise:
+    it must skip 3 x 4 blocks per rank of the epoch, whatever micro batches they come in."""
+    straight = reference_run(config, *ckpt_args(None, small_corpus, *batch_args(config))[2:])
+    per_device, accumulation = resumed_split
+    split = ["--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", accumulation]
+    resumed = tmp_path / "resumed"
+    launch(config, "recipes/llama.py", *ckpt_args(resumed, small_corpus, *split, "--resume_from_checkpoint",
+           straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="no")
     want = {r["step"]: r for r in read_metrics(straight)[0]}
     got = read_metrics(resumed)[0]
-    assert [r["step"] for r in got] == [4, 5, 6]
+    assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
     for r in got:  # before the fix: 0.97% in loss, 55% in grad norm
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)
     if config == "ddp":  # a changed LR is refused (the optimizer state would silently bring back the saved
         # one), and so are another warmup and another precision: each would make it another run
-        proc = launch(config, "recipes/llama.py", "--output_dir", tmp_path / "other_lr", "--max_steps", 6,
-                      *split(*resumed_split), *FL, "--learning_rate", 1e-3, "--warmup_steps", 5,
-                      "--resume_from_checkpoint", straight / "checkpoint-3", cache_dir=cache_dir,
-                      mixed_precision="bf16", check=False)
+        proc = launch(config, "recipes/llama.py", *ckpt_args(tmp_path / "other_lr", small_corpus, *split,
+                      "--learning_rate", 1e-3, "--warmup_steps", 5, "--resume_from_checkpoint",
+                      straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="bf16", check=False)
         assert proc.returncode != 0
-        assert (f"cannot resume from {straight / 'checkpoint-3'}: learning_rate 0.003 -> 0.001; warmup_steps 30 -> 5; "
-                "mixed_precision no -> bf16.") in proc.stderr, proc.stderr[-3000:]
+        assert (f"cannot resume from {straight / f'checkpoint-{SAVE}'}: learning_rate 0.003 -> 0.001; warmup_steps "
+                "4 -> 5; mixed_precision no -> bf16.") in proc.stderr, proc.stderr[-3000:]
 
 
 def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, cache_dir):
@@ -147,7 +130,7 @@ def test_windows_without_target_tokens_are_skipped_and_logged(config, tmp_path, 
     assert f"warning: {len(empty)} of 6 windows had no target tokens and were skipped" in proc.stdout
 
 
-def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch, straight_run):
+def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
@@ -156,13 +139,8 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch, stra
     assert "--overwrite_output_dir" in message
     assert "--resume_from_checkpoint latest" not in message  # it holds no checkpoint to resume
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
-    # The TrainingArguments flag says "write over it" (or resume). The overwritten run's checkpoints go:
-    # else `--resume_from_checkpoint latest` would later resume them under this run's flags. (The
-    # straight run of the resume tests, launched so over an earlier run's metrics.jsonl and checkpoint-4.)
-    out = straight_run("ddp", (2, 1))
-    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2, 3, 4, 5, 6]
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
-    assert (out / "final").is_dir()
+    # (With --overwrite_output_dir everything of the earlier run goes, its checkpoints too:
+    # tests/test_checkpoint.py's test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused.)
 
 
 @pytest.mark.parametrize("config, launcher_args, expected", [

@@ -71,6 +71,12 @@ def test_every_config_trains_and_exports(config, short_run):
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8  # measured: 8.36 -> 6.89 (steps 6-10)
     assert math.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] < steps[0]["loss"]
     assert summary and summary[0]["total_tokens"] == 10 * 4 * 64
+    # MFU with --peak_tflops 0.05 (no peak is known for a CPU): the PaLM count, 6N + 12 L H T FLOPs
+    # per token (N: the tied head, not the embedding lookup), x tokens/s per device / peak
+    hf = AutoConfig.from_pretrained(out / "final")
+    assert info["flops_per_token"] == 6 * info["n_params"] + 12 * hf.num_hidden_layers * hf.hidden_size * 64
+    for r in steps:
+        assert r["mfu"] == pytest.approx(info["flops_per_token"] * r["tokens_per_second"] / 0.05e12, rel=1e-9)
 
     # The export: full-size safetensors that plain transformers reloads to the live model's logits.
     final = out / "final"

@@ -248,6 +248,25 @@ def test_a_node_local_path_is_refused_at_start_up(node_local, tmp_path, cache_di
     assert not list(tmp_path.glob("*/checkpoint-10"))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
+def test_each_stop_signal_is_recorded_not_fatal(sig):
+    """The handler the recipes install (one process here; the launches above send SIGTERM and
+    SIGINT through torchrun): the signal is recorded and `preempted()` names it at the next step."""
+    from types import SimpleNamespace
+
+    from common.checkpoint import stop_on_signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        preempted = stop_on_signal(SimpleNamespace(num_processes=1), timeout_s=5)
+        assert preempted() is None
+        os.kill(os.getpid(), sig)  # delivered before kill returns (to this thread), run at the next bytecode
+        assert preempted() == sig.name
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def test_resume_auto_rules(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)

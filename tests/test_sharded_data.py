@@ -17,6 +17,7 @@ import pytest
 
 from common import data
 from conftest import REPO, host_reads, launch, ordinary_step_reads, run_in_process, strict_lines
+from test_parity import BF16_RTOL, FP32_RTOL
 from write_audit import audit_writes, files_under, writes_by_file
 
 WORLD, BATCH, STEPS = 2, 8, 40
@@ -90,20 +91,47 @@ def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
     assert sorted(all_ids) == list(range(256))
 
 
+@pytest.fixture(scope="module")
+def launched(tiny, tmp_path_factory, cache_dir):
+    """launched(name): the RUNS launch `name` (made on first use, once for the module), with every
+    file write and the recipe's host reads of tensor values logged per rank."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            config, loader = RUNS[name]
+            base = tmp_path_factory.mktemp(name)
+            out, log, reads = base / "run", base / "writes", base / "reads"
+            reads.mkdir()
+            with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
+                mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
+                proc = train(config, tiny[0], out, "--loader", loader, "--max_steps", STEPS, "--logging_steps", 5,
+                             "--record_sample_ids", cache_dir=cache_dir)
+            steps, summary = strict_metrics(out)
+            ranks = [json.loads((out / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
+            runs[name] = {"loader": loader, "out": out, "log": log, "steps": steps, "summary": summary[0],
+                          "ranks": ranks, "stdout": proc.stdout, "reads": host_reads(reads)}
+        return runs[name]
+    return get
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
-def run(request, tiny, tmp_path_factory, cache_dir):
-    config, loader = RUNS[request.param]
-    base = tmp_path_factory.mktemp(request.param)
-    out, log, reads = base / "run", base / "writes", base / "reads"
-    reads.mkdir()
-    with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
-        proc = train(config, tiny[0], out, "--loader", loader, "--max_steps", STEPS, "--logging_steps", 5,
-                     "--record_sample_ids", cache_dir=cache_dir)
-    steps, summary = strict_metrics(out)
-    ranks = [json.loads((out / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {"loader": loader, "out": out, "log": log, "steps": steps, "summary": summary[0], "ranks": ranks,
-            "stdout": proc.stdout, "reads": host_reads(reads)}
+def run(request, launched):
+    return launched(request.param)
+
+
+def test_ddp_and_fsdp_train_the_same(launched):
+    """The same shards, seed and global batch under DDP and FSDP2 (the parquet route): the same
+    losses and gradient norms at every logged step, within the parity bounds of recipes/llama.py
+    (tests/test_parity.py) for the precision the config picked."""
+    ddp, fsdp = launched("ddp-parquet"), launched("fsdp-parquet")
+    assert [r["step"] for r in ddp["steps"]] == [r["step"] for r in fsdp["steps"]] == list(range(5, STEPS + 1, 5))
+    precision = ddp["summary"]["precision"]["used"]
+    assert fsdp["summary"]["precision"]["used"] == precision
+    for key in ("loss", "grad_norm"):
+        bound = FP32_RTOL if precision == "no" else BF16_RTOL[key]
+        gap = max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(fsdp["steps"], ddp["steps"]))
+        assert gap < bound, f"FSDP2 vs DDP {key} ({precision}): worst relative gap {gap:.2e}"
 
 
 def test_no_host_reads_outside_logging_steps(run):
