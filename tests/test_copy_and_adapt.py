@@ -35,7 +35,7 @@ STEPS = 5
 FLAGS = ["--block_size", 64, "--max_steps", STEPS, "--warmup_steps", 1, "--learning_rate", 3e-3, "--logging_steps", 1,
          "--eval_steps", STEPS, "--max_eval_samples", 4, "--per_device_eval_batch_size", 4, "--report_to", "none",
          "--ddp_timeout", 120]
-FP32_RTOL = 1e-4
+FP32_RTOL = 5e-6  # measured at most 1.6e-7 (loss), 1.6e-8 (grad norm), 0 (eval loss): about 30x
 # Two architectures whose fields differ from Llama's; the files say 4 layers, --config_overrides makes 2.
 ARCHS = {
     "qwen2": Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

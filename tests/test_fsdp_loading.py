@@ -23,7 +23,7 @@ from compare_runs import worst_gaps  # noqa: E402
 sys.path.insert(0, str(REPO))
 from common import models  # noqa: E402
 
-FP32_RTOL = 1e-4  # fp32 against DDP (not yet measured for a tighter bound)
+FP32_RTOL = 5e-6  # fp32 FSDP2 against DDP: measured 0 (loss, eval loss), 1.6e-14 (grad norm); the suite-wide fp32 bound
 FLAGS = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 2, "--warmup_steps", 1,
          "--logging_steps", 1, "--eval_steps", 2, "--max_eval_samples", 4, "--sample_tokens", 0,
          "--report_to", "none", "--ddp_timeout", 120]

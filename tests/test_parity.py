@@ -152,7 +152,7 @@ def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path):
             json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "lr": lr, "eval_loss": 7.0}) + "\n")
         return tmp_path / name
 
-    ref, close, off, lr_off = metrics("ref", 8.0), metrics("close", 8.0 * (1 + 1e-5)), metrics("off", 8.0 * (1 + 1e-3)), \
+    ref, close, off, lr_off = metrics("ref", 8.0), metrics("close", 8.0 * (1 + 1e-6)), metrics("off", 8.0 * (1 + 1e-3)), \
         metrics("lr_off", 8.0, lr=1.1e-3)
 
     def compare(*argv):
@@ -162,6 +162,6 @@ def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path):
     assert compare(ref, close).returncode == 0
     proc = compare(ref, close, off)
     assert proc.returncode == 1 and "OVER: loss" in proc.stdout.splitlines()[-1]
-    assert compare("--rtol", 2e-2, ref, off).returncode == 0  # the bf16 bound
-    assert compare("--rtol", 2e-2, ref, lr_off).returncode == 1  # another schedule, at any bound
+    assert compare("--rtol", 2.5e-2, ref, off).returncode == 0  # the bf16 bound
+    assert compare("--rtol", 2.5e-2, ref, lr_off).returncode == 1  # another schedule, at any bound
     assert compare(ref, tmp_path / "absent").returncode == 1
