@@ -45,7 +45,9 @@ def test_offload_trains_exactly_like_zero3(short_run):
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8  # measured: 8.36 -> 6.89 (steps 6-10)
     assert summary and summary[0]["total_tokens"] == STEPS * 4 * 64
     gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps, reference)]
-    assert max(gaps) < 1e-5, gaps  # measured 6e-8 at 10 steps of 2 x 64 (CPU Adam vs torch AdamW)
+    # measured 6e-8 at 10 steps of 2 x 64 (CPU Adam vs torch AdamW). Looser than 10x on purpose:
+    # DeepSpeed compiles CPU Adam for the host's vector width (AVX2 here, AVX-512 elsewhere)
+    assert max(gaps) < 1e-5, gaps
     assert abs(steps[-1]["eval_loss"] - reference[-1]["eval_loss"]) < 1e-4
 
     # The export reloads with plain transformers to the live (offloaded, sharded) model's logits.
