@@ -363,6 +363,7 @@ def main():
         run_dir.claim(accelerator, args)  # locked for this job, emptied by --overwrite_output_dir, shared by every node
     except ValueError as err:
         sys.exit(f"error: {err}")
+    precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients (and return the loss) in fp32
     world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     accumulation = args.gradient_accumulation_steps
 
