@@ -400,6 +400,21 @@ def precision_state(accelerator) -> dict:
     return state
 
 
+def strategy_name(accelerator) -> str:
+    """The strategy as a checkpoint records it: Accelerate's distributed type, plus the FSDP version
+    or the ZeRO stage ("FSDP2", "FSDP1", "DEEPSPEED_ZERO3", "MULTI_CPU", ...).
+
+    Accelerate's own name ("FSDP", "DEEPSPEED") is one for FSDP1 and FSDP2, ZeRO-2 and ZeRO-3,
+    whose sharded states differ: `resume_error` compares this name, so every recipe records it.
+    """
+    name = accelerator.distributed_type.value
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return f"{name}_ZERO{accelerator.state.deepspeed_plugin.zero_stage}"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return name + ("2" if accelerator.is_fsdp2 else "1")
+    return name
+
+
 REPLICATED = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model state on every rank: loads at any world size
 
 

@@ -245,7 +245,7 @@ try:
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
-strategy = accelerator.distributed_type.value
+strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the sharded layout
 data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
               "train_passages": len(train_set)}  # what fixes which samples step k trains on
 # The optimizer's LR and decay come back from its state whatever the flags say, and BERT's dropout

@@ -300,9 +300,7 @@ try:
 except (ValueError, FileNotFoundError) as err:
     sys.exit(f"error: cannot resume: {err}")
 step = saved["step"]
-strategy = accelerator.distributed_type.value + (  # the ZeRO stage / FSDP version matters on resume too
-    f"_ZERO{accelerator.state.deepspeed_plugin.zero_stage}" if is_deepspeed else "2" if is_fsdp and accelerator.is_fsdp2
-    else "1" if is_fsdp else "")
+strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the sharded layout
 # What fixes the data order besides the global batch: the seed, the blocks and their number.
 data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing, "train_blocks": len(train_set),
               "data_digest": data_digest}

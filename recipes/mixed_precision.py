@@ -269,7 +269,7 @@ precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread
 # Resume only into the same kind of run: the data position follows from the step count, the seed
 # and the block size, and the scaler state means nothing to another precision.
 run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + ZeRO's reduction dtypes
-             "distributed_type": accelerator.distributed_type.value,
+             "distributed_type": checkpoint.strategy_name(accelerator),
              "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
              # the optimizer state brings its own LR and decay back, whatever the flags say
              "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,

@@ -448,7 +448,7 @@ def main():
     precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
-    run_state = {"distributed_type": accelerator.distributed_type.value, "world_size": world_size, "seed": args.seed,
+    run_state = {"distributed_type": checkpoint.strategy_name(accelerator), "world_size": world_size, "seed": args.seed,
                  "global_batch": batch * accumulation * world_size, "per_device_train_batch_size": batch,
                  "loader": args.loader, "dataloader_num_workers": workers,
                  "shuffle_buffer_size": args.shuffle_buffer_size, "block_size": block_size,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from common.checkpoint import atomic_export, complete_checkpoints, resolve_checkpoint, resume_error, verify_checkpoint
+from common.checkpoint import (atomic_export, complete_checkpoints, resolve_checkpoint, resume_error, strategy_name,
+                               verify_checkpoint)
 from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 
 STEPS, SAVE = 16, 10  # 7 optimizer steps per epoch (56 blocks / global batch 8): step 10 is mid-epoch 2
@@ -181,6 +182,42 @@ def test_the_end_of_a_run_on_resume():
         assert bool(error) == refused, (step, saved_max, max_steps, error)
         if refused:
             assert error.startswith(f"cannot resume from ckpt: it is at step {step}") and "nothing would train" in error
+
+
+def fake_accelerator(kind: str, fsdp2: bool = True, zero_stage: int = 2):
+    """What `strategy_name` reads of an Accelerator."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    return SimpleNamespace(distributed_type=DistributedType[kind], is_fsdp2=fsdp2,
+                           state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage)))
+
+
+def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
+    """FSDP1 and FSDP2, ZeRO-2 and ZeRO-3 write different sharded states under one Accelerate name;
+    the recorded strategy tells them apart, so the resume check refuses the other one."""
+    names = {(kind, fsdp2, stage): strategy_name(fake_accelerator(kind, fsdp2, stage))
+             for kind, fsdp2, stage in [("FSDP", True, 2), ("FSDP", False, 2), ("DEEPSPEED", True, 2),
+                                        ("DEEPSPEED", True, 3), ("MULTI_CPU", True, 2), ("NO", True, 2)]}
+    assert list(names.values()) == ["FSDP2", "FSDP1", "DEEPSPEED_ZERO2", "DEEPSPEED_ZERO3", "MULTI_CPU", "NO"]
+    for saved_as, run_as in [("FSDP1", "FSDP2"), ("DEEPSPEED_ZERO2", "DEEPSPEED_ZERO3")]:
+        saved = {"step": 4, "distributed_type": saved_as, "world_size": 2}
+        error = resume_error(Path("ckpt"), saved, {"distributed_type": run_as, "world_size": 2, "max_steps": 8}, [])
+        assert error and f"a {saved_as} state of 2 rank(s), this run is {run_as} with 2" in error
+    saved = {"step": 4, "distributed_type": "MULTI_CPU", "world_size": 2}  # a full state: any replicated world size
+    assert resume_error(Path("ckpt"), saved, {"distributed_type": "NO", "world_size": 1, "max_steps": 8}, []) is None
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.py")))
+def test_every_resumable_recipe_records_the_sharded_layout(recipe):
+    """A recipe that checks a resume records `strategy_name`, not Accelerate's `distributed_type`
+    ("FSDP" for both FSDP versions), in the state the check compares."""
+    text = (REPO / "recipes" / recipe).read_text()
+    if "resume_error(" not in text:
+        pytest.skip(f"{recipe} does not resume")
+    assert "checkpoint.strategy_name(accelerator)" in text
+    state = re.findall(r'"distributed_type": ([^,}]+)', text)
+    assert state and all(v in ("strategy", "checkpoint.strategy_name(accelerator)") for v in state[:1]), state
 
 
 class OneProcess:

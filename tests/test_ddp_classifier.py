@@ -272,7 +272,7 @@ def test_fsdp_trains_like_ddp(launched, resumed):
     DDP's uninterrupted run of it: the same data, seed, schedule and per-rank dropout streams, in fp32."""
     fsdp, ddp = launched("fsdp"), resumed[0]
     s = fsdp["summary"]
-    assert s["distributed_type"] == "FSDP" and s["world_size"] == WORLD
+    assert s["distributed_type"] == "FSDP2" and s["world_size"] == WORLD
     ids = [json.loads((fsdp["out"] / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]
     assert ids == ddp["ids"]  # every rank, every epoch: the same samples in the same order
     assert [(r["step"], "loss" in r) for r in fsdp["steps"]] == [(2, True), (2, False), (4, True), (4, False),

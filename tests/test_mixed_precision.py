@@ -313,7 +313,7 @@ def test_fp32_and_bf16_losses_agree(config, compared, tmp_path, cache_dir, monke
         assert ADAMW_GROUPS in stdout  # no weight decay on the norm gains (centred on 1, not 0)
     bf16 = runs["bf16"][1]
     assert fp32["world_size"] == 2 and fp32["distributed_type"] == "MULTI_CPU"
-    assert bf16["world_size"] == 2 and bf16["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[config]
+    assert bf16["world_size"] == 2 and bf16["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP2"}[config]
     for s in (fp32, bf16):
         assert s["steps"] == STEPS and s["train_loss"] < 7.9  # from ln(4096) = 8.3 nats/token
     assert abs(fp32["train_loss"] - bf16["train_loss"]) < LOSS_TOLERANCE, (fp32, bf16)
