@@ -280,14 +280,16 @@ def check_distributed(accelerator: Accelerator) -> None:
     interpreter's final garbage collection (`gc.freeze`).
 
     Raises:
-        RuntimeError: if `accelerator.num_processes` differs from `WORLD_SIZE`, or the
-            distributed type is not the one the accelerate config asked for.
+        ValueError: if `accelerator.num_processes` differs from `WORLD_SIZE`, or the
+            distributed type is not the one the accelerate config asked for (the recipes print
+            it as their one `error:` line).
     """
+    atexit.register(_end_process)  # first: a refused start ends the process group cleanly too
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world_size:
-        raise RuntimeError(
+        raise ValueError(
             f"launched with WORLD_SIZE={world_size} but Accelerate built a state with "
-            f"{accelerator.num_processes} process(es) ({accelerator.distributed_type}); "
+            f"{accelerator.num_processes} process(es) ({accelerator.distributed_type.value}); "
             "common/launch.py no longer matches this Accelerate version"
         )
     wanted = None
@@ -296,11 +298,10 @@ def check_distributed(accelerator: Accelerator) -> None:
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         wanted = DistributedType.DEEPSPEED
     if wanted is not None and accelerator.distributed_type != wanted:
-        raise RuntimeError(
-            f"the accelerate config asks for {wanted} but Accelerate chose "
-            f"{accelerator.distributed_type}; common/launch.py no longer matches this Accelerate version"
+        raise ValueError(
+            f"the accelerate config asks for {wanted.value} but Accelerate chose "
+            f"{accelerator.distributed_type.value}; common/launch.py no longer matches this Accelerate version"
         )
-    atexit.register(_end_process)
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:

@@ -153,8 +153,8 @@ accelerator = Accelerator(
     # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
     dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     kwargs_handlers=[pg_kwargs, ddp_kwargs])
-launch.check_distributed(accelerator)
 try:
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
     launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
 except ValueError as err:
     sys.exit(f"error: {err}")

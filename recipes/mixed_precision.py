@@ -207,7 +207,10 @@ accelerator = Accelerator(
     project_dir=args.output_dir,
     kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
 )
-launch.check_distributed(accelerator)
+try:
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+except ValueError as err:
+    sys.exit(f"error: {err}")
 try:
     if launch.install_cpu_grad_scaler(accelerator):
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"

@@ -3,6 +3,7 @@ or stops at start-up with one line; odd windows are skipped and logged as strict
 
 import json
 import math
+import re
 
 import pytest
 
@@ -166,3 +167,25 @@ def test_deepspeed_flags_of_the_launch_line_are_refused_where_they_would_not_run
     errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
     assert len(errors) == len(expected) and all(e.startswith(x) for e, x in zip(errors, expected)), proc.stderr[-3000:]
     assert not (out / "metrics.jsonl").exists()  # stopped at start-up
+
+
+@pytest.mark.parametrize("env, num_processes, kind, expected", [
+    ({"WORLD_SIZE": "2"}, 1, "NO", "launched with WORLD_SIZE=2 but Accelerate built a state with 1 process(es)"),
+    ({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true"}, 2, "MULTI_CPU",
+     "the accelerate config asks for FSDP but Accelerate chose MULTI_CPU"),
+])
+def test_a_fallback_to_independent_processes_is_a_one_line_error(env, num_processes, kind, expected, monkeypatch):
+    """`check_distributed` raises the error type every recipe prints as its `error:` line (ValueError),
+    so a silent fallback ends the run in one line, not a traceback."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from common import launch as launch_module
+    for name in ("WORLD_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    accelerator = SimpleNamespace(num_processes=num_processes, distributed_type=DistributedType[kind])
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        launch_module.check_distributed(accelerator)
