@@ -152,7 +152,7 @@ if device.type == "cuda":
            f"libraries {sorted(set(syncs['library']))[:3]}")
 else:
     report("step syncs", True, "not applicable on CPU (no device to sync with)")
-del model
+model = None  # free its memory before the launches below
 
 # --- 7. DeepSpeed's buffers, and the plan beside the measured peak; 6. FSDP's RAM-efficient loading
 steps = ["--max_steps", 3, "--warmup_steps", 1, "--logging_steps", 1, "--eval_steps", 1000, "--save_steps", 0,

@@ -268,6 +268,20 @@ def _end_process() -> None:
     gc.freeze()
 
 
+def teardown(accelerator: Accelerator) -> None:
+    """End a run in order, on every way out after `prepare` (the end, preemption, a stop).
+
+    No rank destroys the process group while a peer still uses it, and the prepared model (DDP's
+    reducer holds the group) is freed before the group: freed after it, as the interpreter exits,
+    it hung or aborted now and then in gloo's destructor (torch 2.13, CPU). Drop the recipe's own
+    references first (`del model, optimizer`); `free_memory` drops Accelerate's. A collective:
+    call on every rank at the same point.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    accelerator.end_training()
+
+
 def check_distributed(accelerator: Accelerator) -> None:
     """Refuse to train if Accelerate silently fell back to independent single processes; and end the
     process group on every exit. (The FSDP settings the recipes cannot use are refused earlier, by

@@ -367,16 +367,19 @@ while step < max_steps:
                               f"(majority baseline {baseline_accuracy:.3f})")
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         save = preempt or (args.save_steps and step % args.save_steps == 0)
-        if (save or step >= max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
-            sys.exit(f"error: {problem}")  # before any checkpoint or export of non-finite weights
-        if save:  # after the eval, which a resume does not redo
+        # a non-finite loss or norm stops before any checkpoint or export of its weights
+        problem = (save or step >= max_steps or step % args.logging_steps == 0) and guard.problem()
+        if save and not problem:  # after the eval, which a resume does not redo
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,
                                                   run_state={**run_state, "skipped_steps": skipped_steps},
                                                   hf_files=(accelerator.unwrap_model(model).config, tokenizer))
-        if preempt:
-            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                              "relaunch with --resume_from_checkpoint auto to continue")
-            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
+        if problem or preempt:
+            if not problem:
+                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                                  "relaunch with --resume_from_checkpoint auto to continue")
+            del model, optimizer
+            launch.teardown(accelerator)
+            sys.exit(f"error: {problem}" if problem else checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:
             break
     if args.record_sample_ids:  # one host copy per epoch, at its end (after the evaluation, which syncs anyway)
@@ -414,11 +417,6 @@ if accelerator.is_main_process:
         print(f"| {g} ({(labels == i).sum().item()}) | {per_genre[g]:.3f} |")
     print(f"\n| held-out passages | accuracy | majority baseline ({GENRES[majority]}) |\n|---|---|---|\n"
           f"| {len(labels)} | {accuracy:.3f} | {baseline_accuracy:.3f} |")
-# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
-# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
-# reducer holds the group) goes before the group.
-accelerator.wait_for_everyone()
 del model, optimizer
-accelerator.free_memory()
-accelerator.end_training()
+launch.teardown(accelerator)  # in order: the model before the process group
 accelerator.print(metrics.final_line(metrics_path, f"model in {os.path.join(args.output_dir, 'final')}, metrics in {metrics_path}"))

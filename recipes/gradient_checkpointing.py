@@ -373,10 +373,5 @@ if accelerator.is_main_process:
         {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
          "mixed_precision": accelerator.mixed_precision, "precision": run_precision, "device": device.type, "args": vars(args),
          "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
-# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
-# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
-# reducer holds the group) goes before the group.
-accelerator.wait_for_everyone()
-accelerator.free_memory()  # the models were freed in the loop
-accelerator.end_training()
+launch.teardown(accelerator)  # in order: the models (freed in the loop) before the process group
 accelerator.print(f"done: table in {Path(args.output_dir, 'table.md')}, figures in {Path(args.output_dir, 'results.json')}")

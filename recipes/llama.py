@@ -510,18 +510,21 @@ while step < max_steps:
             window_tokens, data_wait, t_window = 0, 0.0, time.perf_counter()
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         save = preempt or (args.save_steps and step % args.save_steps == 0)
-        if (save or step >= max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
-            progress.close()
-            sys.exit(f"error: {problem}")  # before any checkpoint or export of non-finite weights
-        if save:
+        # a non-finite loss or norm stops before any checkpoint or export of its weights
+        problem = (save or step >= max_steps or step % args.logging_steps == 0) and guard.problem()
+        if save and not problem:
             saved_to = checkpoint.save_checkpoint(
                 accelerator, args.output_dir, step, args.save_total_limit,
                 {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
                 hf_files=(accelerator.unwrap_model(model, keep_torch_compile=False).config, tokenizer))
-        if preempt:
-            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                              "relaunch with --resume_from_checkpoint auto to continue")
-            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
+        if problem or preempt:
+            progress.close()
+            if not problem:
+                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                                  "relaunch with --resume_from_checkpoint auto to continue")
+            del model, optimizer
+            launch.teardown(accelerator)
+            sys.exit(f"error: {problem}" if problem else checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps:
             break
     if args.record_sample_ids:  # one host copy per epoch
@@ -589,11 +592,6 @@ if accelerator.is_main_process and sample_tokens > 0:
                                do_sample=True, top_k=50, pad_token_id=config.pad_token_id)
     print(f"--- sample from {final_dir}, prompt from the validation data ---\n"
           f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt):])}\n---")
-# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
-# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
-# reducer holds the group) goes before the group.
-accelerator.wait_for_everyone()
 del model, optimizer
-accelerator.free_memory()
-accelerator.end_training()
+launch.teardown(accelerator)  # in order: the model before the process group
 accelerator.print(metrics.final_line(metrics_path, f"model in {final_dir}, metrics in {metrics_path}"))

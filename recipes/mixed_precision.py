@@ -413,20 +413,17 @@ while step < max_steps:
             last_window_loss = loss_mean
             window_loss.zero_()
             window_batches = 0
-        if stop:  # orderly teardown first: no rank leaves while the wrapped model holds the group
-            accelerator.wait_for_everyone()
-            del model, optimizer
-            accelerator.free_memory()
-            accelerator.end_training()
-            sys.exit(f"error: {stop}")
-        if save:
+        if save and not stop:
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
                                                   run_state={**run_state, "skipped_steps": skipped_steps,
                                                              "skipped_in_a_row": skipped_in_a_row})
-        if preempt:
-            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                              "relaunch with --resume_from_checkpoint auto to continue")
-            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
+        if stop or preempt:
+            if not stop:
+                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                                  "relaunch with --resume_from_checkpoint auto to continue")
+            del model, optimizer
+            launch.teardown(accelerator)
+            sys.exit(f"error: {stop}" if stop else checkpoint.PREEMPTED_EXIT_CODE)
         if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch
             break
     epoch += 1
@@ -445,12 +442,7 @@ if accelerator.is_main_process:
         "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes})
     Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
-# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
-# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
-# reducer holds the group) goes before the group.
-accelerator.wait_for_everyone()
 del model, optimizer
-accelerator.free_memory()
-accelerator.end_training()
+launch.teardown(accelerator)  # in order: the model before the process group
 accelerator.print(metrics.final_line(metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}",
                                      eval_loss=eval_loss))

@@ -503,15 +503,11 @@ def main():
     batches = epochs(epoch, done)
 
     def teardown():
-        """Orderly: no rank destroys the process group while a peer still uses it, and the DDP reducer
-        (which holds the group) goes first; freeing it after the group's destruction, as main()
-        returns, hung now and then in the gloo destructor (torch 2.13, CPU)."""
+        """launch.teardown, after this function's own references and the loader's iterator."""
         nonlocal model, optimizer
         batches.close()  # release the loader's iterator (and its workers' queues)
-        accelerator.wait_for_everyone()
         del model, optimizer
-        accelerator.free_memory()
-        accelerator.end_training()
+        launch.teardown(accelerator)  # in order: the model before the process group
 
     # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
     preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)

@@ -11,7 +11,6 @@ GradScaler checks for inf, DeepSpeed for overflow. Those are listed, not failed.
 Skipped on hosts without an NVIDIA GPU (every CI run here). On a GPU host: python -m pytest -q tests/test_gpu_syncs.py
 """
 
-import os
 
 import pytest
 

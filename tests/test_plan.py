@@ -5,7 +5,6 @@ own estimators (offline)."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
