@@ -284,7 +284,7 @@ accelerator.init_trackers("ddp_classifier", config={k: v for k, v in vars(args).
 
 
 @torch.no_grad()
-def evaluate():
+def evaluate(model):
     """Held-out predictions and labels, int64 [len(eval_set)] each, identical on every rank.
 
     `gather_for_metrics` concatenates the ranks' batches and drops the duplicates Accelerate added
@@ -358,7 +358,7 @@ while step < max_steps:
                 metrics.append_jsonl(metrics_path, record)
             accelerator.print(f"step {step}/{max_steps} | loss {record['loss']:.3f} | grad norm {record['grad_norm']:.2f}")
         if step % steps_per_epoch == 0 or step == max_steps:  # held-out accuracy at each epoch's end and the last step
-            preds, labels = evaluate()
+            preds, labels = evaluate(model)
             accuracy = (preds == labels).float().mean().item()
             accelerator.log({"eval_accuracy": accuracy}, step=step)
             if accelerator.is_main_process:
@@ -395,7 +395,7 @@ if args.record_sample_ids:  # one file per rank, each written by its own rank on
 # Evaluation table and export. full_state_dict is a collective (every rank), the write is not.
 # ---------------------------------------------------------------------------------------------
 if accuracy is None:  # resumed from the last step: nothing trained, evaluate what was loaded
-    preds, labels = evaluate()
+    preds, labels = evaluate(model)
     accuracy = (preds == labels).float().mean().item()
 per_genre = {g: ((preds == i) & (labels == i)).sum().item() / max(1, (labels == i).sum().item())
              for i, g in enumerate(GENRES)}
@@ -412,7 +412,7 @@ if accelerator.is_main_process:
                "distributed_type": strategy, "skipped_steps": skipped_steps,
                "per_genre_recall": per_genre, "wall_seconds": time.perf_counter() - t_start}
     metrics.append_jsonl(metrics_path, summary)
-    print(f"\n| genre (held-out passages) | recall |\n|---|---|")
+    print("\n| genre (held-out passages) | recall |\n|---|---|")
     for i, g in enumerate(GENRES):
         print(f"| {g} ({(labels == i).sum().item()}) | {per_genre[g]:.3f} |")
     print(f"\n| held-out passages | accuracy | majority baseline ({GENRES[majority]}) |\n|---|---|---|\n"

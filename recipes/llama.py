@@ -388,7 +388,7 @@ accelerator.init_trackers("llama", config={k: v for k, v in vars(args).items() i
 
 
 @torch.no_grad()
-def evaluate():
+def evaluate(model):
     """Token-weighted mean eval loss in nats/token; each eval block counted exactly once."""
     model.eval()
     loss_sum, n_tokens = torch.zeros((), device=device), torch.zeros((), device=device)
@@ -502,7 +502,7 @@ while step < max_steps:
             if peak:
                 record["mfu"] = flops_per_token * record["tokens_per_second"] / peak
             if do_eval:
-                record["eval_loss"] = evaluate()
+                record["eval_loss"] = evaluate(model)
             accelerator.log({k: v for k, v in record.items() if math.isfinite(v)}, step=step)
             if accelerator.is_main_process:
                 metrics.append_jsonl(metrics_path, record)  # NaN (an empty window) is written as null

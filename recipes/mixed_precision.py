@@ -308,7 +308,7 @@ accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_s
                   + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
 
 
-def poison_gradients():
+def poison_gradients(model):
     """The drill: one inf in the first gradient on every rank (as an overflow leaves it after the all-reduce)."""
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     with torch.no_grad():
@@ -316,7 +316,7 @@ def poison_gradients():
 
 
 @torch.no_grad()
-def evaluate():
+def evaluate(model):
     """Mean held-out loss in nats/token (every eval block counted once, blocks are full length)."""
     model.eval()
     nats, tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
@@ -358,7 +358,7 @@ while step < max_steps:
             window_batches += 1
             if accelerator.sync_gradients:
                 if step + 1 == args.inject_inf_grad_at_step:
-                    poison_gradients()
+                    poison_gradients(model)
                 # Under fp16 this unscales the gradients first, so the norm and the clip threshold
                 # are in true units; an inf/NaN norm means this step will be skipped.
                 norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
@@ -432,7 +432,7 @@ while step < max_steps:
 # Summary: one row of the comparison table (the main process writes it).
 # ---------------------------------------------------------------------------------------------
 elapsed = time.perf_counter() - t0 if t0 else float("nan")
-eval_loss = evaluate()
+eval_loss = evaluate(model)
 if accelerator.is_main_process:
     summary = metrics.strict_json({  # standard JSON: a NaN loss becomes null, named in "nonfinite"
         **run_state, "requested": args.precision, "reason": reason, "device": accelerator.device.type, "steps": step,
