@@ -46,10 +46,5 @@ same = torch.tensor([all(torch.equal(a, b) for a, b in zip(before, local_weights
 passed = accelerator.reduce(same, reduction="sum").item()
 if accelerator.is_main_process:
     (out / "ok").write_text(str(passed))
-# Orderly teardown (seen hanging or aborting now and then in gloo's destructor, torch 2.13 CPU):
-# no rank destroys the process group while a peer still uses it, and the wrapped model (DDP's
-# reducer holds the group) goes before the group.
-accelerator.wait_for_everyone()
-del model, optimizer
-accelerator.free_memory()
-accelerator.end_training()
+model = optimizer = None
+launch.teardown(accelerator)  # in order: the model before the process group
