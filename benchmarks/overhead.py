@@ -83,7 +83,7 @@ if os.environ.get("OVERHEAD_STEP_TIMES"):
 '''
 
 
-def bare_loop(steps: int, seed: int = 42) -> None:
+def bare_loop(steps: int, fp32: bool = False, seed: int = 42) -> None:
     """The hand-written reference: `steps` optimizer steps of the debug Llama, one process or DDP.
 
     Distributed when torchrun started it (WORLD_SIZE > 1): gloo on CPU, NCCL on GPUs, each rank
@@ -119,6 +119,7 @@ def bare_loop(steps: int, seed: int = 42) -> None:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     # the configs' bf16 where the recipe keeps it (not forced: the YAML's value), else fp32
     mode, _ = precision.choose_precision("bf16", *precision.detect_device(), n_params=0, forced=False)
+    mode = "no" if fp32 else mode
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16")
     model.train()
     step, epoch = 0, 0
@@ -184,7 +185,7 @@ def _env(timer_dir: Path, stamps: Path, threads: int) -> dict:
 
 
 def run_once(kind: str, config: str, steps: int, threads: int, work: Path, timer_dir: Path, tag: str,
-             recipe: Path, extra: list[str]) -> tuple[list[float], float]:
+             recipe: Path, extra: list[str], fp32: bool = False) -> tuple[list[float], float]:
     """One timed run; returns rank 0's optimizer-step stamps (seconds, `time.perf_counter`) and the
     share of the machine's CPU time that other processes used meanwhile (0..1, noise indicator:
     busy CPU seconds of the whole machine minus this run's, over wall time x cores).
@@ -196,7 +197,7 @@ def run_once(kind: str, config: str, steps: int, threads: int, work: Path, timer
     nproc = CONFIGS[config]
     stamps = work / tag
     if kind == "bare":
-        script = [str(Path(__file__).resolve()), "--bare_steps", str(steps)]
+        script = [str(Path(__file__).resolve()), "--bare_steps", str(steps), *(["--fp32"] if fp32 else [])]
         cmd = [sys.executable, *script] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *script]
@@ -208,7 +209,8 @@ def run_once(kind: str, config: str, steps: int, threads: int, work: Path, timer
         if nproc > 1:
             cmd += ["--main_process_port", str(_free_port())]
         cmd += [str(recipe), "--max_steps", str(steps), "--output_dir", str(out_dir), "--save_steps", "0",
-                "--sample_tokens", "0", "--max_eval_samples", "16", "--eval_steps", str(10 * steps), *extra]
+                "--sample_tokens", "0", "--max_eval_samples", "16", "--eval_steps", str(10 * steps), *extra,
+                *(["--mixed_precision", "no"] if fp32 else [])]
     busy, own, t0 = _busy_seconds(), _children_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(timer_dir, stamps, threads), capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -321,6 +323,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "10%% of the CPU (shared machines; default 0: no wait)")
     parser.add_argument("--out", default=None,
                         help="also write the table, the runs and their step times (markdown) here")
+    parser.add_argument("--fp32", action="store_true",
+                        help="both sides in fp32 (the recipe with --mixed_precision no): what a CPU without "
+                             "native bf16 trains in, measured on any CPU")
     parser.add_argument("--bare_steps", type=int, default=None, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(argv)
     if args.bare_steps is None and not (1 <= args.warmup < args.steps - 1):
@@ -336,7 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.bare_steps is not None:
-        bare_loop(args.bare_steps)
+        bare_loop(args.bare_steps, args.fp32)
         return
     cores = args.cores or os.cpu_count()
     threads = {c: max(1, cores // n) for c, n in CONFIGS.items()}
@@ -357,7 +362,8 @@ def main(argv=None) -> None:
                 if args.wait_quiet > 0:
                     wait_for_quiet(args.wait_quiet)
                 stamps, other = run_once(kind, config, args.steps, threads[config], work, timer_dir,
-                                         f"{kind}_{config}_{i}_{rep}", Path(script or "-"), args.recipe_args.split())
+                                         f"{kind}_{config}_{i}_{rep}", Path(script or "-"),
+                                         args.recipe_args.split(), args.fp32)
                 wall, cpu = step_times(stamps, args.warmup)
                 results[(kind, config, script)].append({"wall": wall, "cpu": cpu, "other": other})
                 foreign.append(other)
@@ -373,7 +379,7 @@ def main(argv=None) -> None:
     setup = (f"{args.steps} steps per run, the first {args.warmup} left out, {args.repeats} interleaved repeats; "
              f"{cores} cores: OMP_NUM_THREADS {threads['single']} for one process, {threads['ddp']} per process for 2; "
              f"{PER_DEVICE_BATCH} x {BLOCK_SIZE} tokens per process per step; recipe flags: "
-             f"{args.recipe_args or '(defaults)'}; waited up to {args.wait_quiet:g} s for a quiet machine before "
+             f"{args.recipe_args or '(defaults)'}{'; fp32 on both sides (--fp32)' if args.fp32 else ''}; waited up to {args.wait_quiet:g} s for a quiet machine before "
              f"each run; other processes used {100 * min(foreign):.0f}-{100 * max(foreign):.0f}% "
              "of the machine's CPU during the runs")
     print(f"\n{setup}\n\n{text}\n\nwall time {time.perf_counter() - t0:.0f} s")
