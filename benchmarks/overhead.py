@@ -208,9 +208,10 @@ def run_once(kind: str, config: str, steps: int, threads: int, work: Path, timer
                str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_cpu_threads_per_process", str(threads)]
         if nproc > 1:
             cmd += ["--main_process_port", str(_free_port())]
+        if fp32:  # a launch flag: it wins over the config's mixed_precision
+            cmd += ["--mixed_precision", "no"]
         cmd += [str(recipe), "--max_steps", str(steps), "--output_dir", str(out_dir), "--save_steps", "0",
-                "--sample_tokens", "0", "--max_eval_samples", "16", "--eval_steps", str(10 * steps), *extra,
-                *(["--mixed_precision", "no"] if fp32 else [])]
+                "--sample_tokens", "0", "--max_eval_samples", "16", "--eval_steps", str(10 * steps), *extra]
     busy, own, t0 = _busy_seconds(), _children_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(timer_dir, stamps, threads), capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -324,7 +325,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None,
                         help="also write the table, the runs and their step times (markdown) here")
     parser.add_argument("--fp32", action="store_true",
-                        help="both sides in fp32 (the recipe with --mixed_precision no): what a CPU without "
+                        help="both sides in fp32 (the recipe launched with --mixed_precision no): what a CPU without "
                              "native bf16 trains in, measured on any CPU")
     parser.add_argument("--bare_steps", type=int, default=None, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(argv)
