@@ -14,7 +14,6 @@ import argparse
 import copy
 import dataclasses
 import os
-import sys
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 from transformers import HfArgumentParser
 
 from common.checkpoint import restart_note
+from common.errors import Stop
 
 SEED_MAX = 2**32 - 1  # numpy's seed range; set_seed seeds numpy too
 
@@ -53,7 +53,7 @@ class FlagParser(HfArgumentParser):
         super().__init__(dataclass_types, formatter_class=self.Formatter, **kwargs)
 
     def error(self, message):  # argparse would print the whole usage first
-        sys.exit(f"error: {message}")
+        raise Stop(message)
 
     @staticmethod
     def _parse_dataclass_field(parser, field):
@@ -70,12 +70,12 @@ class FlagParser(HfArgumentParser):
 
 
 def check_ranges(instance) -> None:
-    """Exit with one `error:` line for the first flag of a dataclass instance outside its `flag` range."""
+    """Raise `Stop` for the first flag of a dataclass instance outside its `flag` range."""
     for f in dataclasses.fields(instance):
         low, high = f.metadata.get("range", (None, None))
         value = getattr(instance, f.name)
         if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
-            sys.exit(f"error: --{f.name} must be {range_text(low, high)}, got {value}")
+            raise Stop(f"--{f.name} must be {range_text(low, high)}, got {value}")
 
 
 def parse_flags(types: tuple, argv: list[str] | None = None, description: str | None = None,
@@ -90,7 +90,7 @@ def parse_flags(types: tuple, argv: list[str] | None = None, description: str | 
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as err:  # e.g. "Some specified arguments are not used by the HfArgumentParser: [...]"
-        sys.exit(f"error: {err}")
+        raise Stop(str(err)) from None
     for instance in parsed:
         check_ranges(instance)
     # what the user typed: the same parser with every default suppressed (abbreviations and --no_x included)
@@ -137,7 +137,7 @@ class Flags(SimpleNamespace):
 
 def parse_args(recipe_args: type, argv: list[str] | None = None, description: str | None = None,
                **defaults) -> Flags:
-    """Parse `TrainingFlags` plus a recipe's own dataclass; bad flags exit with one `error:` line.
+    """Parse `TrainingFlags` plus a recipe's own dataclass; a bad flag raises `Stop`.
 
     Args:
         recipe_args: the recipe's dataclass of its own flags (no field may repeat a core flag).
@@ -149,7 +149,7 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
         One namespace with every flag of both dataclasses as an attribute.
 
     Raises:
-        SystemExit: `error: ...` for an unknown flag, a value of the wrong type or outside its
+        Stop: one line for an unknown flag, a value of the wrong type or outside its
             `flag` range, an `--output_dir` that is a file, or an `--output_dir` that already
             holds files while neither `--overwrite_output_dir` nor `--resume_from_checkpoint` is
             given (a fresh run would overwrite the earlier run's metrics, export and, through
@@ -163,9 +163,6 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
     without `--resume_from_checkpoint` resumes as with `auto`, and `--overwrite_output_dir`
     applies to the first attempt only (it would delete the checkpoints the job is restarting from).
     """
-    from common.launch import report_errors_to_launcher
-
-    report_errors_to_launcher()  # from here on an `error:` exit ends the launcher's summary too
     (core, own), given = parse_flags((TrainingFlags, recipe_args), argv, description, **defaults)
     args = Flags(**asdict(core), **asdict(own))
     args.given = given
@@ -177,17 +174,17 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
         else:
             args.max_steps = -1  # the recipe's default step count must not override the epochs the user asked for
     if args.max_steps == 0:
-        sys.exit(f"error: --max_steps must be positive, or -1 to train --num_train_epochs, got {args.max_steps}")
+        raise Stop(f"--max_steps must be positive, or -1 to train --num_train_epochs, got {args.max_steps}")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
-        sys.exit(f"error: --num_train_epochs must be positive, got {args.num_train_epochs}")
+        raise Stop(f"--num_train_epochs must be positive, got {args.num_train_epochs}")
     from accelerate.utils import LoggerType
 
     trackers = [t.strip() for t in args.report_to.split(",")]
     if args.report_to != "none" and (bad := [t for t in trackers if t not in {k.value for k in LoggerType}]):
-        sys.exit(f"error: --report_to {args.report_to}: unknown tracker {', '.join(bad)}; choose 'none' or from "
+        raise Stop(f"--report_to {args.report_to}: unknown tracker {', '.join(bad)}; choose 'none' or from "
                  f"{', '.join(k.value for k in LoggerType)}")
     if args.output_dir is None:
-        sys.exit("error: --output_dir is required")
+        raise Stop("--output_dir is required")
     restarted = bool(restart_note())
     if restarted and args.resume_from_checkpoint is None:
         args.resume_from_checkpoint = "auto"  # a restarted job continues; it never starts over
@@ -197,16 +194,16 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
         else:
             args.resume_from_checkpoint = None  # the first attempt writes over the directory
     if error := output_dir_error(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint, restarted):
-        sys.exit(f"error: {error}")
+        raise Stop(error)
     return args
 
 
 def make_output_dir(output_dir: str) -> None:
-    """Create `output_dir` and its parents; exit with one `error:` line if that is impossible."""
+    """Create `output_dir` and its parents; raise `Stop` if that is impossible."""
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as err:  # a file in the way, a read-only or virtual filesystem (/proc), no permission
-        sys.exit(f"error: --output_dir {output_dir}: cannot create it ({err.strerror})")
+        raise Stop(f"--output_dir {output_dir}: cannot create it ({err.strerror})")
 
 
 def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: str | None,
@@ -237,7 +234,7 @@ def output_dir_error(output_dir: str, overwrite: bool, resume_from_checkpoint: s
 
 
 def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
-    """Exit with one `error:` line if a core flag this recipe cannot honour was given, or changed from its default.
+    """Raise `Stop` if a core flag this recipe cannot honour was given, or changed from its default.
 
     The default compared against is `TrainingFlags`'s, so a recipe must not give a refused flag a
     default of its own. A flag given at its default value is refused too: it would be ignored.
@@ -250,4 +247,4 @@ def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
     defaults = TrainingFlags()
     for flag, reason in why.items():
         if flag in getattr(args, "given", ()) or getattr(args, flag) != getattr(defaults, flag):
-            sys.exit(f"error: {recipe} does not take --{flag}: {reason}")
+            raise Stop(f"{recipe} does not take --{flag}: {reason}")

@@ -36,6 +36,8 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
+from common.errors import Stop
+
 MARKER = "COMPLETE.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM; never 0
@@ -124,7 +126,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
         ValueError: `save_total_limit` below 1 (a negative one sliced away the new checkpoint).
     """
     if save_total_limit is not None and save_total_limit < 1:
-        raise ValueError(f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}")
+        raise Stop(f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}")
     out = Path(output_dir)
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     if accelerator.is_main_process and tmp.exists():
@@ -210,20 +212,20 @@ def verify_checkpoint(path: Path, accelerator=None) -> dict:
     """
     marker = Path(path) / MARKER
     if not marker.is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: {MARKER} missing (the save did not finish)")
+        raise Stop(f"{path} is not a complete checkpoint: {MARKER} missing (the save did not finish)")
     info = json.loads(marker.read_text())
     for name, size in info["files"].items():
         f = Path(path) / name
         if not f.is_file():
-            raise FileNotFoundError(f"checkpoint file missing: {f}")
+            raise Stop(f"checkpoint file missing: {f}")
         if f.stat().st_size != size:
-            raise ValueError(f"checkpoint file {f} is {f.stat().st_size} bytes, {size} were written: truncated or altered")
+            raise Stop(f"checkpoint file {f} is {f.stat().st_size} bytes, {size} were written: truncated or altered")
     if "sha256" not in info:
         warnings.warn(f"{path} was saved without checksums (an older version): file sizes checked only")
         return info
     sums = _digests(accelerator, Path(path), info["files"])
     if bad := [name for name in info["files"] if sums[name] != info["sha256"].get(name)]:
-        raise ValueError(f"checkpoint file {Path(path) / bad[0]} does not match the sha256 recorded when it was "
+        raise Stop(f"checkpoint file {Path(path) / bad[0]} does not match the sha256 recorded when it was "
                          f"saved: damaged or altered ({len(bad)} of {len(sums)} files differ)")
     return info
 
@@ -266,7 +268,7 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
         return None, {"step": 0}
     if resume_from_checkpoint not in ("latest", "auto"):
         if not Path(resume_from_checkpoint).is_dir():
-            raise FileNotFoundError(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
+            raise Stop(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
         return Path(resume_from_checkpoint), verify_checkpoint(Path(resume_from_checkpoint), accelerator)
     for path in reversed(complete_checkpoints(Path(output_dir))):
         try:
@@ -275,7 +277,7 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
             warnings.warn(f"skipping damaged checkpoint: {err}")
     if resume_from_checkpoint == "auto":
         return None, {"step": 0}
-    raise FileNotFoundError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} "
+    raise Stop(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} "
                             "(save some with --save_steps)")
 
 
@@ -491,7 +493,7 @@ def check_shared_dir(accelerator, output_dir: str) -> None:
     accelerator.wait_for_everyone()
     mine.unlink()
     if worst != accelerator.num_processes:
-        raise ValueError(f"--output_dir {output_dir} is not one directory shared by every rank: rank "
+        raise Stop(f"--output_dir {output_dir} is not one directory shared by every rank: rank "
                          f"{accelerator.process_index} on {os.uname().nodename} sees {seen} of the "
                          f"{accelerator.num_processes} ranks' files there (fewest seen by any rank: {worst}). "
                          "Checkpoints are written by every rank and finished by rank 0: give every node the same "

@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import NamedTuple
 
 from common import precision
+from common.errors import Stop
 
 # DeepSpeed settings that `accelerate launch` takes as flags (or an accelerate config's deepspeed_config
 # keys, which Accelerate refuses next to a JSON), the JSON key each one fills, and DeepSpeed's value
@@ -207,7 +207,7 @@ def deepspeed_settings(config: dict, root: str = ".") -> tuple[dict | None, str]
         with open(os.path.join(root, path)) as f:
             return json.load(f), f"the DeepSpeed JSON {path}"
     except (OSError, ValueError) as err:
-        raise ValueError(f"DeepSpeed config {path} (deepspeed_config_file in the accelerate config) cannot be read "
+        raise Stop(f"DeepSpeed config {path} (deepspeed_config_file in the accelerate config) cannot be read "
                          f"from {os.path.abspath(root)}: {' '.join(str(err).split())}; launch from the project root, "
                          "and copy ds_configs/ with the recipe") from None
 
@@ -540,8 +540,8 @@ _printed: set[str] = set()
 
 
 def stop_on(problems: list[Problem], main_process: bool | None = None) -> None:
-    """Print each warning once (on the main process: `RANK` 0 unless `main_process` says), then exit with
-    every error line ("error: ..."), on every rank, if there is any."""
+    """Print each warning once (on the main process: `RANK` 0 unless `main_process` says), then raise
+    `Stop` with every error line, on every rank, if there is any."""
     main_process = int(os.environ.get("RANK", 0)) == 0 if main_process is None else main_process
     for p in problems:
         if p.severity == "warning" and str(p) not in _printed:
@@ -549,7 +549,7 @@ def stop_on(problems: list[Problem], main_process: bool | None = None) -> None:
             if main_process:
                 print(p, flush=True)
     if errors := [str(p) for p in problems if p.severity == "error"]:
-        sys.exit("\n".join(errors))
+        raise Stop("\n".join(errors).removeprefix("error: "))
 
 
 def model_class_names(model_cls, config) -> set[str]:

@@ -26,6 +26,8 @@ from accelerate.logging import get_logger
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from common.errors import Stop
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_DIR = REPO_ROOT / "data" / "shakespeare"
 DEFAULT_CACHE_DIR = os.environ.get("ACCELERATE_RECIPES_CACHE", str(Path.home() / ".cache" / "accelerate-recipes"))
@@ -41,17 +43,17 @@ def load_shakespeare(corpus_dir: Path = CORPUS_DIR) -> datasets.Dataset:
     """
     sums = Path(corpus_dir) / "SHA256SUMS"
     if not sums.is_file():
-        raise FileNotFoundError(f"bundled corpus checksum list not found: {sums}; pass --train_file or "
+        raise Stop(f"bundled corpus checksum list not found: {sums}; pass --train_file or "
                                 "--dataset_name, or copy data/shakespeare/ with the recipe")
     texts, works = [], []
     for line in sums.read_text().splitlines():
         digest, name = line.split()
         path = Path(corpus_dir) / f"{name}.gz"
         if not path.is_file():
-            raise FileNotFoundError(f"bundled corpus file missing: {path}")
+            raise Stop(f"bundled corpus file missing: {path}")
         raw = gzip.decompress(path.read_bytes())
         if hashlib.sha256(raw).hexdigest() != digest:
-            raise ValueError(f"bundled corpus file {path} does not match its SHA-256 in {sums}")
+            raise Stop(f"bundled corpus file {path} does not match its SHA-256 in {sums}")
         texts.append(raw.decode("ascii"))
         works.append(name.removesuffix("_gut.txt"))
     return datasets.Dataset.from_dict({"text": texts, "work": works})
@@ -87,16 +89,16 @@ def load_text_dataset(
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
         for path in files.values():
             if not Path(path).is_file():
-                raise FileNotFoundError(f"data file not found: {path}")
+                raise Stop(f"data file not found: {path}")
             if Path(path).stat().st_size == 0:  # `datasets` would end in a StopIteration traceback
-                raise ValueError(f"data file is empty: {path}")
+                raise Stop(f"data file is empty: {path}")
         builders = {"txt": "text", "json": "json", "jsonl": "json", "parquet": "parquet"}
         kinds = {path: builders.get(Path(path).suffix.lstrip(".")) for path in files.values()}
         for path, builder in kinds.items():
             if builder is None:
-                raise ValueError(f"{path}: extension not supported (txt, json, jsonl, parquet)")
+                raise Stop(f"{path}: extension not supported (txt, json, jsonl, parquet)")
         if len(set(kinds.values())) > 1:
-            raise ValueError(f"--train_file {train_file} and --validation_file {validation_file} must be the same format")
+            raise Stop(f"--train_file {train_file} and --validation_file {validation_file} must be the same format")
         builder = kinds[train_file]
         if builder == "text" and not validation_file:  # a lone .txt: cut off the validation share
             train, validation = split_text(Path(train_file).read_text(), validation_split_percentage, train_file)
@@ -110,14 +112,14 @@ def load_text_dataset(
     if "validation" not in raw:
         n_val = max(1, len(raw["train"]) * validation_split_percentage // 100)
         if n_val >= len(raw["train"]):
-            raise ValueError(f"only {len(raw['train'])} training rows: too few to hold out a validation split")
+            raise Stop(f"only {len(raw['train'])} training rows: too few to hold out a validation split")
         raw = datasets.DatasetDict({
             "train": raw["train"].select(range(n_val, len(raw["train"]))),
             "validation": raw["train"].select(range(n_val)),
         })
     for split in ("train", "validation"):
         if "text" not in raw[split].column_names:
-            raise ValueError(f"{split} split has no 'text' column (columns: {raw[split].column_names})")
+            raise Stop(f"{split} split has no 'text' column (columns: {raw[split].column_names})")
     return raw
 
 
@@ -139,7 +141,7 @@ def split_text(text: str, validation_percentage: int, name: str = "the text") ->
     paragraphs = [start + m.end() for m in re.finditer(r"\n[ \t\r]*\n\s*", body)]
     lines = [start + m.end() for m in re.finditer(r"\n\s*", body)]
     if not lines:
-        raise ValueError(f"{name}: 1 line, too few to hold out {validation_percentage}% for validation and train "
+        raise Stop(f"{name}: 1 line, too few to hold out {validation_percentage}% for validation and train "
                          "on the rest; pass --validation_file")
     nearest = min(paragraphs or lines, key=lambda end: abs(end - start - target))
     if abs(nearest - start - target) > target / 2:
@@ -189,7 +191,7 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
     if name_or_path:
         tok = AutoTokenizer.from_pretrained(name_or_path)
         if tok.eos_token_id is None:
-            raise ValueError(f"--tokenizer_name_or_path {name_or_path}: tokenizer has no eos token")
+            raise Stop(f"--tokenizer_name_or_path {name_or_path}: tokenizer has no eos token")
         return tok
     digest = _text_digest(raw["train"])[:16]
 
@@ -357,7 +359,7 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
             if n_tokens < block_size:
                 fix = ("lower --block_size, or add text" if split == "train" else "lower --block_size, raise "
                        "--validation_split_percentage, or pass --validation_file")
-                raise ValueError(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size "
+                raise Stop(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size "
                                  f"{block_size}): {fix}")
         with tempfile.TemporaryDirectory(dir=tmp.parent, prefix=f".{tmp.name}.") as scratch:
             packed = {split: pack_blocks(tokens[split], block_size, Path(scratch) / f"{split}.arrow",

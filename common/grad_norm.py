@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from common import checks
+from common.errors import Stop
 
 
 FP64_CHUNK_ELEMENTS = 1 << 24  # fp64 temporaries per gradient are at most this many elements (128 MB)
@@ -68,7 +69,7 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
         if error := checks.clipping_problem(ds_clip, max_norm):
-            raise ValueError(error)
+            raise Stop(error)
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
         return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64, device=accelerator.device)
     accelerator.unscale_gradients()  # no-op unless fp16 loss scaling is on

@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from common.errors import Stop
 
 
 def _has_accelerator() -> bool:
@@ -110,7 +110,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
             (`ACCELERATE_RECIPES_ALLOW_CPU=1`, or `ACCELERATE_USE_CPU=true`): with or without a launcher.
     """
     if timeout_s <= 0:
-        raise ValueError(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
+        raise Stop(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
     # Read the opt-in before anything below sets ACCELERATE_USE_CPU for DDP.
     if not _has_accelerator() and not (_env_true("ACCELERATE_RECIPES_ALLOW_CPU") or _env_true("ACCELERATE_USE_CPU")):
         n_gpus, seen_by = host_nvidia_gpus()
@@ -121,7 +121,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 hiding = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
                 why = f"likely causes: a driver too old for CUDA {torch.version.cuda}, a container started without --gpus{hiding}"
-            raise ValueError(
+            raise Stop(
                 f"this host has {n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)} ({seen_by}) but torch {torch.__version__} sees "
                 f"none; {why}. Fix that, or set ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway "
                 "(`accelerate launch --cpu` would run one process, not the config's ranks)")
@@ -129,7 +129,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     # A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
     # with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
     if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
-        raise ValueError(f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
+        raise Stop(f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
                          f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
     # torchrun's --max_restarts with the rendezvous store shared between attempts (the default): the
     # restarted ranks read the dead attempt's gloo/NCCL addresses from it and hang or fail to connect
@@ -137,7 +137,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
     # configs always shares it; the c10d one with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
     # attempt a fresh store (6 in 6 worked).
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise ValueError("--max_restarts with torchrun's shared rendezvous store: a restarted job would reconnect to "
+        raise Stop("--max_restarts with torchrun's shared rendezvous store: a restarted job would reconnect to "
                          "the dead attempt's addresses and hang (pytorch/pytorch#135712). Launch with "
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and "
                          "`accelerate launch --rdzv_backend c10d --max_restarts N ...`")
@@ -195,51 +195,6 @@ def die_with_launcher() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the launcher died before the call: the signal will never come
         os._exit(1)
-
-
-def report_errors_to_launcher() -> None:
-    """Hand this rank's fatal error to torchrun, so that its failure summary, printed last, names it.
-
-    torchrun (under `accelerate launch`) gives each worker a file, `TORCHELASTIC_ERROR_FILE`; when
-    a worker fails, the summary that ends the launcher's output shows the first failed rank's file
-    as the root cause, else only a link to the docs, and the rank's own `error:` line is left about
-    35 lines up. torch's `@record` fills the file from an exception that leaves a function, but
-    the recipes are scripts that stop with `sys.exit("error: ...")`, which `@record` passes on
-    unrecorded. So here `sys.exit` with an `error:` message and an uncaught exception
-    (`sys.excepthook`) write the file, in the format `ProcessFailure` reads. The `error:` line
-    itself goes to stderr in one write: Python's own exit prints the message and its newline
-    apart, so two ranks stopping at once (PYTHONUNBUFFERED) could splice their lines. Outside
-    torchrun, or called twice, it does nothing.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or getattr(sys.exit, "reports_to", None) == path:
-        return
-    exit_, hook = sys.exit, sys.excepthook
-
-    def write(message: str) -> None:
-        try:
-            with open(path, "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass  # the summary then says what it said before; the rank's own output still has the error
-
-    def exit_and_report(status=None):
-        if isinstance(status, str) and status.startswith("error:"):
-            write(status)
-            sys.stderr.flush()
-            try:
-                os.write(2, f"{status}\n".encode())
-                status = 1  # printed: the exit status `sys.exit(message)` gives
-            except OSError:
-                pass
-        exit_(status)
-
-    def hook_and_report(kind, value, traceback):
-        write(f"{kind.__name__}: {value}")  # the traceback itself goes to stderr, as always
-        hook(kind, value, traceback)
-
-    exit_and_report.reports_to = path
-    sys.exit, sys.excepthook = exit_and_report, hook_and_report
 
 
 def allow_mixed_precision_with_deepspeed_json() -> None:
@@ -301,7 +256,7 @@ def check_distributed(accelerator: Accelerator) -> None:
     atexit.register(_end_process)  # first: a refused start ends the process group cleanly too
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world_size:
-        raise ValueError(
+        raise Stop(
             f"launched with WORLD_SIZE={world_size} but Accelerate built a state with "
             f"{accelerator.num_processes} process(es) ({accelerator.distributed_type.value}); "
             "common/launch.py no longer matches this Accelerate version"
@@ -312,7 +267,7 @@ def check_distributed(accelerator: Accelerator) -> None:
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         wanted = DistributedType.DEEPSPEED
     if wanted is not None and accelerator.distributed_type != wanted:
-        raise ValueError(
+        raise Stop(
             f"the accelerate config asks for {wanted.value} but Accelerate chose "
             f"{accelerator.distributed_type.value}; common/launch.py no longer matches this Accelerate version"
         )
@@ -384,7 +339,7 @@ def install_cpu_grad_scaler(accelerator) -> bool:
         from deepspeed.accelerator import get_accelerator
 
         if not get_accelerator().is_fp16_supported():
-            raise ValueError("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
+            raise Stop("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
                              "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
                              "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler")
         return False  # the DeepSpeed engine scales the loss itself

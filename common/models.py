@@ -10,6 +10,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from common.errors import Stop
+
 # Shapes follow the published configs (hf.co/meta-llama/*/config.json). The vocabulary comes
 # from the tokenizer at build time, so a preset trains from scratch with any tokenizer.
 PRESETS: dict[str, dict] = {
@@ -50,7 +52,7 @@ def llama_config(preset: str, vocab_size: int, **overrides) -> LlamaConfig:
         ValueError: naming the unknown preset and listing the known ones.
     """
     if preset not in PRESETS:
-        raise ValueError(f"unknown --model_config {preset!r}; choose one of {sorted(PRESETS)}")
+        raise Stop(f"unknown --model_config {preset!r}; choose one of {sorted(PRESETS)}")
     return LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab_size, **overrides})
 
 
@@ -104,7 +106,7 @@ def apply_overrides(config, overrides: str):
             values.pop("layer_types", None)
         return type(config).from_dict(values)
     except (ValueError, TypeError, StrictDataclassError) as err:
-        raise ValueError(f"--config_overrides {overrides!r}: {' '.join(str(err).split())}") from None
+        raise Stop(f"--config_overrides {overrides!r}: {' '.join(str(err).split())}") from None
 
 
 def causal_lm_class(config) -> type:
@@ -117,7 +119,7 @@ def causal_lm_class(config) -> type:
         ValueError: the config's model type has no causal-LM class (names the type).
     """
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"model type {config.model_type!r} ({type(config).__name__}) has no causal-LM class in "
+        raise Stop(f"model type {config.model_type!r} ({type(config).__name__}) has no causal-LM class in "
                          "transformers (AutoModelForCausalLM); this recipe trains decoder-only language models")
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 

@@ -47,6 +47,8 @@ import warnings
 
 import torch
 
+from common.errors import Stop
+
 LARGE_MODEL_PARAMS = 1_000_000_000  # above this, fp16 on bf16-capable hardware draws a warning
 MODES = ("auto", "no", "bf16", "fp16")
 
@@ -119,11 +121,11 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
             `LARGE_MODEL_PARAMS` parameters.
     """
     if requested not in MODES:
-        raise ValueError(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
+        raise Stop(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
     cc = device_name(device_type, capability)
     native = native_dtypes(device_type, capability)
     if requested == "bf16" and device_type == "cuda" and "bf16" not in native:
-        raise ValueError(f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute capability "
+        raise Stop(f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute capability "
                          "8.0+ (Ampere or newer); use --precision fp16 (loss-scaled) or --precision auto")
     if requested == "fp16" and "bf16" in native and n_params >= LARGE_MODEL_PARAMS:
         warnings.warn(f"--precision fp16 on bf16-capable hardware ({cc}) for a {n_params / 1e9:.1f}B-parameter "
@@ -279,7 +281,7 @@ def skipped_step_warning(scale: float | None, skipped_in_a_row: int, min_scale: 
     if scale is None:
         return None
     if scale < min_scale:
-        raise ValueError(f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
+        raise Stop(f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
                          f"{skipped_in_a_row} skipped steps in a row: the gradients overflow at any scale. Lower "
                          "--learning_rate, lengthen --warmup_steps, or train in bf16")
     if skipped_in_a_row == SKIPS_IN_A_ROW_WARNING:

@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 from common.checkpoint import check_shared_dir
+from common.errors import Stop
 
 LOCK = ".lock"
 _held: list[int] = []  # the lock's file descriptor, open for the life of the process
@@ -146,5 +147,5 @@ def claim(accelerator, args) -> None:
         main_error = broadcast_object_list([error if accelerator.is_main_process else None])[0]
         error = main_error or error
     if error:
-        raise ValueError(error)
+        raise Stop(error)
     check_shared_dir(accelerator, args.output_dir)

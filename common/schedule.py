@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from common.errors import Stop
+
 
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_batch: int) -> float:
     """The linear scaling rule: multiply the LR by global_batch / reference_global_batch.
@@ -23,8 +25,8 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_bat
         ValueError: a non-positive LR or batch (names it).
     """
     if base_lr <= 0:
-        raise ValueError(f"--learning_rate must be positive, got {base_lr}")
+        raise Stop(f"--learning_rate must be positive, got {base_lr}")
     if global_batch <= 0 or reference_global_batch <= 0:
-        raise ValueError(f"batches must be positive, got global batch {global_batch}, "
+        raise Stop(f"batches must be positive, got global batch {global_batch}, "
                          f"--reference_global_batch {reference_global_batch}")
     return base_lr * global_batch / reference_global_batch

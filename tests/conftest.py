@@ -124,9 +124,13 @@ def run_in_process(monkeypatch, recipe, *argv):
     monkeypatch.setattr(sys, "argv", [str(REPO / recipe), *map(str, argv)])
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
+    from common import errors
+
+    lines = []  # what errors.run writes to stderr
+    monkeypatch.setattr(errors.os, "write", lambda fd, data: lines.append(data.decode()) or len(data))
     with pytest.raises(SystemExit) as exc:
         runpy.run_path(str(REPO / recipe), run_name="__main__")
-    return str(exc.value.code)
+    return "".join(lines).strip() if exc.value.code == 1 and lines else str(exc.value.code)
 
 
 def corpus_args(corpus):

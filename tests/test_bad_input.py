@@ -11,6 +11,7 @@ import pytest
 
 from common import checkpoint, precision
 from common.args import flag, parse_args, parse_flags
+from common.errors import Stop
 from conftest import FAST, REPO, launch, run_in_process
 
 
@@ -85,7 +86,7 @@ def test_resume_from_a_checkpoint_that_is_not_there(tmp_path, cache_dir):
                   *FAST[:-2], cache_dir=cache_dir, check=False, timeout=300)
     fails_with(proc, "error: cannot resume: --resume_from_checkpoint latest: no complete checkpoint in")
     # ... and the same function's refusal of a path that does not exist (the recipe's call, without the launch)
-    with pytest.raises(FileNotFoundError, match="--resume_from_checkpoint /nonexistent/ckpt: no such directory"):
+    with pytest.raises(Stop, match="--resume_from_checkpoint /nonexistent/ckpt: no such directory"):
         checkpoint.resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
 
 
@@ -157,9 +158,9 @@ class Own:
 def test_core_flags_are_checked_in_one_place(tmp_path):
     # common/args.py parses the core TrainingArguments flags for every recipe (in-process: no launch)
     def error(*argv):
-        with pytest.raises(SystemExit) as exit_info:
+        with pytest.raises(Stop) as exit_info:
             parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), *map(str, argv)])
-        return str(exit_info.value.code)
+        return f"error: {exit_info.value}"
 
     assert error("--report_to", "bogus").startswith("error: --report_to bogus: unknown tracker bogus")
     assert error("--max_steps", 0).startswith("error: --max_steps must be positive")
@@ -321,16 +322,21 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
 def test_an_error_line_is_one_write(tmp_path, monkeypatch):
     # Ranks that stop at once share the launcher's stderr: each line must reach it whole, or two
     # ranks' lines splice (Python's own exit writes the message and its newline apart).
-    from common import launch as launch_module
+    from common import errors
 
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
-    monkeypatch.setattr(sys, "exit", sys.exit)  # restored after the test
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     writes = []
-    monkeypatch.setattr(launch_module.os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
-    launch_module.report_errors_to_launcher()
+    monkeypatch.setattr(errors.os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
+
+    def main():
+        raise errors.Stop("step 2: the training loss is nan")
+
     with pytest.raises(SystemExit) as exc:
-        sys.exit("error: step 2: the training loss is nan")
+        errors.run(main)
     assert exc.value.code == 1
     assert writes == [(2, b"error: step 2: the training loss is nan\n")]
     assert json.loads((tmp_path / "error.json").read_text())["message"] == "error: step 2: the training loss is nan"
+    # a bug is not a refusal: its traceback stays, and the launcher's summary names it
+    with pytest.raises(ZeroDivisionError):
+        errors.run(lambda: 1 / 0)
+    assert json.loads((tmp_path / "error.json").read_text())["message"] == "ZeroDivisionError: division by zero"

@@ -11,6 +11,7 @@ from conftest import REPO, run_in_process
 
 sys.path.insert(0, str(REPO))
 from common import checks, models, plan  # noqa: E402
+from common.errors import Stop  # noqa: E402
 
 CPU = {"device_type": "cpu", "capability": None, "gpus": 0}
 FLAGS = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0}
@@ -290,9 +291,9 @@ def test_launch_config_from_env_and_stop_on(capsys):
     checks.stop_on([warning])
     checks.stop_on([checks.Problem("warning", "w2 (test_checks)")], main_process=False)
     assert capsys.readouterr().out == "warning: w1 (test_checks)\n"
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(Stop) as exc:
         checks.stop_on([checks.Problem("error", "e1"), warning, checks.Problem("error", "e2")])
-    assert exc.value.code == "error: e1\nerror: e2"
+    assert f"error: {exc.value}" == "error: e1\nerror: e2"
 
 
 def test_the_planner_prints_the_problems(tmp_path, capsys):

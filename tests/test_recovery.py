@@ -17,6 +17,7 @@ import pytest
 
 from common.args import parse_args
 from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
+from common.errors import Stop
 from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 from test_multinode import free_port
 
@@ -276,7 +277,7 @@ def test_resume_auto_rules(tmp_path, monkeypatch):
     # A directory with files but no checkpoint: refused, as a fresh run would be (run_clm.py's rule)...
     out.mkdir()
     (out / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(SystemExit, match="auto found no complete checkpoint"):
+    with pytest.raises(Stop, match="auto found no complete checkpoint"):
         parse_args(Own, ["--output_dir", str(out), "--resume_from_checkpoint", "auto"])
     # ...unless this is a restart of the same job, which died before its first checkpoint.
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
