@@ -44,6 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from common import errors  # noqa: E402
 from common.args import flag, parse_flags  # noqa: E402
 from common.plan import COMM_KINDS, comm_pattern, predicted_comm_bytes  # noqa: E402,F401  (the ZeRO paper's volumes)
 
@@ -249,4 +250,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    errors.run(main)  # a bad flag: one error line

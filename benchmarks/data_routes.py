@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.compare_strategies import accelerate_launch, describe_machine  # noqa: E402
+from common import errors  # noqa: E402
 from common.args import flag, parse_flags  # noqa: E402
 
 SIZES = {"10 MB": 2, "1 GB": 200}  # --repeat of the bundled corpus
@@ -160,4 +161,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    errors.run(main)  # a bad flag: one error line

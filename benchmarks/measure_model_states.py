@@ -45,6 +45,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import data, launch, models  # noqa: E402
+from common import errors  # noqa: E402
 from common.args import SEED_MAX, flag, parse_flags  # noqa: E402
 
 
@@ -271,4 +272,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    errors.run(main)  # a bad flag: one error line

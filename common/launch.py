@@ -41,13 +41,16 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from common.errors import Stop
+if __name__ == "__main__":  # python common/launch.py CONFIG RECIPE: the shorthand at the end
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.errors import Stop  # noqa: E402
 
 
 def _has_accelerator() -> bool:
@@ -221,6 +224,26 @@ def _end_process() -> None:
     # Everything is written by now: leave torch's objects to the OS. The interpreter's last
     # garbage collection over them takes ~2 s per process at exit (2-core CPU).
     gc.freeze()
+
+
+@contextmanager
+def node_first(accelerator: Accelerator):
+    """Run the block on each node's first rank, then on the others (which then read its caches).
+
+    A file or format error in the block (a missing file, a config or tokenizer that does not load:
+    `OSError`, `ValueError`) becomes a `Stop` with its message, raised only after the first rank
+    has released the others, which meet the same error themselves: one `error:` line per rank and
+    no rank left waiting. (`accelerator.local_main_process_first` skips its release on an error.)
+    """
+    if not accelerator.is_local_main_process:
+        accelerator.wait_for_everyone()
+    try:
+        yield
+    except (ValueError, OSError) as err:
+        raise Stop(str(err) or type(err).__name__) from None
+    finally:
+        if accelerator.is_local_main_process:
+            accelerator.wait_for_everyone()
 
 
 def teardown(accelerator: Accelerator) -> None:

@@ -259,7 +259,8 @@ def loss_scale(accelerator, model=None) -> float | None:
     return None
 
 
-def skipped_step_warning(scale: float | None, skipped_in_a_row: int, min_scale: float = MIN_LOSS_SCALE) -> str | None:
+def loss_scale_verdict(scale: float | None, skipped_in_a_row: int,
+                       min_scale: float = MIN_LOSS_SCALE) -> tuple[str | None, str | None]:
     """Judge the fp16 loss scale after an optimizer step; call on every rank after each step.
 
     A step whose gradients overflowed is skipped and the scale halved; a few skips early in a
@@ -273,21 +274,19 @@ def skipped_step_warning(scale: float | None, skipped_in_a_row: int, min_scale: 
         min_scale: the floor; a scale below it stops the run.
 
     Returns:
-        A warning line when exactly `SKIPS_IN_A_ROW_WARNING` steps in a row were skipped, else None.
-
-    Raises:
-        ValueError: the scale fell below `min_scale` (the run must stop; the message says why).
+        (warning, error): a warning line when exactly `SKIPS_IN_A_ROW_WARNING` steps in a row were
+        skipped; the reason to stop (one line, without "error:") when the scale fell below `min_scale`.
     """
     if scale is None:
-        return None
+        return None, None
     if scale < min_scale:
-        raise Stop(f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
-                         f"{skipped_in_a_row} skipped steps in a row: the gradients overflow at any scale. Lower "
-                         "--learning_rate, lengthen --warmup_steps, or train in bf16")
+        return None, (f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
+                      f"{skipped_in_a_row} skipped steps in a row: the gradients overflow at any scale. Lower "
+                      "--learning_rate, lengthen --warmup_steps, or train in bf16")
     if skipped_in_a_row == SKIPS_IN_A_ROW_WARNING:
         return (f"warning: {skipped_in_a_row} fp16 steps in a row skipped for inf/NaN gradients (loss scale now "
-                f"{scale:g}); the run stops if the scale falls below {min_scale:g}")
-    return None
+                f"{scale:g}); the run stops if the scale falls below {min_scale:g}"), None
+    return None, None
 
 
 def precision_name(mixed_precision: str) -> str:
@@ -301,7 +300,7 @@ class NonFiniteGuard:
     Outside fp16 loss scaling nothing stops such a step: DDP and FSDP let AdamW apply NaN gradients
     (every weight turns NaN and the export holds nothing else), DeepSpeed skips every step from
     then on (the export holds the last good weights, and the run still reports each step). fp16
-    has its own rule (a skipped step, then `skipped_step_warning`), so the guard is off there.
+    has its own rule (a skipped step, then `loss_scale_verdict`), so the guard is off there.
 
     `record` folds each step's verdict into a device tensor (no sync: on a GPU the host never
     waits for it); `problem` reads it, a collective, where the recipe reads values anyway: at

@@ -73,7 +73,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checks, data, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common import checks, data, errors, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common.errors import Stop  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, unsupported  # noqa: E402
 from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
 
@@ -98,106 +99,8 @@ class Args:
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
-# --max_steps: steps per variant, depth and round (the first untimed). weight_decay 0.01 is what
-# torch's AdamW applied here before the flag existed (now on matrices only).
-args = parse_args(Args, description=__doc__, output_dir="runs/gradient_checkpointing", per_device_train_batch_size=2, learning_rate=1e-3,
-                  weight_decay=0.01, max_steps=4)
-no_training_run = "it measures a few steps of each variant and keeps none of them"
-unsupported(args, "gradient_checkpointing.py", warmup_steps="it trains at a constant --learning_rate (no schedule)",
-            num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
-            logging_steps="it prints one line per variant and round, and the table",
-            save_steps=f"it saves no checkpoints: {no_training_run}",
-            resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
-            report_to="its figures go to results.json and table.md; there is no training curve to track")
-try:
-    depths = [int(n) for n in args.num_layers.split(",")]
-except ValueError:
-    sys.exit(f"error: --num_layers {args.num_layers!r}: expected comma-separated integers such as 4,8,24")
-if min(depths) < 1 or args.max_steps < 2:
-    sys.exit(f"error: need --num_layers >= 1 (got {args.num_layers}) and --max_steps >= 2 (got {args.max_steps})")
-if precision.detect_device()[0] == "cpu" and args.max_steps < 3:  # step 1 untimed, step 2 metered: one more to time
-    sys.exit(f"error: --max_steps {args.max_steps}: on CPU step 2 is metered for memory, not timed; need at least 3")
-if args.model_config not in models.PRESETS:
-    sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
-make_output_dir(args.output_dir)  # before the measurements: a path that cannot be created fails now
 
-# ---------------------------------------------------------------------------------------------
-# Accelerator: strategy and precision come from the accelerate config, as in every recipe (bf16
-# only where the hardware computes it: common/precision.py).
-# ---------------------------------------------------------------------------------------------
-launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-# The launch against the flags, the model and the hardware, before any work (common/checks.py lists
-# the checks): a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the
-# flags, bf16 on a GPU without it is emulated, an FSDP wrap class the model does not have, ...
-launch_config = checks.launch_config_from_env()
-try:
-    hardware = checks.detect_hardware()
-    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
-    run_precision = precision.for_launch(launch_config, hardware)
-    ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    checks.stop_on(checks.config_problems(
-        launch_config, ds=ds_config, ds_where=ds_where, hardware=hardware,
-        flags={**{k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                "max_grad_norm")}, "mixed_precision": run_precision["used"]},
-        **checks.model_facts(launch_config, ds_config, LlamaForCausalLM,
-                             models.llama_config(args.model_config, args.vocab_size))))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
-except ValueError as err:
-    sys.exit(f"error: {err}")
-ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
-accelerator = Accelerator(
-    mixed_precision=run_precision["used"],
-    # the measured batches are a list, not a live loader: sync on the micro-step count
-    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
-                                                            sync_with_dataloader=False),
-    # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
-    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
-    kwargs_handlers=[pg_kwargs, ddp_kwargs])
-try:
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-    launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
-except ValueError as err:
-    sys.exit(f"error: {err}")
-precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-try:  # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
-    run_dir.claim(accelerator, args)
-except ValueError as err:
-    sys.exit(f"error: {err}")
-is_fsdp = accelerator.distributed_type == DistributedType.FSDP
-variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])) if args.variants == "auto" \
-    else args.variants.split(",")
-if not set(variants) <= {"none", "hf", "manual", "fsdp"} or variants[0] != "none":
-    sys.exit(f"error: --variants {args.variants!r}: a comma-separated list starting with none, "
-             "drawn from none,hf,manual,fsdp (the reference for gradients and ratios comes first)")
-if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
-    sys.exit("error: --variants fsdp needs an FSDP2 launch (accelerate_configs/fsdp.yaml); "
-             f"this one is {accelerator.distributed_type}")
-device = accelerator.device
-
-# ---------------------------------------------------------------------------------------------
-# Data: the first max_steps windows of the seeded epoch, reused by every variant and depth. Each
-# node's first rank builds the cache (home directories are often node-local), then its others read it.
-# ---------------------------------------------------------------------------------------------
-with accelerator.local_main_process_first():
-    raw = data.load_text_dataset()
-    tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
-    train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"].with_format("torch")
-train_loader = accelerator.prepare(torch.utils.data.DataLoader(  # pinned: page-locked, for the non-blocking copies
-    train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
-    pin_memory=device.type == "cuda"))
-train_loader.set_epoch(0)
-accumulation = args.gradient_accumulation_steps
-micro_batches = list(itertools.islice(train_loader, args.max_steps * accumulation))  # this rank's share
-if len(micro_batches) < args.max_steps * accumulation:
-    sys.exit(f"error: --max_steps {args.max_steps} x --gradient_accumulation_steps {accumulation}: the corpus gives "
-             f"only {len(micro_batches)} batches per rank")
-windows = [micro_batches[i:i + accumulation] for i in range(0, len(micro_batches), accumulation)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Models: one per variant, the same seeded weights; the variant decides what is checkpointed.
-# ---------------------------------------------------------------------------------------------
-def build(num_layers: int, variant: str):
+def build(accelerator, args, tokenizer, num_layers: int, variant: str):
     """The model and optimizer for one variant, prepared (wrapped in DDP or sharded by FSDP2)."""
     set_seed(args.seed)  # the same initial weights for every variant and on every rank
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), num_hidden_layers=num_layers,
@@ -212,7 +115,7 @@ def build(num_layers: int, variant: str):
         # checkpoint and do not run again when backward recomputes the block.
         for layer in model.model.layers:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    if is_fsdp:  # Accelerate applies its activation checkpointing inside prepare(), per plugin
+    if accelerator.distributed_type == DistributedType.FSDP:  # Accelerate checkpoints in prepare(), per plugin
         accelerator.state.fsdp_plugin.activation_checkpointing = variant == "fsdp"
     # decay on weight matrices and embeddings only, never on norm weights
     optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
@@ -238,7 +141,7 @@ def strict_row(row: dict) -> dict:
 
 
 @contextmanager
-def forward_backward_peak(run: dict, on: bool):
+def forward_backward_peak(run: dict, on: bool, device: torch.device):
     """Meter the forward + backward run inside (a no-op unless `on`): run["peak_bytes"] becomes the
     larger of its value (None: 0) and the bytes allocated at the worst moment inside, above what was
     allocated on entry (int, bytes). CUDA: the allocator's peak, reset on entry (no device sync:
@@ -258,120 +161,216 @@ def forward_backward_peak(run: dict, on: bool):
     run["peak_bytes"] = max(run["peak_bytes"] or 0, peak)
 
 
-results = []
-for num_layers in depths:
-    runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_bytes": None} for v in variants}
-    # Rounds in alternating order (none,hf,manual then manual,hf,none, ...) so that a drift in the
-    # machine's load does not favour one variant; one variant alive at a time, so each memory
-    # reading is that variant's alone.
-    for rnd in range(args.timing_rounds):
-        for variant in (variants if rnd % 2 == 0 else variants[::-1]):
-            model, optimizer = build(num_layers, variant)
-            guard = precision.NonFiniteGuard(accelerator, model)  # inf/NaN outside fp16 loss scaling: stop, not measure
-            run = runs[variant]
-            run["saved"].tag = "rest"  # split the count: what the decoder blocks save, whatever wraps them, the rest
-            for layer in accelerator.unwrap_model(model).model.layers:
-                layer.register_forward_pre_hook(lambda *_, m=run["saved"]: setattr(m, "tag", "blocks"))
-                layer.register_forward_hook(lambda *_, m=run["saved"]: setattr(m, "tag", "rest"))
+def main() -> int:
+    # --max_steps: steps per variant, depth and round (the first untimed). weight_decay 0.01 is what
+    # torch's AdamW applied here before the flag existed (now on matrices only).
+    args = parse_args(Args, description=__doc__, output_dir="runs/gradient_checkpointing", per_device_train_batch_size=2, learning_rate=1e-3,
+                      weight_decay=0.01, max_steps=4)
+    no_training_run = "it measures a few steps of each variant and keeps none of them"
+    unsupported(args, "gradient_checkpointing.py", warmup_steps="it trains at a constant --learning_rate (no schedule)",
+                num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
+                logging_steps="it prints one line per variant and round, and the table",
+                save_steps=f"it saves no checkpoints: {no_training_run}",
+                resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
+                report_to="its figures go to results.json and table.md; there is no training curve to track")
+    try:
+        depths = [int(n) for n in args.num_layers.split(",")]
+    except ValueError:
+        raise Stop(f"--num_layers {args.num_layers!r}: expected comma-separated integers such as 4,8,24")
+    if min(depths) < 1 or args.max_steps < 2:
+        raise Stop(f"need --num_layers >= 1 (got {args.num_layers}) and --max_steps >= 2 (got {args.max_steps})")
+    if precision.detect_device()[0] == "cpu" and args.max_steps < 3:  # step 1 untimed, step 2 metered: one more to time
+        raise Stop(f"--max_steps {args.max_steps}: on CPU step 2 is metered for memory, not timed; need at least 3")
+    if args.model_config not in models.PRESETS:
+        raise Stop(f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+    make_output_dir(args.output_dir)  # before the measurements: a path that cannot be created fails now
 
-            # ---------------------------------------------------------------------------------
-            # Training loop. Round 0, step 0 is measured (the saved-tensor hooks cost time); the
-            # steps after each round's first (optimizer-state allocation) are timed. The peak of
-            # forward + backward: every step but the first on CUDA (reading it is free); on CPU,
-            # the second step of round 0 (the profiler slows it: not timed).
-            # ---------------------------------------------------------------------------------
-            model.train()
-            for step, window in enumerate(windows):
-                cpu_metered = device.type == "cpu" and rnd == 0 and step == 1
-                meter_peak = step > 0 and (device.type == "cuda" or cpu_metered)
-                accelerator.wait_for_everyone()  # every rank starts the timed step together
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step_loss = torch.zeros((), device=device)
-                for micro, batch in enumerate(window):
-                    with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
-                        with forward_backward_peak(run, meter_peak):  # not the optimizer step
-                            with run["saved"] if rnd == 0 and step == 0 and micro == 0 else nullcontext():
-                                loss = model(**batch).loss
-                            accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            if rnd == 0 and step == 0:  # after the all-reduce / reduce-scatter, before clipping
-                                run["grads"] = local_grads(model)
-                            norm = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-                        optimizer.step()  # no-op until the window's last micro batch
-                        optimizer.zero_grad()
-                    step_loss += loss.detach() / accumulation
-                guard.record(step + 1, step_loss, norm)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()  # the clock reads the step's kernels, not just their launch
-                if step > 0 and not cpu_metered:
-                    run["times"].append(time.perf_counter() - t0)
-                if rnd == 0:  # later rounds repeat the same steps from the same seed
-                    run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
-            if problem := guard.problem():
-                sys.exit(f"error: L={num_layers} {variant} round {rnd}: {problem}")
-            accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
-                              f"{run['saved'].bytes / MIB:.2f} MiB, fastest step {min(run['times']):.3f} s, "
-                              f"loss {run['losses'][-1]:.4f}")
-            del model, optimizer
-            accelerator.free_memory()  # drop Accelerate's references before the next model is built
+    # ---------------------------------------------------------------------------------------------
+    # Accelerator: strategy and precision come from the accelerate config, as in every recipe (bf16
+    # only where the hardware computes it: common/precision.py).
+    # ---------------------------------------------------------------------------------------------
+    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # The launch against the flags, the model and the hardware, before any work (common/checks.py lists
+    # the checks): a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the
+    # flags, bf16 on a GPU without it is emulated, an FSDP wrap class the model does not have, ...
+    launch_config = checks.launch_config_from_env()
+    hardware = checks.detect_hardware()
+    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
+    run_precision = precision.for_launch(launch_config, hardware)
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    checks.stop_on(checks.config_problems(
+        launch_config, ds=ds_config, ds_where=ds_where, hardware=hardware,
+        flags={**{k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                "max_grad_norm")}, "mixed_precision": run_precision["used"]},
+        **checks.model_facts(launch_config, ds_config, LlamaForCausalLM,
+                             models.llama_config(args.model_config, args.vocab_size))))
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
+    accelerator = Accelerator(
+        mixed_precision=run_precision["used"],
+        # the measured batches are a list, not a live loader: sync on the micro-step count
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
+        # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+        kwargs_handlers=[pg_kwargs, ddp_kwargs])
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+    launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
+    precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
+    # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
+    run_dir.claim(accelerator, args)
+    is_fsdp = accelerator.distributed_type == DistributedType.FSDP
+    variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])) if args.variants == "auto" \
+        else args.variants.split(",")
+    if not set(variants) <= {"none", "hf", "manual", "fsdp"} or variants[0] != "none":
+        raise Stop(f"--variants {args.variants!r}: a comma-separated list starting with none, "
+                   "drawn from none,hf,manual,fsdp (the reference for gradients and ratios comes first)")
+    if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
+        raise Stop("--variants fsdp needs an FSDP2 launch (accelerate_configs/fsdp.yaml); "
+                   f"this one is {accelerator.distributed_type}")
+    device = accelerator.device
 
-    # -----------------------------------------------------------------------------------------
-    # Evaluation: what each variant saved, cost and computed, against `none`.
-    # -----------------------------------------------------------------------------------------
-    ref = runs["none"]
-    for variant, run in runs.items():
-        diff = accelerator.gather((run["grads"] - ref["grads"]).abs().max().reshape(1).to(device)).max().item()
-        scale = accelerator.gather(ref["grads"].abs().max().reshape(1).to(device)).max().item()
-        results.append({
-            "num_layers": num_layers, "variant": variant, "saved_bytes": run["saved"].bytes,
-            "saved_block_bytes": run["saved"].by_tag.get("blocks", 0),
-            "saved_rest_bytes": run["saved"].by_tag.get("rest", 0),
-            "step_seconds": min(run["times"]), "time_ratio": min(run["times"]) / min(ref["times"]),
-            "max_abs_grad_diff": diff, "max_abs_grad": scale, "losses": run["losses"],
-            "max_abs_loss_diff": max(abs(x - y) for x, y in zip(run["losses"], ref["losses"])),
-            "peak_bytes": run["peak_bytes"],
-        })
+    # ---------------------------------------------------------------------------------------------
+    # Data: the first max_steps windows of the seeded epoch, reused by every variant and depth. Each
+    # node's first rank builds the cache (home directories are often node-local), then its others read it.
+    # ---------------------------------------------------------------------------------------------
+    with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
+        raw = data.load_text_dataset()
+        tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+        train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"].with_format("torch")
+    train_loader = accelerator.prepare(torch.utils.data.DataLoader(  # pinned: page-locked, for the non-blocking copies
+        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
+        pin_memory=device.type == "cuda"))
+    train_loader.set_epoch(0)
+    accumulation = args.gradient_accumulation_steps
+    micro_batches = list(itertools.islice(train_loader, args.max_steps * accumulation))  # this rank's share
+    if len(micro_batches) < args.max_steps * accumulation:
+        raise Stop(f"--max_steps {args.max_steps} x --gradient_accumulation_steps {accumulation}: the corpus gives "
+                   f"only {len(micro_batches)} batches per rank")
+    windows = [micro_batches[i:i + accumulation] for i in range(0, len(micro_batches), accumulation)]
 
-# ---------------------------------------------------------------------------------------------
-# The table, with the rule of thumb next to the measurement. A = one block's saved bytes
-# without checkpointing (measured: the blocks' bytes / L); with checkpointing a block keeps only
-# its input x (measured), and backward recomputes one block at a time, so the blocks' memory at
-# the backward peak is about L*x + A (derived from the two): L-fold less only while L*x << A.
-# ---------------------------------------------------------------------------------------------
-lines = [f"{str(accelerator.distributed_type).split('.')[-1]} x{accelerator.num_processes}, "
-         f"{accelerator.mixed_precision}, {args.model_config} Llama, per-device batch "
-         f"{args.per_device_train_batch_size} x {args.block_size} tokens, {device.type}", "",
-         "| L | variant | saved for backward MiB | blocks MiB | rest MiB | blocks at backward peak MiB (derived) "
-         "| blocks ÷ (rule: ÷L) | step s | time × (rule: ×1.33) | max abs grad diff | forward+backward peak MiB |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
-for r in results:
-    base = next(b for b in results if b["num_layers"] == r["num_layers"] and b["variant"] == "none")
-    per_block = base["saved_block_bytes"] / r["num_layers"]
-    r["blocks_peak_bytes"] = r["saved_block_bytes"] + (0 if r["variant"] == "none" else per_block)
-    r["blocks_reduction"] = base["saved_block_bytes"] / r["blocks_peak_bytes"]
-    peak = f"{r['peak_bytes'] / MIB:.1f}" if r["peak_bytes"] is not None else "n/a"
-    lines.append(f"| {r['num_layers']} | {r['variant']} | {r['saved_bytes'] / MIB:.2f} | "
-                 f"{r['saved_block_bytes'] / MIB:.2f} | {r['saved_rest_bytes'] / MIB:.2f} | "
-                 f"{r['blocks_peak_bytes'] / MIB:.2f} | {r['blocks_reduction']:.1f} (÷{r['num_layers']}) | "
-                 f"{r['step_seconds']:.3f} | {r['time_ratio']:.2f} | {r['max_abs_grad_diff']:.2e} | {peak} |")
-ref = next(r for r in results if r["variant"] == "none")
-ckpt = next((r for r in results if r["num_layers"] == ref["num_layers"] and r["variant"] != "none"), None)
-if ckpt:
-    a, x = ref["saved_block_bytes"] / ref["num_layers"], ckpt["saved_block_bytes"] / ckpt["num_layers"]
-    lines += ["", f"Measured: one block saves A = {a / MIB:.2f} MiB without checkpointing and keeps x = {x / MIB:.2f} "
-              f"MiB (its input) with it, A/x = {a / x:.0f}: the blocks shrink L*A -> L*x + A, about L-fold only "
-              f"while L << A/x. 'rest' (embedding, final norm, LM head, loss) is never checkpointed. Step time: the "
-              "fastest timed step (the least disturbed by other processes) of this run; the +33% rule counts one "
-              "extra forward of the blocks, the LM head and loss are not recomputed."]
-table = "\n".join(lines)
-if accelerator.is_main_process:
-    print(table)
-    Path(args.output_dir, "table.md").write_text(table + "\n")
-    Path(args.output_dir, "results.json").write_text(json.dumps(
-        {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
-         "mixed_precision": accelerator.mixed_precision, "precision": run_precision, "device": device.type, "args": vars(args),
-         "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
-launch.teardown(accelerator)  # in order: the models (freed in the loop) before the process group
-accelerator.print(f"done: table in {Path(args.output_dir, 'table.md')}, figures in {Path(args.output_dir, 'results.json')}")
+    # ---------------------------------------------------------------------------------------------
+    # Models: one per variant, the same seeded weights; the variant decides what is checkpointed.
+    # ---------------------------------------------------------------------------------------------
+    results = []
+    for num_layers in depths:
+        runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_bytes": None} for v in variants}
+        # Rounds in alternating order (none,hf,manual then manual,hf,none, ...) so that a drift in the
+        # machine's load does not favour one variant; one variant alive at a time, so each memory
+        # reading is that variant's alone.
+        for rnd in range(args.timing_rounds):
+            for variant in (variants if rnd % 2 == 0 else variants[::-1]):
+                model, optimizer = build(accelerator, args, tokenizer, num_layers, variant)
+                guard = precision.NonFiniteGuard(accelerator, model)  # inf/NaN outside fp16 loss scaling: stop, not measure
+                run = runs[variant]
+                run["saved"].tag = "rest"  # split the count: what the decoder blocks save, whatever wraps them, the rest
+                for layer in accelerator.unwrap_model(model).model.layers:
+                    layer.register_forward_pre_hook(lambda *_, m=run["saved"]: setattr(m, "tag", "blocks"))
+                    layer.register_forward_hook(lambda *_, m=run["saved"]: setattr(m, "tag", "rest"))
+
+                # ---------------------------------------------------------------------------------
+                # Training loop. Round 0, step 0 is measured (the saved-tensor hooks cost time); the
+                # steps after each round's first (optimizer-state allocation) are timed. The peak of
+                # forward + backward: every step but the first on CUDA (reading it is free); on CPU,
+                # the second step of round 0 (the profiler slows it: not timed).
+                # ---------------------------------------------------------------------------------
+                model.train()
+                for step, window in enumerate(windows):
+                    cpu_metered = device.type == "cpu" and rnd == 0 and step == 1
+                    meter_peak = step > 0 and (device.type == "cuda" or cpu_metered)
+                    accelerator.wait_for_everyone()  # every rank starts the timed step together
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    step_loss = torch.zeros((), device=device)
+                    for micro, batch in enumerate(window):
+                        with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
+                            with forward_backward_peak(run, meter_peak, device):  # not the optimizer step
+                                with run["saved"] if rnd == 0 and step == 0 and micro == 0 else nullcontext():
+                                    loss = model(**batch).loss
+                                accelerator.backward(loss)
+                            if accelerator.sync_gradients:
+                                if rnd == 0 and step == 0:  # after the all-reduce / reduce-scatter, before clipping
+                                    run["grads"] = local_grads(model)
+                                norm = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
+                            optimizer.step()  # no-op until the window's last micro batch
+                            optimizer.zero_grad()
+                        step_loss += loss.detach() / accumulation
+                    guard.record(step + 1, step_loss, norm)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()  # the clock reads the step's kernels, not just their launch
+                    if step > 0 and not cpu_metered:
+                        run["times"].append(time.perf_counter() - t0)
+                    if rnd == 0:  # later rounds repeat the same steps from the same seed
+                        run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
+                if problem := guard.problem():
+                    raise Stop(f"L={num_layers} {variant} round {rnd}: {problem}")
+                accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
+                                  f"{run['saved'].bytes / MIB:.2f} MiB, fastest step {min(run['times']):.3f} s, "
+                                  f"loss {run['losses'][-1]:.4f}")
+                del model, optimizer
+                accelerator.free_memory()  # drop Accelerate's references before the next model is built
+
+        # -----------------------------------------------------------------------------------------
+        # Evaluation: what each variant saved, cost and computed, against `none`.
+        # -----------------------------------------------------------------------------------------
+        ref = runs["none"]
+        for variant, run in runs.items():
+            diff = accelerator.gather((run["grads"] - ref["grads"]).abs().max().reshape(1).to(device)).max().item()
+            scale = accelerator.gather(ref["grads"].abs().max().reshape(1).to(device)).max().item()
+            results.append({
+                "num_layers": num_layers, "variant": variant, "saved_bytes": run["saved"].bytes,
+                "saved_block_bytes": run["saved"].by_tag.get("blocks", 0),
+                "saved_rest_bytes": run["saved"].by_tag.get("rest", 0),
+                "step_seconds": min(run["times"]), "time_ratio": min(run["times"]) / min(ref["times"]),
+                "max_abs_grad_diff": diff, "max_abs_grad": scale, "losses": run["losses"],
+                "max_abs_loss_diff": max(abs(x - y) for x, y in zip(run["losses"], ref["losses"])),
+                "peak_bytes": run["peak_bytes"],
+            })
+
+    # ---------------------------------------------------------------------------------------------
+    # The table, with the rule of thumb next to the measurement. A = one block's saved bytes
+    # without checkpointing (measured: the blocks' bytes / L); with checkpointing a block keeps only
+    # its input x (measured), and backward recomputes one block at a time, so the blocks' memory at
+    # the backward peak is about L*x + A (derived from the two): L-fold less only while L*x << A.
+    # ---------------------------------------------------------------------------------------------
+    lines = [f"{str(accelerator.distributed_type).split('.')[-1]} x{accelerator.num_processes}, "
+             f"{accelerator.mixed_precision}, {args.model_config} Llama, per-device batch "
+             f"{args.per_device_train_batch_size} x {args.block_size} tokens, {device.type}", "",
+             "| L | variant | saved for backward MiB | blocks MiB | rest MiB | blocks at backward peak MiB (derived) "
+             "| blocks ÷ (rule: ÷L) | step s | time × (rule: ×1.33) | max abs grad diff | forward+backward peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = next(b for b in results if b["num_layers"] == r["num_layers"] and b["variant"] == "none")
+        per_block = base["saved_block_bytes"] / r["num_layers"]
+        r["blocks_peak_bytes"] = r["saved_block_bytes"] + (0 if r["variant"] == "none" else per_block)
+        r["blocks_reduction"] = base["saved_block_bytes"] / r["blocks_peak_bytes"]
+        peak = f"{r['peak_bytes'] / MIB:.1f}" if r["peak_bytes"] is not None else "n/a"
+        lines.append(f"| {r['num_layers']} | {r['variant']} | {r['saved_bytes'] / MIB:.2f} | "
+                     f"{r['saved_block_bytes'] / MIB:.2f} | {r['saved_rest_bytes'] / MIB:.2f} | "
+                     f"{r['blocks_peak_bytes'] / MIB:.2f} | {r['blocks_reduction']:.1f} (÷{r['num_layers']}) | "
+                     f"{r['step_seconds']:.3f} | {r['time_ratio']:.2f} | {r['max_abs_grad_diff']:.2e} | {peak} |")
+    ref = next(r for r in results if r["variant"] == "none")
+    ckpt = next((r for r in results if r["num_layers"] == ref["num_layers"] and r["variant"] != "none"), None)
+    if ckpt:
+        a, x = ref["saved_block_bytes"] / ref["num_layers"], ckpt["saved_block_bytes"] / ckpt["num_layers"]
+        lines += ["", f"Measured: one block saves A = {a / MIB:.2f} MiB without checkpointing and keeps x = {x / MIB:.2f} "
+                  f"MiB (its input) with it, A/x = {a / x:.0f}: the blocks shrink L*A -> L*x + A, about L-fold only "
+                  f"while L << A/x. 'rest' (embedding, final norm, LM head, loss) is never checkpointed. Step time: the "
+                  "fastest timed step (the least disturbed by other processes) of this run; the +33% rule counts one "
+                  "extra forward of the blocks, the LM head and loss are not recomputed."]
+    table = "\n".join(lines)
+    if accelerator.is_main_process:
+        print(table)
+        Path(args.output_dir, "table.md").write_text(table + "\n")
+        Path(args.output_dir, "results.json").write_text(json.dumps(
+            {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
+             "mixed_precision": accelerator.mixed_precision, "precision": run_precision, "device": device.type, "args": vars(args),
+             "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
+    launch.teardown(accelerator)  # in order: the models (freed in the loop) before the process group
+    accelerator.print(f"done: table in {Path(args.output_dir, 'table.md')}, figures in {Path(args.output_dir, 'results.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    errors.run(main)

@@ -67,7 +67,8 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common.errors import Stop  # noqa: E402
 from common.args import TrainingFlags, flag, make_output_dir, parse_args  # noqa: E402
 from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
 from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
@@ -102,210 +103,6 @@ class Args:
 # This recipe's defaults for core flags (the rest keep common/args.py's).
 DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
-args = parse_args(Args, description=__doc__, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
-make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
-if args.per_device_eval_batch_size is None:
-    args.per_device_eval_batch_size = args.per_device_train_batch_size
-if args.precision not in precision.MODES:
-    sys.exit(f"error: --precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
-if args.model_config not in models.PRESETS:
-    sys.exit(f"error: unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
-for name in ("init_scale", "min_loss_scale"):
-    if not getattr(args, name) > 0:
-        sys.exit(f"error: --{name} must be positive, got {getattr(args, name)}")
-if args.init_scale < args.min_loss_scale:
-    sys.exit(f"error: --init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}")
-
-# ---------------------------------------------------------------------------------------------
-# --compare: one launch per precision with the same config and arguments, then the table. Each
-# launch is a whole job, so each mode gets its own process group, Accelerator and autocast.
-# ---------------------------------------------------------------------------------------------
-if args.compare:
-    if "LOCAL_RANK" in os.environ:
-        sys.exit("error: run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
-    if not Path(args.config_file).is_file():
-        sys.exit(f"error: --config_file {args.config_file}: no such file")
-    if args.resume_from_checkpoint not in (None, "latest", "auto"):
-        sys.exit("error: --compare resumes each precision from its own folder: pass --resume_from_checkpoint "
-                 "latest or auto")
-    # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
-    # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
-    defaults = {**asdict(TrainingFlags()), **{f.name: f.default for f in fields(Args)}, **DEFAULTS}
-    driver_only = {"compare", "config_file", "precision", "output_dir"}
-    passed = [s for name, value in vars(args).items() if name not in driver_only and value != defaults[name]
-              for s in (f"--{name}", str(value))]
-    rows = []
-    for mode in ("no", "bf16", "fp16"):
-        out = Path(args.output_dir) / mode
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
-               __file__, *passed, "--precision", mode, "--output_dir", str(out)]
-        print(f"=== {mode}: {' '.join(cmd)}", flush=True)
-        done = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
-        rows.append(json.loads((out / "summary.json").read_text()) if done else {"precision": mode, "failed": True})
-    done = [r for r in rows if not r.get("failed")] or [{}]
-    lines = [f"{args.config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
-             f"{done[0].get('device')}, {args.model_config} Llama, global batch {done[0].get('global_batch')} x "
-             f"{args.block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
-             "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
-             "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
-             "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("failed"):
-            lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
-            continue
-        mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
-                                               "gradient_bytes")]
-        num = {k: "nan" if r[k] is None else format(r[k], spec)  # null: not finite (summary.json's "nonfinite")
-               for k, spec in (("train_loss", ".4f"), ("eval_loss", ".4f"), ("tokens_per_second", ".0f"))}
-        lines.append(f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
-                     f"{num['tokens_per_second']} | {' | '.join(mib)} | "
-                     f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
-    table = "\n".join(lines)
-    print(table)
-    Path(args.output_dir, "comparison.md").write_text(table + "\n")
-    sys.exit(0 if not any(r.get("failed") for r in rows) else 1)
-
-# ---------------------------------------------------------------------------------------------
-# Precision for this hardware, decided before the Accelerator exists (it fixes one per process).
-# The model is built on the meta device just to count its parameters.
-# ---------------------------------------------------------------------------------------------
-model_config = models.llama_config(args.model_config, args.vocab_size)
-with torch.device("meta"):
-    n_params = sum(p.numel() for p in LlamaForCausalLM(model_config).parameters())
-device_type, capability = precision.detect_device()
-try:
-    mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
-except ValueError as err:
-    sys.exit(f"error: {err}")
-
-launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-# The launch against the flags, the model and the hardware (common/checks.py lists the checks): a
-# DeepSpeed JSON's explicit batch, clipping or bf16/fp16 block would silently win over them, ...
-launch_config = checks.launch_config_from_env()
-check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
-               args.gradient_accumulation_steps, "max_grad_norm": args.max_grad_norm, "mixed_precision": mode,
-               "block_size": args.block_size}
-try:
-    ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
-                 **checks.model_facts(launch_config, ds_config, LlamaForCausalLM, model_config))
-    checks.stop_on(checks.config_problems(launch_config, **facts))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
-except ValueError as err:
-    sys.exit(f"error: {err}")
-config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the launch config's, which --precision overrides
-accelerator = Accelerator(
-    mixed_precision=mode,
-    # each epoch is cut into whole windows below, so sync on the micro-step count, not the loader's end
-    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
-                                                            sync_with_dataloader=False),
-    # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
-    dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
-    step_scheduler_with_optimizer=False,  # we step the LR ourselves, and not after a skipped step
-    log_with=None if args.report_to == "none" else args.report_to,
-    project_dir=args.output_dir,
-    kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
-)
-try:
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-except ValueError as err:
-    sys.exit(f"error: {err}")
-try:
-    if launch.install_cpu_grad_scaler(accelerator):
-        reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
-except ValueError as err:
-    sys.exit(f"error: --precision fp16: {err}")
-accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
-                                                     if config_mp and config_mp != mode else ""))
-precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-try:  # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
-    run_dir.claim(accelerator, args)
-except ValueError as err:
-    sys.exit(f"error: {err}")
-
-# ---------------------------------------------------------------------------------------------
-# Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches. Each
-# node's first rank builds the cache (home directories are often node-local), then its others read it.
-# ---------------------------------------------------------------------------------------------
-with accelerator.local_main_process_first():
-    raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
-    tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
-    lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
-train_set = lm_data["train"]
-eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_data["validation"]))))
-world_size = accelerator.num_processes
-global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest of an epoch is dropped
-facts.update(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")  # >= one global batch?
-checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
-max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
-# Private generators: each iter() of a loader draws a seed from its generator, else from the global
-# RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
-pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
-train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                           drop_last=True, generator=torch.Generator(), pin_memory=pin)
-eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                          generator=torch.Generator(), pin_memory=pin)
-
-# ---------------------------------------------------------------------------------------------
-# Model: fp32 master weights in every mode; the precision only changes the compute.
-# ---------------------------------------------------------------------------------------------
-config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, use_cache=False)
-set_seed(args.seed)  # the same initial weights in every mode and on every rank
-model = LlamaForCausalLM(config)
-# From here each rank draws its own random numbers (dropout, if a config has any); the data order
-# does not use them: the seedable sampler has its own generator, seeded by --seed + epoch.
-set_seed(args.seed, device_specific=True)
-# Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
-optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
-accelerator.print("AdamW weight decay: " + ", ".join(
-    f"{g['weight_decay']:g} on {len(g['params'])} tensors "
-    f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups))
-lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
-
-model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
-    model, optimizer, train_loader, eval_loader, lr_scheduler)
-precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
-
-# Resume only into the same kind of run: the data position follows from the step count, the seed
-# and the block size, and the scaler state means nothing to another precision.
-run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + ZeRO's reduction dtypes
-             "distributed_type": checkpoint.strategy_name(accelerator),
-             "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
-             # the optimizer state brings its own LR and decay back, whatever the flags say
-             "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-             "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(config),
-             "max_steps": max_steps}  # (not compared: a resume may train longer; see resume_error)
-try:
-    resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
-except (ValueError, FileNotFoundError) as err:
-    sys.exit(f"error: cannot resume: {err}")
-step = saved["step"]
-# fp16 bookkeeping that the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
-skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
-if resume_path:
-    if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):  # all of it must match
-        sys.exit(f"error: {error}")
-    # model, optimizer, scheduler, RNG and the scaler's scale; the micro-step count follows the step
-    checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
-else:
-    checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
-metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-if accelerator.is_main_process:  # a resume keeps the lines up to its step; a fresh run starts the file
-    kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= step] \
-        if resume_path and os.path.exists(metrics_path) else []
-    with open(metrics_path, "w") as f:
-        f.writelines(kept)
-accelerator.init_trackers("mixed_precision", config={k: v for k, v in vars(args).items() if v is not None})
-scale = precision.loss_scale(accelerator, model)  # None without loss scaling
-accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {n_params / 1e6:.2f}M params | "
-                  f"global batch {global_batch} | steps {step}..{max_steps}"
-                  + (f" | loss scale {scale:.0f}" if scale is not None else "")
-                  + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
-                  + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-                  + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
 
 
 def poison_gradients(model):
@@ -316,7 +113,7 @@ def poison_gradients(model):
 
 
 @torch.no_grad()
-def evaluate(model):
+def evaluate(model, eval_loader, accelerator):
     """Mean held-out loss in nats/token (every eval block counted once, blocks are full length)."""
     model.eval()
     nats, tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
@@ -333,116 +130,316 @@ def evaluate(model):
     return (nats / tokens).item()
 
 
-# ---------------------------------------------------------------------------------------------
-# Training loop. The first micro batch of the launch is measured: bytes saved for backward
-# (activations), parameters and gradients on this rank. Tokens/s counts the steps after it.
-# ---------------------------------------------------------------------------------------------
-model.train()
-start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
-guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
-window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
-epoch = step // updates_per_epoch
-# SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
-preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
-while step < max_steps:
-    train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
-    done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
-    batches = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
-    for batch in batches:
-        measure = not sizes
-        with accelerator.accumulate(model):
-            with SavedTensorBytes() if measure else nullcontext() as saved:
-                loss = model(**batch).loss
-            accelerator.backward(loss)  # under fp16: backward of loss x scale
-            window_loss += loss.detach()
-            window_batches += 1
-            if accelerator.sync_gradients:
-                if step + 1 == args.inject_inf_grad_at_step:
-                    poison_gradients(model)
-                # Under fp16 this unscales the gradients first, so the norm and the clip threshold
-                # are in true units; an inf/NaN norm means this step will be skipped.
-                norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-            if measure:
-                sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,  # autocast's weight casts apart
-                         "weight_copy_bytes": saved.weight_copy_bytes,
-                         "parameter_bytes": local_tensor_bytes(model.parameters()),
-                         "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters())}
-            step_lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
-            optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
-            if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
-            optimizer.zero_grad()
-        tokens += batch["input_ids"].numel()
-        if not accelerator.sync_gradients:
-            continue
-        step += 1
-        guard.record(step, window_loss / window_batches, norm_before_clip)  # on the device: read at logging/saving
-        step_skipped = accelerator.optimizer_step_was_skipped
-        skipped_steps += step_skipped
-        skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
-        # None in fp32/bf16 (no read); fp16: a host read, but scaler.step has already synced for its inf check
-        scale = precision.loss_scale(accelerator, model)
-        stop = None  # the same verdict on every rank: the scale and the skips are the same everywhere
-        try:
-            if warning := precision.skipped_step_warning(scale, skipped_in_a_row, args.min_loss_scale):
+def main() -> int:
+    args = parse_args(Args, description=__doc__, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
+    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
+    if args.per_device_eval_batch_size is None:
+        args.per_device_eval_batch_size = args.per_device_train_batch_size
+    if args.precision not in precision.MODES:
+        raise Stop(f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
+    if args.model_config not in models.PRESETS:
+        raise Stop(f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+    for name in ("init_scale", "min_loss_scale"):
+        if not getattr(args, name) > 0:
+            raise Stop(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.init_scale < args.min_loss_scale:
+        raise Stop(f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}")
+
+    # ---------------------------------------------------------------------------------------------
+    # --compare: one launch per precision with the same config and arguments, then the table. Each
+    # launch is a whole job, so each mode gets its own process group, Accelerator and autocast.
+    # ---------------------------------------------------------------------------------------------
+    if args.compare:
+        if "LOCAL_RANK" in os.environ:
+            raise Stop("run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
+        if not Path(args.config_file).is_file():
+            raise Stop(f"--config_file {args.config_file}: no such file")
+        if args.resume_from_checkpoint not in (None, "latest", "auto"):
+            raise Stop("--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
+                       "latest or auto")
+        # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
+        # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
+        defaults = {**asdict(TrainingFlags()), **{f.name: f.default for f in fields(Args)}, **DEFAULTS}
+        driver_only = {"compare", "config_file", "precision", "output_dir"}
+        passed = [s for name, value in vars(args).items() if name not in driver_only and value != defaults[name]
+                  for s in (f"--{name}", str(value))]
+        rows = []
+        for mode in ("no", "bf16", "fp16"):
+            out = Path(args.output_dir) / mode
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+                   __file__, *passed, "--precision", mode, "--output_dir", str(out)]
+            print(f"=== {mode}: {' '.join(cmd)}", flush=True)
+            done = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
+            rows.append(json.loads((out / "summary.json").read_text()) if done else {"precision": mode, "failed": True})
+        done = [r for r in rows if not r.get("failed")] or [{}]
+        lines = [f"{args.config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
+                 f"{done[0].get('device')}, {args.model_config} Llama, global batch {done[0].get('global_batch')} x "
+                 f"{args.block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
+                 "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
+                 "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
+                 "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("failed"):
+                lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
+                continue
+            mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
+                                                   "gradient_bytes")]
+            num = {k: "nan" if r[k] is None else format(r[k], spec)  # null: not finite (summary.json's "nonfinite")
+                   for k, spec in (("train_loss", ".4f"), ("eval_loss", ".4f"), ("tokens_per_second", ".0f"))}
+            lines.append(f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
+                         f"{num['tokens_per_second']} | {' | '.join(mib)} | "
+                         f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
+        table = "\n".join(lines)
+        print(table)
+        Path(args.output_dir, "comparison.md").write_text(table + "\n")
+        return 1 if any(r.get("failed") for r in rows) else 0
+
+    # ---------------------------------------------------------------------------------------------
+    # Precision for this hardware, decided before the Accelerator exists (it fixes one per process).
+    # The model is built on the meta device just to count its parameters.
+    # ---------------------------------------------------------------------------------------------
+    model_config = models.llama_config(args.model_config, args.vocab_size)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in LlamaForCausalLM(model_config).parameters())
+    device_type, capability = precision.detect_device()
+    mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
+
+    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # The launch against the flags, the model and the hardware (common/checks.py lists the checks): a
+    # DeepSpeed JSON's explicit batch, clipping or bf16/fp16 block would silently win over them, ...
+    launch_config = checks.launch_config_from_env()
+    check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
+                   args.gradient_accumulation_steps, "max_grad_norm": args.max_grad_norm, "mixed_precision": mode,
+                   "block_size": args.block_size}
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
+                 **checks.model_facts(launch_config, ds_config, LlamaForCausalLM, model_config))
+    checks.stop_on(checks.config_problems(launch_config, **facts))
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+    config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the launch config's, which --precision overrides
+    accelerator = Accelerator(
+        mixed_precision=mode,
+        # each epoch is cut into whole windows below, so sync on the micro-step count, not the loader's end
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
+        # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+        step_scheduler_with_optimizer=False,  # we step the LR ourselves, and not after a skipped step
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
+    )
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+    try:
+        if launch.install_cpu_grad_scaler(accelerator):
+            reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
+    except Stop as err:
+        raise Stop(f"--precision fp16: {err}") from None
+    accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
+                                                         if config_mp and config_mp != mode else ""))
+    precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
+    # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
+    run_dir.claim(accelerator, args)
+
+    # ---------------------------------------------------------------------------------------------
+    # Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches. Each
+    # node's first rank builds the cache (home directories are often node-local), then its others read it.
+    # ---------------------------------------------------------------------------------------------
+    with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
+        raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
+        tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+        lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
+    train_set = lm_data["train"]
+    eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_data["validation"]))))
+    world_size = accelerator.num_processes
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest of an epoch is dropped
+    facts.update(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")  # >= one global batch?
+    checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
+    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+    # Private generators: each iter() of a loader draws a seed from its generator, else from the global
+    # RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
+    pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                                               drop_last=True, generator=torch.Generator(), pin_memory=pin)
+    eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
+                                              generator=torch.Generator(), pin_memory=pin)
+
+    # ---------------------------------------------------------------------------------------------
+    # Model: fp32 master weights in every mode; the precision only changes the compute.
+    # ---------------------------------------------------------------------------------------------
+    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, use_cache=False)
+    set_seed(args.seed)  # the same initial weights in every mode and on every rank
+    model = LlamaForCausalLM(config)
+    # From here each rank draws its own random numbers (dropout, if a config has any); the data order
+    # does not use them: the seedable sampler has its own generator, seeded by --seed + epoch.
+    set_seed(args.seed, device_specific=True)
+    # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
+    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
+    accelerator.print("AdamW weight decay: " + ", ".join(
+        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups))
+    lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+
+    model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, lr_scheduler)
+    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+
+    # Resume only into the same kind of run: the data position follows from the step count, the seed
+    # and the block size, and the scaler state means nothing to another precision.
+    run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + ZeRO's reduction dtypes
+                 "distributed_type": checkpoint.strategy_name(accelerator),
+                 "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
+                 # the optimizer state brings its own LR and decay back, whatever the flags say
+                 "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
+                 "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(config),
+                 "max_steps": max_steps}  # (not compared: a resume may train longer; see resume_error)
+    try:
+        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
+    except Stop as err:
+        raise Stop(f"cannot resume: {err}") from None
+    step = saved["step"]
+    # fp16 bookkeeping that the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
+    skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
+    if resume_path:
+        if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):  # all of it must match
+            raise Stop(error)
+        # model, optimizer, scheduler, RNG and the scaler's scale; the micro-step count follows the step
+        checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
+    else:
+        checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if accelerator.is_main_process:  # a resume keeps the lines up to its step; a fresh run starts the file
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= step] \
+            if resume_path and os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    accelerator.init_trackers("mixed_precision", config={k: v for k, v in vars(args).items() if v is not None})
+    scale = precision.loss_scale(accelerator, model)  # None without loss scaling
+    accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {n_params / 1e6:.2f}M params | "
+                      f"global batch {global_batch} | steps {step}..{max_steps}"
+                      + (f" | loss scale {scale:.0f}" if scale is not None else "")
+                      + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
+                      + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
+                      + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+
+    # ---------------------------------------------------------------------------------------------
+    # Training loop. The first micro batch of the launch is measured: bytes saved for backward
+    # (activations), parameters and gradients on this rank. Tokens/s counts the steps after it.
+    # ---------------------------------------------------------------------------------------------
+    model.train()
+    start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
+    guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
+    window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
+    epoch = step // updates_per_epoch
+    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
+    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
+    while step < max_steps:
+        train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+        done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
+        batches = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
+        for batch in batches:
+            measure = not sizes
+            with accelerator.accumulate(model):
+                with SavedTensorBytes() if measure else nullcontext() as saved:
+                    loss = model(**batch).loss
+                accelerator.backward(loss)  # under fp16: backward of loss x scale
+                window_loss += loss.detach()
+                window_batches += 1
+                if accelerator.sync_gradients:
+                    if step + 1 == args.inject_inf_grad_at_step:
+                        poison_gradients(model)
+                    # Under fp16 this unscales the gradients first, so the norm and the clip threshold
+                    # are in true units; an inf/NaN norm means this step will be skipped.
+                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
+                if measure:
+                    sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,  # autocast's weight casts apart
+                             "weight_copy_bytes": saved.weight_copy_bytes,
+                             "parameter_bytes": local_tensor_bytes(model.parameters()),
+                             "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters())}
+                step_lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
+                optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+                optimizer.zero_grad()
+            tokens += batch["input_ids"].numel()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            guard.record(step, window_loss / window_batches, norm_before_clip)  # on the device: read at logging/saving
+            step_skipped = accelerator.optimizer_step_was_skipped
+            skipped_steps += step_skipped
+            skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
+            # None in fp32/bf16 (no read); fp16: a host read, but scaler.step has already synced for its inf check
+            scale = precision.loss_scale(accelerator, model)
+            # the same verdict on every rank: the scale and the skips are the same everywhere
+            warning, stop = precision.loss_scale_verdict(scale, skipped_in_a_row, args.min_loss_scale)
+            stop = stop and f"step {step}: {stop}"
+            if warning and accelerator.is_main_process:
+                print(f"step {step}: {warning}", file=sys.stderr, flush=True)
+            if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
+                tokens, t0 = 0, time.perf_counter()
+            preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
+            save = preempt or (args.save_steps and step % args.save_steps == 0)
+            if not stop and (save or step % args.logging_steps == 0 or step == max_steps):
+                stop = guard.problem()  # before any checkpoint of non-finite weights
+
+            if step % args.logging_steps == 0 or step == max_steps or stop:
+                loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
+                record = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": step_lr,
+                          "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
+                          "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
+                nonfinite_losses += not math.isfinite(loss_mean)
+                if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:  # (else: the guard's error)
+                    warnings.warn(f"step {step}: the training loss is {loss_mean} ({mode if mode != 'no' else 'fp32'}); "
+                                  f"{REMEDIES}")
                 if accelerator.is_main_process:
-                    print(f"step {step}: {warning}", file=sys.stderr, flush=True)
-        except ValueError as err:
-            stop = f"step {step}: {err}"
-        if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
-            tokens, t0 = 0, time.perf_counter()
-        preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
-        save = preempt or (args.save_steps and step % args.save_steps == 0)
-        if not stop and (save or step % args.logging_steps == 0 or step == max_steps):
-            stop = guard.problem()  # before any checkpoint of non-finite weights
+                    metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
+                accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
+                accelerator.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in record.items()))
+                last_window_loss = loss_mean
+                window_loss.zero_()
+                window_batches = 0
+            if save and not stop:
+                saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
+                                                      run_state={**run_state, "skipped_steps": skipped_steps,
+                                                                 "skipped_in_a_row": skipped_in_a_row})
+            if stop or preempt:
+                if not stop:
+                    accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                                      "relaunch with --resume_from_checkpoint auto to continue")
+                del model, optimizer
+                launch.teardown(accelerator)
+                if stop:
+                    raise Stop(stop)
+                return checkpoint.PREEMPTED_EXIT_CODE
+            if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch
+                break
+        epoch += 1
 
-        if step % args.logging_steps == 0 or step == max_steps or stop:
-            loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
-            record = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": step_lr,
-                      "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
-                      "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
-            nonfinite_losses += not math.isfinite(loss_mean)
-            if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:  # (else: the guard's error)
-                warnings.warn(f"step {step}: the training loss is {loss_mean} ({mode if mode != 'no' else 'fp32'}); "
-                              f"{REMEDIES}")
-            if accelerator.is_main_process:
-                metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
-            accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
-            accelerator.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in record.items()))
-            last_window_loss = loss_mean
-            window_loss.zero_()
-            window_batches = 0
-        if save and not stop:
-            saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
-                                                  run_state={**run_state, "skipped_steps": skipped_steps,
-                                                             "skipped_in_a_row": skipped_in_a_row})
-        if stop or preempt:
-            if not stop:
-                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                                  "relaunch with --resume_from_checkpoint auto to continue")
-            del model, optimizer
-            launch.teardown(accelerator)
-            sys.exit(f"error: {stop}" if stop else checkpoint.PREEMPTED_EXIT_CODE)
-        if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch
-            break
-    epoch += 1
+    # ---------------------------------------------------------------------------------------------
+    # Summary: one row of the comparison table (the main process writes it).
+    # ---------------------------------------------------------------------------------------------
+    elapsed = time.perf_counter() - t0 if t0 else float("nan")
+    eval_loss = evaluate(model, eval_loader, accelerator)
+    if accelerator.is_main_process:
+        summary = metrics.strict_json({  # standard JSON: a NaN loss becomes null, named in "nonfinite"
+            **run_state, "requested": args.precision, "reason": reason, "device": accelerator.device.type, "steps": step,
+            "train_loss": last_window_loss, "eval_loss": eval_loss,
+            "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
+            "loss_scale": precision.loss_scale(accelerator, model), "skipped_steps": skipped_steps,
+            "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes})
+        Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+        accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
+    del model, optimizer
+    launch.teardown(accelerator)  # in order: the model before the process group
+    accelerator.print(metrics.final_line(metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}",
+                                         eval_loss=eval_loss))
+    return 0
 
-# ---------------------------------------------------------------------------------------------
-# Summary: one row of the comparison table (the main process writes it).
-# ---------------------------------------------------------------------------------------------
-elapsed = time.perf_counter() - t0 if t0 else float("nan")
-eval_loss = evaluate(model)
-if accelerator.is_main_process:
-    summary = metrics.strict_json({  # standard JSON: a NaN loss becomes null, named in "nonfinite"
-        **run_state, "requested": args.precision, "reason": reason, "device": accelerator.device.type, "steps": step,
-        "train_loss": last_window_loss, "eval_loss": eval_loss,
-        "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
-        "loss_scale": precision.loss_scale(accelerator, model), "skipped_steps": skipped_steps,
-        "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes})
-    Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
-    accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
-del model, optimizer
-launch.teardown(accelerator)  # in order: the model before the process group
-accelerator.print(metrics.final_line(metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}",
-                                     eval_loss=eval_loss))
+
+if __name__ == "__main__":
+    errors.run(main)

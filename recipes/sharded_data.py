@@ -66,7 +66,8 @@ import torch
 from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common.errors import Stop  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, parse_flags, unsupported  # noqa: E402
 
 MANIFEST = "manifest.json"
@@ -125,11 +126,13 @@ def prepare(args: PrepareArgs) -> None:
     `block_id`: int64) and `manifest.json` into `args.output_dir`.
 
     Raises:
-        SystemExit: bad flags, or an existing manifest without --overwrite_output_dir.
+        Stop: bad flags, or an existing manifest without --overwrite_output_dir.
     """
-    out = Path(args.output_dir or sys.exit("error: prepare needs --output_dir"))
+    if not args.output_dir:
+        raise Stop("prepare needs --output_dir")
+    out = Path(args.output_dir)
     if (out / MANIFEST).exists() and not args.overwrite_output_dir:
-        sys.exit(f"error: {out / MANIFEST} exists; pass --overwrite_output_dir to replace the shards")
+        raise Stop(f"{out / MANIFEST} exists; pass --overwrite_output_dir to replace the shards")
     make_output_dir(str(out))
     for old in [out / MANIFEST, *out.glob("shard_*.parquet")]:
         old.unlink(missing_ok=True)  # no stale shard of an earlier, larger set may survive
@@ -142,7 +145,7 @@ def prepare(args: PrepareArgs) -> None:
     n_blocks = len(base) * args.repeat if args.max_blocks is None else min(args.max_blocks, len(base) * args.repeat)
     per_shard = n_blocks // args.num_shards
     if per_shard == 0:
-        sys.exit(f"error: {n_blocks} blocks cannot fill {args.num_shards} shards")
+        raise Stop(f"{n_blocks} blocks cannot fill {args.num_shards} shards")
     corpus_bytes = sum(len(t) for s in ("train", "validation") for t in raw[s]["text"])
     text_bytes = corpus_bytes * n_blocks // len(base)  # the text the blocks hold (pro rata under --max_blocks)
     shards = []
@@ -311,15 +314,15 @@ def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, se
     return stream.shuffle(seed=seed, buffer_size=buffer_size, max_buffer_input_shards=1).with_format("torch")
 
 
-def main():
+def main() -> int:
     if sys.argv[1:2] == ["prepare"]:
         return prepare(parse_prepare_args(sys.argv[2:]))
     args = parse_args(TrainArgs, description=__doc__, **TRAIN_DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
     unsupported(args, "sharded_data.py",
                 num_train_epochs="each rank streams its own shards, whose epochs differ in length: give --max_steps")
     if args.max_steps < 1:
-        sys.exit("error: sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
-                 "in length, so --num_train_epochs cannot fix one step count for every rank")
+        raise Stop("sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
+                   "in length, so --num_train_epochs cannot fix one step count for every rank")
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
@@ -327,27 +330,21 @@ def main():
     launch_config = checks.launch_config_from_env()
     check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                                  "max_grad_norm", "warmup_steps")}
-    try:
-        hardware = checks.detect_hardware()
-        # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
-        run_precision = precision.for_launch(launch_config, hardware)
-        check_flags["mixed_precision"] = run_precision["used"]
-        ds_config, ds_where = checks.deepspeed_settings(launch_config)
-        facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware,
-                     steps=args.max_steps)
-        checks.stop_on(checks.config_problems(launch_config, **facts))
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    hardware = checks.detect_hardware()
+    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
+    run_precision = precision.for_launch(launch_config, hardware)
+    check_flags["mixed_precision"] = run_precision["used"]
+    ds_config, ds_where = checks.deepspeed_settings(launch_config)
+    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware,
+                 steps=args.max_steps)
+    checks.stop_on(checks.config_problems(launch_config, **facts))
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
-        sys.exit("error: training needs --data_dir (a prepared folder) and --loader parquet|datasets")
+        raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     # Import Accelerate only now: `prepare` runs without a launcher or process group.
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object, set_seed
 
-    try:
-        pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # the collective timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=run_precision["used"],
         # the loader is ours, not prepared: sync gradients on the micro-step count
@@ -357,12 +354,9 @@ def main():
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
         kwargs_handlers=[pg_kwargs])
-    try:
-        launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-        launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
-        run_dir.claim(accelerator, args)  # locked for this job, emptied by --overwrite_output_dir, shared by every node
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
+    launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
+    run_dir.claim(accelerator, args)  # locked for this job, emptied by --overwrite_output_dir, shared by every node
     precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients (and return the loss) in fp32
     world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     accumulation = args.gradient_accumulation_steps
@@ -377,13 +371,13 @@ def main():
     try:
         manifest, paths = own_shards(args.data_dir, world_size, rank, args.verify_checksums,
                                      every_shard=args.loader == "datasets")
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError) as err:  # (a library's as well as our own)
         error = f"rank {rank}: {err}"
     if error := next(filter(None, gather_object([error])), None):
-        sys.exit(f"error: {error}")
+        raise Stop(error)
     manifest_sha256 = hashlib.sha256(manifest_path.read_bytes()).hexdigest()
     if error := checks.rank_mismatch(accelerator, f"shard manifest {manifest_path}", manifest_sha256[:16]):
-        sys.exit(f"error: {error}")
+        raise Stop(error)
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
     if args.loader == "parquet":
         dataset = RankShards(paths, batch, args.seed, rank)
@@ -422,8 +416,8 @@ def main():
     # -----------------------------------------------------------------------------------------
     config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
     if block_size > config.max_position_embeddings:
-        sys.exit(f"error: the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
-                 f"max_position_embeddings {config.max_position_embeddings}")
+        raise Stop(f"the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
+                   f"max_position_embeddings {config.max_position_embeddings}")
     # With the model config: the FSDP wrap class against the model, a ZeRO-3 config against the plan.
     facts["flags"] = {**check_flags, "block_size": block_size}
     checks.stop_on(checks.config_problems(launch_config, **facts, **checks.model_facts(
@@ -459,11 +453,11 @@ def main():
                  "max_steps": args.max_steps}  # (not compared: a resume may train longer; see resume_error)
     try:
         resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
-    except (ValueError, FileNotFoundError) as err:
-        sys.exit(f"error: cannot resume: {err}")
+    except Stop as err:
+        raise Stop(f"cannot resume: {err}") from None
     if resume_path:
         if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):  # all of it must match
-            sys.exit(f"error: {error}")
+            raise Stop(error)
         # model, optimizer, scheduler, scaler, RNG; the micro-step count follows the step
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=saved["step"])
         accelerator.print(f"resumed from {resume_path} at step {saved['step']}"
@@ -535,12 +529,10 @@ def main():
         skipped = accelerator.optimizer_step_was_skipped
         skipped_steps, skipped_in_a_row = skipped_steps + skipped, skipped_in_a_row + 1 if skipped else 0
         scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
-        try:  # the same verdict on every rank: the scale and the skips are the same everywhere
-            if (warning := precision.skipped_step_warning(scale, skipped_in_a_row)) and accelerator.is_main_process:
-                print(f"step {step}: {warning}", file=sys.stderr, flush=True)
-        except ValueError as err:  # orderly teardown first: no rank leaves while the model holds the group
-            teardown()
-            sys.exit(f"error: step {step}: {err}")
+        # the same verdict on every rank: the scale and the skips are the same everywhere
+        warning, scale_error = precision.loss_scale_verdict(scale, skipped_in_a_row)
+        if warning and accelerator.is_main_process:
+            print(f"step {step}: {warning}", file=sys.stderr, flush=True)
         if step % args.logging_steps == 0 or step == args.max_steps:
             record = {"step": step, "epoch": epoch,
                       "loss": accelerator.reduce(window_loss, reduction="mean").item(), "lr": lr,
@@ -553,21 +545,24 @@ def main():
                 metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
         preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
         save = preempt or (args.save_steps and step % args.save_steps == 0)
-        if (save or step == args.max_steps or step % args.logging_steps == 0) and (problem := guard.problem()):
-            teardown()  # before any checkpoint of non-finite weights
-            sys.exit(f"error: {problem}")
-        if save:
+        # a non-finite loss or norm stops before any checkpoint or export of its weights
+        problem = f"step {step}: {scale_error}" if scale_error else (
+            (save or step == args.max_steps or step % args.logging_steps == 0) and guard.problem())
+        if save and not problem:
             t_save = time.perf_counter()
             saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state={
                 **run_state, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,
                 # every rank's own [epoch, batches consumed in it] (epochs differ in length per rank)
                 "data_position": gather_object([[epoch, done]])})
             save_s += time.perf_counter() - t_save
-        if preempt:
-            accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                              "relaunch with --resume_from_checkpoint auto to continue")
+        if problem or preempt:
+            if not problem:
+                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                                  "relaunch with --resume_from_checkpoint auto to continue")
             teardown()
-            sys.exit(checkpoint.PREEMPTED_EXIT_CODE)
+            if problem:
+                raise Stop(problem)
+            return checkpoint.PREEMPTED_EXIT_CODE
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the GPU work still queued belongs to the steps
@@ -608,7 +603,8 @@ def main():
                   f"| {r['uss_bytes'] / 2**20:.0f} | {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |")
     teardown()
     accelerator.print(metrics.final_line(metrics_path, f"metrics in {metrics_path}"))
+    return 0
 
 
 if __name__ == "__main__":  # the guard keeps spawned DataLoader workers from re-running main()
-    main()
+    errors.run(main)

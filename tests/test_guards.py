@@ -83,12 +83,12 @@ def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_p
     proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--max_steps", 25, "--save_steps", 5, *args,
                   cache_dir=cache_dir, mixed_precision="fp16", check=False)
     lines = strict_lines(out / "metrics.jsonl")
-    assert [r["step"] for r in lines] == list(range(1, 18))  # stopped in step 18
+    assert [r["step"] for r in lines] == list(range(1, 19))  # stopped in step 18, after logging it
     assert proc.returncode != 0
     assert "error: step 18: the fp16 loss scale fell to 0.5, below its minimum 1" in proc.stderr
     assert "warning: 10 fp16 steps in a row skipped" in proc.stdout
-    assert [r["skipped_steps"] for r in lines] == list(range(0, 17))
-    assert [r["loss_scale"] for r in lines] == [65536 / 2 ** k for k in range(0, 17)]
+    assert [r["skipped_steps"] for r in lines] == list(range(0, 18))
+    assert [r["loss_scale"] for r in lines] == [65536 / 2 ** k for k in range(0, 18)]  # 0.5 at step 18
     assert all(r["lr"] == lines[1]["lr"] for r in lines[1:])  # one real update, then the schedule holds
     assert lines[1]["loss"] is None and "loss" in lines[1]["nonfinite"]
     # The counters come back with the checkpoint.
