@@ -204,7 +204,7 @@ def main() -> int:
                                                 "max_grad_norm")}, "mixed_precision": run_precision["used"]},
         **checks.model_facts(launch_config, ds_config, LlamaForCausalLM,
                              models.llama_config(args.model_config, args.vocab_size))))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # the collective timeout; gloo ranks on CPU
     ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
     accelerator = Accelerator(
         mixed_precision=run_precision["used"],

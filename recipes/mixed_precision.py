@@ -216,7 +216,7 @@ def main() -> int:
     facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
                  **checks.model_facts(launch_config, ds_config, LlamaForCausalLM, model_config))
     checks.stop_on(checks.config_problems(launch_config, **facts))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # no-op on GPUs, real gloo ranks on CPU
+    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # the collective timeout; gloo ranks on CPU
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the launch config's, which --precision overrides
     accelerator = Accelerator(
         mixed_precision=mode,
