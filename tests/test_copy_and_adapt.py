@@ -191,7 +191,7 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     (1 entry, no tokens for any text). Before: every row became one end-of-text token; with
     these .txt files rank 0 said "train split has 1 tokens" and rank 1 died in a gloo traceback.
     The recipe's check on the recipe's inputs (its data, its get_tokenizer, its first 100 rows);
-    its ValueError ends the same block as the vocabulary check below, whose launch shows that
+    its Stop ends the same block as the vocabulary check below, whose launch shows that
     such an error stops every rank with one line."""
     train, valid, _ = small_corpus
     model_dir = tmp_path / "qwen2_no_tokenizer"
@@ -203,8 +203,10 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     assert f"the tokenizer loaded from {model_dir} has 1 entries" in problem
     assert "pass --tokenizer_name_or_path" in problem
     source = (REPO / "recipes" / "llama.py").read_text()  # raised in the block whose errors end every rank
-    block = source.split("with accelerator.local_main_process_first():", 1)[1].split("if error is not None:", 1)[0]
-    assert "data.tokenizer_error(tokenizer, tokenizer_source," in block and "raise ValueError(problem)" in block
+    lines = source.split("    with launch.node_first(accelerator):\n", 1)[1].splitlines()
+    end = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith(" " * 8))
+    block = "\n".join(lines[:end])  # the with-block: every line indented past it
+    assert "data.tokenizer_error(tokenizer, tokenizer_source," in block and "raise Stop(problem)" in block
 
 
 def test_vocab_smaller_than_tokenizer_stops_every_rank(tmp_path, small_corpus, cache_dir):
