@@ -540,3 +540,73 @@ def stop_on_signal(accelerator, timeout_s: float):
             dist.all_reduce(signum, op=dist.ReduceOp.MAX, group=group)
         return signal.Signals(int(signum)).name if int(signum) else None
     return preempted
+
+
+def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
+    """Write the trained model and its tokenizer to `{output_dir}/final/` in Hugging Face format
+    (safetensors), whole and atomically (`atomic_export`); returns that path. Call on every rank:
+    gathering a sharded state dict is a collective; only rank 0 writes.
+
+    Replicated runs (single, DDP) save the bare model's own state dict: Accelerate's
+    `get_state_dict` returned the DDP wrapper's ("module." keys) under regional compilation, and
+    the export reloaded untrained. Tied embeddings are stored once, as Hugging Face does (gathered
+    copies no longer share storage).
+    """
+    from common import launch
+
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    state_dict = launch.full_state_dict(accelerator, model) if sharded else unwrapped.state_dict()
+    if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # (other ranks may hold none)
+        state_dict.pop("lm_head.weight", None)
+    with atomic_export(accelerator, output_dir) as export_dir:  # final/ is never half written
+        unwrapped.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save, state_dict=state_dict)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(export_dir)
+    return os.path.join(output_dir, "final")
+
+
+def resume_or_start(accelerator, args, run_state: dict, must_match: list[str]) -> tuple[str | None, dict]:
+    """Resolve --resume_from_checkpoint, and refuse a checkpoint that would not continue this run exactly.
+
+    Checked before `prepare`, so a refused resume leaves before any wrapped model exists. A fresh
+    run marks its folder (`start_fresh`): an overwritten run's checkpoints are never resumed.
+
+    Args:
+        run_state: what this run is (recorded in its checkpoints): `resume_error` compares
+            `must_match` of its keys with the checkpoint's. A longer `max_steps` is allowed, with
+            a warning: the LR schedule then follows the new length.
+
+    Returns:
+        (the checkpoint's path or None, its recorded state: `resolve_checkpoint`'s, {"step": 0} fresh).
+    """
+    try:
+        path, saved = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
+    except Stop as err:
+        raise Stop(f"cannot resume: {err}") from None
+    if not path:
+        start_fresh(accelerator, args.output_dir)
+        return None, saved
+    if error := resume_error(path, saved, run_state, must_match):
+        raise Stop(error)
+    max_steps = run_state.get("max_steps")
+    if max_steps is not None and saved.get("max_steps", max_steps) != max_steps:  # allowed, but not exact
+        accelerator.print(f"warning: {path} was saved by a {saved['max_steps']}-step run, this one has "
+                          f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
+                          "run only while both are still in warmup")
+    return path, saved
+
+
+def keep_eager_keys(accelerator, model) -> dict | None:
+    """After `prepare`: under torch.compile (`accelerate launch --dynamo_backend inductor`, or the
+    config's dynamo_config), keep eager state-dict key names (`eager_state_dict_keys`), so the
+    export reloads and checkpoints move between compiled and eager runs (FSDP2's state dicts
+    already do). Returns {"backend", "mode", "regional"} for run_info.json, or None uncompiled."""
+    dynamo = accelerator.state.dynamo_plugin
+    if dynamo.backend.value == "NO":
+        return None
+    if not accelerator.is_fsdp2:
+        eager_state_dict_keys(model)
+    return {"backend": dynamo.backend.value.lower(), "mode": dynamo.mode,
+            "regional": bool(dynamo.use_regional_compilation)}

@@ -5,8 +5,8 @@ inputs are plain values: the accelerate config as a dict in the YAML's keys (the
 YAML; a recipe rebuilds it from what `accelerate launch` put in its environment,
 `launch_config_from_env`), the DeepSpeed JSON as a dict, the flags as a dict, and the hardware
 facts. Each check runs when its inputs are given, so a recipe calls it as soon as the launch is
-known (before the Accelerator) and again once the data and the model config exist; `stop_on`
-prints each warning once and exits with every error line.
+known (before the Accelerator) and again once the data and the model config exist: `Startup`,
+one call per stage, prints each warning once and stops with every error line.
 
 | check                                                  | severity | why                                     |
 |--------------------------------------------------------|----------|-----------------------------------------|
@@ -43,7 +43,7 @@ import json
 import os
 from typing import NamedTuple
 
-from common import precision
+from common import launch, models, precision, run_dir
 from common.errors import Stop
 
 # DeepSpeed settings that `accelerate launch` takes as flags (or an accelerate config's deepspeed_config
@@ -536,21 +536,97 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
     return sorted(out, key=lambda p: p.severity != "error")
 
 
-_printed: set[str] = set()
+class Startup:
+    """The start-up checks of one run, one call per stage: errors raise `Stop` (every error line at
+    once), warnings print once, on rank 0. Each stage adds what it learnt to the facts and runs
+    `config_problems` again: a check runs as soon as its inputs exist, and a warning already printed
+    is not repeated.
+
+        guard = checks.Startup(args)       # launch: the config, DeepSpeed JSON and flags vs the hardware
+        accelerator = Accelerator(mixed_precision=guard.precision["used"], kwargs_handlers=guard.handlers, ...)
+        guard.accelerator_built(accelerator, args)  # distributed for real; this job's output directory
+        guard.data_ready(train_size=..., steps=..., model_cls=..., model_config=...)
+
+    Args:
+        args: the parsed flags; those of `FLAGS` the recipe has are checked.
+        precision_used: the precision the recipe chose itself (mixed_precision.py's --precision),
+            instead of the launch config's, kept where the hardware computes it (`precision.for_launch`).
+        compiles: the recipe supports torch.compile (eager key names in checkpoints and the export).
+        steps, model_cls, model_config: known before the data (for the warmup, FSDP-wrap and ZeRO-3 checks).
+        handlers: the recipe's own kwargs_handlers for the Accelerator (e.g. GradScalerKwargs).
+
+    Attributes:
+        precision: {"requested", "used", "reason"}; "used" goes to the `Accelerator`.
+        handlers: the Accelerator's kwargs_handlers: the collective timeout, and on a CPU-only host
+            real gloo ranks (`launch.cpu_process_group_kwargs`), then the recipe's `handlers`.
+    """
+
+    FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "warmup_steps",
+             "reference_global_batch", "scale_lr", "block_size", "gradient_checkpointing")
+
+    def __init__(self, args, *, precision_used: str | None = None, compiles: bool = False, steps: int | None = None,
+                 model_cls=None, model_config=None, handlers: tuple = ()):
+        self.config = launch_config_from_env()
+        hardware = detect_hardware()
+        if precision_used is None:
+            self.precision = precision.for_launch(self.config, hardware)
+        else:
+            self.precision = {"requested": precision_used, "used": precision_used, "reason": "--precision"}
+        flags = {k: getattr(args, k) for k in self.FLAGS if hasattr(args, k)}
+        flags["mixed_precision"] = self.precision["used"]
+        self.ds, ds_where = deepspeed_settings(self.config)
+        self.facts = dict(ds=self.ds, ds_where=ds_where, flags=flags, hardware=hardware, compiles=compiles,
+                          steps=steps)
+        self._printed: set[str] = set()
+        self.check(model_cls=model_cls, model_config=model_config)
+        self.handlers = [launch.cpu_process_group_kwargs(args.ddp_timeout), *handlers]
+
+    def check(self, *, model_cls=None, model_config=None, **facts) -> None:
+        """Add `facts` (config_problems' keywords), then stop on any error; print each new warning."""
+        self.facts.update({k: v for k, v in facts.items() if v is not None})
+        if model_cls is not None:
+            self.facts.update(model_facts(self.config, self.ds, model_cls, model_config))
+        problems = config_problems(self.config, **self.facts)
+        for p in problems:
+            if p.severity == "warning" and str(p) not in self._printed:
+                self._printed.add(str(p))
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print(p, flush=True)
+        if errors := [str(p) for p in problems if p.severity == "error"]:
+            raise Stop("\n".join(errors).removeprefix("error: "))
+
+    def accelerator_built(self, accelerator, args) -> None:
+        """Refuse independent processes posing as a distributed run (`launch.check_distributed`), then
+        claim `args.output_dir` for this job (`run_dir.claim`: locked, emptied by --overwrite_output_dir,
+        one folder shared by every node)."""
+        launch.check_distributed(accelerator)
+        run_dir.claim(accelerator, args)
+
+    def data_ready(self, *, train_size: int, train_unit: str, steps: int | None = None, model_cls=None,
+                   model_config=None) -> None:
+        """The training set against one global batch, warmup against the run's length, and the model
+        (its FSDP wrap class, the ZeRO-3 plan) once its config exists."""
+        self.check(train_size=train_size, train_unit=train_unit, steps=steps, model_cls=model_cls,
+                   model_config=model_config)
 
 
-def stop_on(problems: list[Problem], main_process: bool | None = None) -> None:
-    """Print each warning once (on the main process: `RANK` 0 unless `main_process` says), then raise
-    `Stop` with every error line, on every rank, if there is any."""
-    main_process = int(os.environ.get("RANK", 0)) == 0 if main_process is None else main_process
-    for p in problems:
-        if p.severity == "warning" and str(p) not in _printed:
-            _printed.add(str(p))
-            if main_process:
-                print(p, flush=True)
-    if errors := [str(p) for p in problems if p.severity == "error"]:
-        raise Stop("\n".join(errors).removeprefix("error: "))
+    def prepared(self, accelerator, model, model_cls, global_batch: int) -> dict:
+        """After `accelerator.prepare`: every decoder block its own FSDP unit (else each rank gathers
+        the whole model at once), and DeepSpeed stepping the recipe's global batch.
 
+        Returns:
+            {"fsdp_units": `models.fsdp_block_units` or None, "deepspeed": `launch.deepspeed_in_use`}.
+        """
+        units = models.fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
+        if units and units["units"] != units["blocks"]:
+            raise Stop(f"FSDP made {units['units']} of the {units['blocks']} {units['block_class']} blocks their "
+                       f"own unit (the model's _no_split_modules is {model_cls._no_split_modules}); set "
+                       f"fsdp_transformer_layer_cls_to_wrap: {units['block_class']} in the accelerate config")
+        ds_used = launch.deepspeed_in_use(accelerator)
+        if ds_used and ds_used["train_batch_size"] != global_batch:  # (config_problems refuses the causes)
+            raise Stop(f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
+                       f"counts {global_batch}: {ds_used}")
+        return {"fsdp_units": units, "deepspeed": ds_used}
 
 def model_class_names(model_cls, config) -> set[str]:
     """Class names of every module of `model_cls(config)`, built on the meta device (no memory, no init)."""
@@ -594,3 +670,47 @@ def rank_mismatch(accelerator, what: str, value: str) -> str | None:
     differ = [r for r, v in enumerate(values) if v != values[0]]
     return (f"the {what} differs between ranks: rank(s) {', '.join(map(str, differ))} read another one than rank 0 "
             f"({values[differ[0]]} vs {values[0]}); every node must see the same files (a shared or identical path)")
+
+
+def llama_flags(args, from_scratch: bool) -> None:
+    """recipes/llama.py's flag combinations that cannot mean what they say (before any work)."""
+    if from_scratch and args.config_name is None and args.model_config not in models.PRESETS:
+        raise Stop(f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+    if args.config_overrides and not from_scratch:
+        raise Stop("--config_overrides changes a model trained from scratch (--config_name or the preset); "
+                   "pretrained weights (--model_name_or_path) keep their shapes")
+    if args.allow_new_weights and from_scratch:
+        raise Stop("--allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none")
+
+
+def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) -> None:
+    """The tokenizer and the block size against the model config, before packing.
+
+    A tokenizer that loads but cannot encode (a model directory without tokenizer files) would
+    train on nothing but end-of-text tokens, and look like fast learning; token ids past the
+    embedding fail with an IndexError at the first forward; blocks longer than the model's
+    positions fail deep in its attention.
+    """
+    from common import data
+
+    if source and (problem := data.tokenizer_error(tokenizer, source, raw["train"][:100]["text"])):
+        raise Stop(problem)
+    if len(tokenizer) > config.vocab_size:
+        raise Stop(f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
+                   f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
+                   "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)")
+    model_max = models.max_positions(config)
+    if model_max is not None and block_size > model_max:
+        raise Stop(f"--block_size {block_size} exceeds the model's max_position_embeddings {model_max}")
+
+
+def same_on_every_rank(accelerator, what: str, value: str) -> None:
+    """`rank_mismatch` as a stop: every rank raises the same line. A collective."""
+    if mismatch := rank_mismatch(accelerator, what, value):
+        raise Stop(mismatch)
+
+
+def model_runs(model, overrides: str) -> None:
+    """Stop if the model built with `--config_overrides` fails one forward (`models.forward_error`)."""
+    if error := models.forward_error(model):
+        raise Stop(f"the model built with --config_overrides {overrides!r} does not run: {error}")

@@ -1,11 +1,14 @@
-"""Throughput, MFU and memory figures, torchtitan-style, the evaluation loss, and the metrics.jsonl writer."""
+"""What a run reports, in one place: throughput, MFU and memory figures (torchtitan-style), the
+evaluation loss, and `RunLog`, which writes metrics.jsonl, run_info.json and the trackers."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
+import time
 
 import torch
 
@@ -233,3 +236,120 @@ def final_line(metrics_path: str, outputs: str, **figures) -> str:
 
 def _figure(value) -> str:
     return "nan" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+class RunLog:
+    """metrics.jsonl, the trackers (--report_to), run_info.json and the run's last line.
+
+    metrics.jsonl holds one JSON object per logged step, then a summary (`{"summary": true, ...}`).
+    A resumed run keeps the step lines up to the step it resumes from and drops later ones and
+    the summaries, so the file reads as one run; a fresh run starts it empty. Only the main
+    process writes; `log` sends the finite numbers to the trackers from every rank (Accelerate
+    keeps the trackers on the main process).
+
+    Args:
+        accelerator: the run's `Accelerator`; args: the flags (output_dir; all of them go to the
+            trackers' config and into run_info.json).
+        project: the trackers' project name (TensorBoard: the folder under --output_dir).
+        resumed_step: the step a resume starts from, or None for a fresh run.
+        run_info: what the run really is (strategy, precision, batch, model), for run_info.json.
+    """
+
+    def __init__(self, accelerator, args, project: str, resumed_step: int | None = None,
+                 run_info: dict | None = None):
+        self.accelerator = accelerator
+        self.path = os.path.join(args.output_dir, "metrics.jsonl")
+        if accelerator.is_main_process:
+            if run_info is not None:
+                with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
+                    json.dump(run_info, f, indent=1)
+            kept = []
+            if resumed_step is not None and os.path.exists(self.path):
+                kept = [line for line in open(self.path) if not (r := json.loads(line)).get("summary")
+                        and r["step"] <= resumed_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        accelerator.init_trackers(project, config={k: v for k, v in vars(args).items() if v is not None})
+
+    def start_clock(self, device, flops_per_token: float | None = None, peak_tflops: float | None = None):
+        """Start timing the logging windows: tokens/s, the share spent waiting for data, MFU."""
+        self.device, self.flops_per_token = device, flops_per_token
+        self.peak = peak_flops(device, peak_tflops)
+        self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()
+
+    def count(self, tokens: int = 0, data_wait: float = 0.0) -> None:
+        """Add this rank's trained tokens and its seconds spent waiting for batches to the window."""
+        self.tokens += tokens
+        self.data_wait += data_wait
+
+    def record(self, **fields) -> dict:
+        """`fields` (step, loss, ...: read them first, so a GPU's queued kernels count in the window)
+        plus the window's tokens_per_second (per device), data_wait_share, peak_memory_bytes and,
+        where the device's peak is known, mfu; then a new window starts."""
+        elapsed = time.perf_counter() - self.t_window
+        record = {**fields, "tokens_per_second": self.tokens / elapsed, "data_wait_share": self.data_wait / elapsed,
+                  "peak_memory_bytes": peak_memory_bytes(self.device)}
+        if self.peak and self.flops_per_token:
+            record["mfu"] = self.flops_per_token * record["tokens_per_second"] / self.peak
+        self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()
+        return record
+
+    def log(self, record: dict) -> None:
+        """One step's record (its "step" key included): a line of metrics.jsonl (non-finite values as
+        null, named in "nonfinite") and the trackers (finite numbers only)."""
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        self.accelerator.log(numbers, step=record["step"])
+        if self.accelerator.is_main_process:
+            append_jsonl(self.path, record)
+
+    def summary(self, record: dict) -> None:
+        """The run's last line of metrics.jsonl, `{"summary": true, **record}` (main process)."""
+        if self.accelerator.is_main_process:
+            append_jsonl(self.path, {"summary": True, **record})
+
+    def final_line(self, outputs: str, **figures) -> str:
+        """`final_line` of this run's metrics.jsonl."""
+        return final_line(self.path, outputs, **figures)
+
+
+def gathered_parameter_elements(accelerator, model) -> list[list[int]]:
+    """`local_parameter_elements` of every rank, [[rank 0's], [rank 1's], ...]. A collective."""
+    counts = torch.tensor([local_parameter_elements(model)], device=accelerator.device)
+    return accelerator.gather(counts).tolist()
+
+
+def memory_summary(device: torch.device) -> dict:
+    """The peak memory figures of the summary: bytes allocated at the peak and, on CUDA, the most
+    the caching allocator held (allocated + cached blocks)."""
+    out = {"peak_memory_bytes": peak_memory_bytes(device)}
+    if device.type == "cuda":
+        out["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def start_line(run_info: dict) -> str:
+    """The run's first line: strategy x ranks, ZeRO stage and offload, precision, size, batch, steps."""
+    ds, compiled = run_info.get("deepspeed"), run_info.get("torch_compile")
+    zero = ""
+    if ds:
+        offload = ", ".join(f"{part} to {ds[f'offload_{part}_device']}" for part in ("optimizer", "param")
+                            if ds[f"offload_{part}_device"] != "none")
+        zero = f" | ZeRO-{ds['zero_stage']}" + (f" (offload: {offload})" if offload else "")
+    return (f"{run_info['distributed_type']} x{run_info['world_size']}{zero} | {run_info['mixed_precision']} | "
+            f"{run_info['n_params'] / 1e6:.2f}M params | global batch {run_info['global_batch']} | "
+            f"{run_info['max_steps']} steps" + (f" | torch.compile {compiled['backend']}" if compiled else ""))
+
+
+def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
+    """final_logits.safetensors: the live (still sharded) model's logits on the first 2 validation
+    blocks, for tests that compare the export with them (2 x block x vocab fp32: 2.1 GB at 2048
+    tokens and a 128k vocabulary). Call on every rank (a sharded forward); rank 0 writes."""
+    from safetensors.torch import save_file
+
+    with torch.no_grad():
+        probe = eval_set[:2]["input_ids"].to(accelerator.device)
+        model.eval()
+        logits = model(input_ids=probe).logits.float().cpu()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_file({"input_ids": probe.cpu(), "logits": logits}, os.path.join(output_dir, "final_logits.safetensors"))

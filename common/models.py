@@ -320,3 +320,56 @@ def load_pretrained(name_or_path: str, config, allow_new_weights: bool = False) 
     fix = ("pass a --config_name that matches the checkpoint (or none: its own config)"
            + ("" if allow_new_weights or not missing else ", or --allow_new_weights to train new weights on purpose"))
     return model, weights_mismatch([] if allow_new_weights else missing, unexpected, fix)
+
+
+def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_weights: bool) -> torch.nn.Module:
+    """`load_pretrained` on every rank, or on rank 0 alone where prepare broadcasts its weights.
+
+    Under FSDP with `fsdp_cpu_ram_efficient_loading` (accelerate_configs/fsdp.yaml) `prepare` sends
+    rank 0's weights to the others, so they only build the shapes, in storage nothing writes (no
+    host RAM until sharded); transformers 5 would read the checkpoint on every rank, a full fp32
+    copy each. Non-persistent buffers (rotary `inv_freq`) are computed by `__init__`, not loaded.
+
+    Raises:
+        Stop: on every rank, if the checkpoint failed to load or does not fit the model on any
+            rank (a damaged file, other shapes, missing or unexpected weights): else the others
+            would wait for rank 0's broadcast.
+    """
+    from accelerate.utils import gather_object
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
+    model, error = None, None
+    try:
+        if plugin is not None and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process:
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.tie_weights()
+        else:
+            model, error = load_pretrained(name_or_path, config, allow_new_weights)
+    except Exception as err:  # noqa: BLE001  (one line on every rank, whatever went wrong)
+        error = f"{type(err).__name__}: {err}".splitlines()[0]
+    if failures := [e for e in gather_object([error]) if e]:
+        raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
+    return model
+
+
+def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device) -> str:
+    """Reload `export_dir` with plain transformers (no project code) and sample `max_new_tokens`
+    (top-k 50) after the first 16 tokens of `first_block` (a validation block): proof that the
+    export works. Returns the lines to print."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # else from_pretrained would build a ZeRO-3-partitioned model
+    reloaded = AutoModelForCausalLM.from_pretrained(export_dir, device_map=device)
+    ids = first_block["input_ids"]
+    if "attention_mask" in first_block:
+        ids = ids[first_block["attention_mask"].bool()]
+    prompt = ids[:16].to(device)
+    sample = reloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                               max_new_tokens=max_new_tokens, do_sample=True, top_k=50,
+                               pad_token_id=reloaded.config.pad_token_id)
+    return (f"--- sample from {export_dir}, prompt from the validation data ---\n"
+            f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt):])}\n---")

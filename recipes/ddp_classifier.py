@@ -57,7 +57,7 @@ from transformers import BertConfig, BertForSequenceClassification, get_linear_s
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common.args import flag  # noqa: E402
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch, metrics, models  # noqa: E402
-from common import errors, precision, run_dir  # noqa: E402
+from common import errors, precision  # noqa: E402
 from common.errors import Stop  # noqa: E402
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
@@ -142,42 +142,37 @@ def main() -> int:
     # Accelerator: DDP, FSDP or ZeRO comes from the accelerate config. The seedable sampler makes the
     # shuffle a function of (seed, epoch) alone, so every rank draws the same permutation.
     # ---------------------------------------------------------------------------------------------
+    startup = {}  # nothing known about the model before the data
+    # >>> shared: accelerator
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
-    # a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the flags, bf16 on
-    # a GPU without it is emulated, ... (The FSDP wrap class is set below, whatever the config says.)
-    launch_config = checks.launch_config_from_env()
-    check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
-                   accumulation, "max_grad_norm": args.max_grad_norm, "warmup_steps": args.warmup_steps}
-    hardware = checks.detect_hardware()
-    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
-    run_precision = precision.for_launch(launch_config, hardware)
-    check_flags["mixed_precision"] = run_precision["used"]
-    ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware)
-    checks.stop_on(checks.config_problems(launch_config, **facts))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # real gloo ranks on CPU
+    # The launch against the flags and the hardware, before any work (common/checks.py lists
+    # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
+    guard = checks.Startup(args, **startup)
     accelerator = Accelerator(
-        mixed_precision=run_precision["used"],
-        # we fetch whole accumulation windows, so sync on the step count, not the dataloader end
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
-        # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
-        step_scheduler_with_optimizer=False,  # else the LR scheduler advances world_size times per step
+        mixed_precision=guard.precision["used"],
+        # we fetch whole accumulation windows: sync on the step count, not the loader's end
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[pg_kwargs],
+        kwargs_handlers=guard.handlers,
     )
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-    launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
+    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
+    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
+    launch.install_cpu_grad_scaler(accelerator)
+    precision.keep_fp32_reduction(accelerator)
+    set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
+    world_size = accelerator.num_processes
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    # <<< shared
     if accelerator.distributed_type == DistributedType.FSDP:
-        # One FSDP unit per BertLayer, whatever the shared fsdp.yaml says (it is written for the decoder LMs).
+        # One FSDP unit per BertLayer, whatever the shared fsdp.yaml says (written for decoder LMs).
         accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]
-    precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients in fp32
-    set_seed(args.seed)  # same seed on every rank: identical initial weights (reset per rank after the model)
-    world_size, rank = accelerator.num_processes, accelerator.process_index
-    # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
-    run_dir.claim(accelerator, args)
+    rank = accelerator.process_index
 
     # ---------------------------------------------------------------------------------------------
     # Data: passages of block_size tokens; each work's tail is held out.
@@ -218,22 +213,23 @@ def main() -> int:
     majority = int(train_counts.argmax())  # the baseline: always answer the training set's majority genre
     eval_labels = eval_set["labels"][:]
     baseline_accuracy = (eval_labels == majority).float().mean().item()
-    global_batch = args.per_device_train_batch_size * accumulation * world_size
     steps_per_epoch = len(train_set) // global_batch
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     # With the data: the training set against the global batch, warmup against the run (common/checks.py).
-    facts.update(train_size=len(train_set), train_unit="passages", steps=max_steps)
-    checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
-    # shuffle=True + the seedable sampler: a new permutation per epoch (set_epoch), the same on every
-    # rank; rank r gets micro batches r, r + world_size, ... of it. drop_last: every step is a full batch.
-    # Each loader gets a private generator: every iter() of a DataLoader draws one number (its worker
-    # seed) from the generator it was given, else from the global torch RNG that drives dropout; a
-    # resume opens a fresh iterator mid-epoch, which would shift every later dropout mask by one draw.
-    pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size,
-                                               shuffle=True, drop_last=True, generator=torch.Generator(), pin_memory=pin)
-    eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                              generator=torch.Generator(), pin_memory=pin)
+    guard.data_ready(train_size=len(train_set), train_unit="passages", steps=max_steps)
+    # >>> shared: loaders
+    # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
+    # ranks; rank r gets every world_size-th micro batch of it. drop_last: full global batches.
+    # Private generators: each iter() of a loader draws a seed from its generator, else from the
+    # global RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
+    pin = accelerator.device.type == "cuda"  # page-locked host memory, for non-blocking copies
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator(), pin_memory=pin)
+    eval_loader = torch.utils.data.DataLoader(
+        eval_set, batch_size=args.per_device_eval_batch_size, generator=torch.Generator(),
+        pin_memory=pin)
+    # <<< shared
 
     # ---------------------------------------------------------------------------------------------
     # Model: a small BERT encoder; its classification head reads the final state at the [CLS] position.
@@ -324,12 +320,16 @@ def main() -> int:
                     loss = F.cross_entropy(logits.float(), batch["labels"])
                     window_loss += loss.detach() / accumulation
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients:  # the window's last micro batch: global norm in fp64
-                        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-                    optimizer.step()  # no-op until the window's last micro batch; fp16: skipped on inf/NaN
+                    # >>> shared: step
+                    if accelerator.sync_gradients:  # the window's last micro batch
+                        # the global norm in fp64: every strategy clips with the same number
+                        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
+                                                                     args.max_grad_norm)
+                    optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                        lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+                        lr_scheduler.step()  # a skipped step did not happen: the LR holds
                     optimizer.zero_grad()
+                    # <<< shared
             if args.record_sample_ids:  # kept on the device: a host copy here would wait for the GPU every step
                 seen[-1] += [b["sample_id"] for b in window]
             step += 1

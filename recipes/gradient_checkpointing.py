@@ -73,7 +73,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checks, data, errors, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common import checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
 from common.errors import Stop  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, unsupported  # noqa: E402
 from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
@@ -189,36 +189,37 @@ def main() -> int:
     # Accelerator: strategy and precision come from the accelerate config, as in every recipe (bf16
     # only where the hardware computes it: common/precision.py).
     # ---------------------------------------------------------------------------------------------
+    # the model is known before the data: a preset Llama (for the FSDP-wrap and ZeRO-3 checks)
+    startup = {"model_cls": LlamaForCausalLM,
+               "model_config": models.llama_config(args.model_config, args.vocab_size),
+               "handlers": [DistributedDataParallelKwargs(
+                   find_unused_parameters=args.ddp_find_unused_parameters)]}
+    # >>> shared: accelerator
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # The launch against the flags, the model and the hardware, before any work (common/checks.py lists
-    # the checks): a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the
-    # flags, bf16 on a GPU without it is emulated, an FSDP wrap class the model does not have, ...
-    launch_config = checks.launch_config_from_env()
-    hardware = checks.detect_hardware()
-    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
-    run_precision = precision.for_launch(launch_config, hardware)
-    ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    checks.stop_on(checks.config_problems(
-        launch_config, ds=ds_config, ds_where=ds_where, hardware=hardware,
-        flags={**{k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                "max_grad_norm")}, "mixed_precision": run_precision["used"]},
-        **checks.model_facts(launch_config, ds_config, LlamaForCausalLM,
-                             models.llama_config(args.model_config, args.vocab_size))))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # the collective timeout; gloo ranks on CPU
-    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
+    # The launch against the flags and the hardware, before any work (common/checks.py lists
+    # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
+    guard = checks.Startup(args, **startup)
     accelerator = Accelerator(
-        mixed_precision=run_precision["used"],
-        # the measured batches are a list, not a live loader: sync on the micro-step count
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
-                                                                sync_with_dataloader=False),
-        # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
-        kwargs_handlers=[pg_kwargs, ddp_kwargs])
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-    launch.install_cpu_grad_scaler(accelerator)  # --mixed_precision fp16 on CPU ranks is really fp16
-    precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-    # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
-    run_dir.claim(accelerator, args)
+        mixed_precision=guard.precision["used"],
+        # we fetch whole accumulation windows: sync on the step count, not the loader's end
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=guard.handlers,
+    )
+    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
+    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
+    launch.install_cpu_grad_scaler(accelerator)
+    precision.keep_fp32_reduction(accelerator)
+    set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
+    world_size = accelerator.num_processes
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    # <<< shared
     is_fsdp = accelerator.distributed_type == DistributedType.FSDP
     variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])) if args.variants == "auto" \
         else args.variants.split(",")
@@ -365,7 +366,8 @@ def main() -> int:
         Path(args.output_dir, "table.md").write_text(table + "\n")
         Path(args.output_dir, "results.json").write_text(json.dumps(
             {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
-             "mixed_precision": accelerator.mixed_precision, "precision": run_precision, "device": device.type, "args": vars(args),
+             "mixed_precision": accelerator.mixed_precision, "precision": guard.precision, "global_batch": global_batch, "device": device.type,
+             "args": vars(args),
              "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
     launch.teardown(accelerator)  # in order: the models (freed in the loop) before the process group
     accelerator.print(f"done: table in {Path(args.output_dir, 'table.md')}, figures in {Path(args.output_dir, 'results.json')}")

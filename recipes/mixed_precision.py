@@ -67,7 +67,7 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
 from common.errors import Stop  # noqa: E402
 from common.args import TrainingFlags, flag, make_output_dir, parse_args  # noqa: E402
 from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
@@ -112,13 +112,16 @@ def poison_gradients(model):
         (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
 
 
+# >>> shared: evaluate (tests/test_skeleton.py keeps the shared blocks identical across recipes)
 @torch.no_grad()
-def evaluate(model, eval_loader, accelerator):
-    """Mean held-out loss in nats/token (every eval block counted once, blocks are full length)."""
+def evaluate(model, eval_loader, accelerator) -> float:
+    """Token-weighted mean eval loss in nats/token; each eval block counted exactly once."""
     model.eval()
-    nats, tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
+    nats = torch.zeros((), device=accelerator.device)
+    tokens = torch.zeros((), device=accelerator.device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"]).logits
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch.get("attention_mask")).logits
         # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
         per_block, targets = metrics.token_nll(logits, batch["labels"])
         del logits
@@ -128,6 +131,7 @@ def evaluate(model, eval_loader, accelerator):
         tokens += targets.sum()
     model.train()
     return (nats / tokens).item()
+# <<< shared
 
 
 def main() -> int:
@@ -205,42 +209,41 @@ def main() -> int:
     device_type, capability = precision.detect_device()
     mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
 
+    startup = {"precision_used": mode, "model_cls": LlamaForCausalLM, "model_config": model_config,
+               "handlers": [GradScalerKwargs(init_scale=args.init_scale,
+                                             growth_interval=args.growth_interval)]}
+    config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
+    # >>> shared: accelerator
     launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # The launch against the flags, the model and the hardware (common/checks.py lists the checks): a
-    # DeepSpeed JSON's explicit batch, clipping or bf16/fp16 block would silently win over them, ...
-    launch_config = checks.launch_config_from_env()
-    check_flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps":
-                   args.gradient_accumulation_steps, "max_grad_norm": args.max_grad_norm, "mixed_precision": mode,
-                   "block_size": args.block_size}
-    ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=checks.detect_hardware(),
-                 **checks.model_facts(launch_config, ds_config, LlamaForCausalLM, model_config))
-    checks.stop_on(checks.config_problems(launch_config, **facts))
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # the collective timeout; gloo ranks on CPU
-    config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the launch config's, which --precision overrides
+    # The launch against the flags and the hardware, before any work (common/checks.py lists
+    # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
+    guard = checks.Startup(args, **startup)
     accelerator = Accelerator(
-        mixed_precision=mode,
-        # each epoch is cut into whole windows below, so sync on the micro-step count, not the loader's end
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
-                                                                sync_with_dataloader=False),
-        # non_blocking: batches go to the GPU from pinned memory without waiting for the previous step
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
-        step_scheduler_with_optimizer=False,  # we step the LR ourselves, and not after a skipped step
+        mixed_precision=guard.precision["used"],
+        # we fetch whole accumulation windows: sync on the step count, not the loader's end
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[pg_kwargs, GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)],
+        kwargs_handlers=guard.handlers,
     )
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-    try:
-        if launch.install_cpu_grad_scaler(accelerator):
-            reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
-    except Stop as err:
-        raise Stop(f"--precision fp16: {err}") from None
-    accelerator.print(f"precision: {mode} ({reason})" + (f"; the launch config's mixed_precision={config_mp} is overridden"
-                                                         if config_mp and config_mp != mode else ""))
-    precision.keep_fp32_reduction(accelerator)  # FSDP: reduce gradients in fp32 whatever the compute dtype
-    # this job's alone (locked), emptied by --overwrite_output_dir, one folder shared by every node
-    run_dir.claim(accelerator, args)
+    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
+    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
+    launch.install_cpu_grad_scaler(accelerator)
+    precision.keep_fp32_reduction(accelerator)
+    set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
+    world_size = accelerator.num_processes
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    # <<< shared
+    if mode == "fp16" and device_type == "cpu" and accelerator.scaler is not None:
+        reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
+    accelerator.print(f"precision: {mode} ({reason})" + (
+        f"; the launch config's mixed_precision={config_mp} is overridden"
+        if config_mp and config_mp != mode else ""))
 
     # ---------------------------------------------------------------------------------------------
     # Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches. Each
@@ -252,19 +255,22 @@ def main() -> int:
         lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
     train_set = lm_data["train"]
     eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_data["validation"]))))
-    world_size = accelerator.num_processes
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest of an epoch is dropped
-    facts.update(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")  # >= one global batch?
-    checks.stop_on(checks.config_problems(launch_config, **facts), accelerator.is_main_process)
+    guard.data_ready(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
-    # Private generators: each iter() of a loader draws a seed from its generator, else from the global
-    # RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
-    pin = accelerator.device.type == "cuda"  # page-locked host memory, for the non-blocking copies
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                               drop_last=True, generator=torch.Generator(), pin_memory=pin)
-    eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                              generator=torch.Generator(), pin_memory=pin)
+    # >>> shared: loaders
+    # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
+    # ranks; rank r gets every world_size-th micro batch of it. drop_last: full global batches.
+    # Private generators: each iter() of a loader draws a seed from its generator, else from the
+    # global RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
+    pin = accelerator.device.type == "cuda"  # page-locked host memory, for non-blocking copies
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator(), pin_memory=pin)
+    eval_loader = torch.utils.data.DataLoader(
+        eval_set, batch_size=args.per_device_eval_batch_size, generator=torch.Generator(),
+        pin_memory=pin)
+    # <<< shared
 
     # ---------------------------------------------------------------------------------------------
     # Model: fp32 master weights in every mode; the precision only changes the compute.

@@ -63,10 +63,13 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin
+from accelerate.utils import gather_object, set_seed
 from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision, run_dir  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
 from common.errors import Stop  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, parse_flags, unsupported  # noqa: E402
 
@@ -324,41 +327,36 @@ def main() -> int:
         raise Stop("sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs differ "
                    "in length, so --num_train_epochs cannot fix one step count for every rank")
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # The launch against the flags and the hardware, before any work (common/checks.py lists the checks):
-    # a DeepSpeed JSON's explicit batch, clipping or precision would silently win over the flags, ...
-    launch_config = checks.launch_config_from_env()
-    check_flags = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                 "max_grad_norm", "warmup_steps")}
-    hardware = checks.detect_hardware()
-    # the config's bf16 where the hardware computes it, else fp32 with one line; --mixed_precision forces it
-    run_precision = precision.for_launch(launch_config, hardware)
-    check_flags["mixed_precision"] = run_precision["used"]
-    ds_config, ds_where = checks.deepspeed_settings(launch_config)
-    facts = dict(ds=ds_config, ds_where=ds_where, flags=check_flags, hardware=hardware,
-                 steps=args.max_steps)
-    checks.stop_on(checks.config_problems(launch_config, **facts))
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
         raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
-    # Import Accelerate only now: `prepare` runs without a launcher or process group.
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object, set_seed
-
-    pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)  # the collective timeout; gloo ranks on CPU
+    startup = {"steps": args.max_steps}  # known before the data: every rank streams that many
+    # >>> shared: accelerator
+    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # The launch against the flags and the hardware, before any work (common/checks.py lists
+    # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
+    guard = checks.Startup(args, **startup)
     accelerator = Accelerator(
-        mixed_precision=run_precision["used"],
-        # the loader is ours, not prepared: sync gradients on the micro-step count
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
-                                                                sync_with_dataloader=False),
-        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, none after a skipped one
+        mixed_precision=guard.precision["used"],
+        # we fetch whole accumulation windows: sync on the step count, not the loader's end
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[pg_kwargs])
-    launch.check_distributed(accelerator)  # refuse to "train distributed" as independent processes
-    launch.install_cpu_grad_scaler(accelerator)  # fp16 on CPU ranks: Accelerate builds no GradScaler there
-    run_dir.claim(accelerator, args)  # locked for this job, emptied by --overwrite_output_dir, shared by every node
-    precision.keep_fp32_reduction(accelerator)  # FSDP + bf16/fp16: reduce gradients (and return the loss) in fp32
-    world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+        kwargs_handlers=guard.handlers,
+    )
+    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
+    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
+    launch.install_cpu_grad_scaler(accelerator)
+    precision.keep_fp32_reduction(accelerator)
+    set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
+    world_size = accelerator.num_processes
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    # <<< shared
+    rank, device = accelerator.process_index, accelerator.device
     accumulation = args.gradient_accumulation_steps
 
     # -----------------------------------------------------------------------------------------
@@ -419,9 +417,8 @@ def main() -> int:
         raise Stop(f"the shards' block size {block_size} exceeds --model_config {args.model_config}'s "
                    f"max_position_embeddings {config.max_position_embeddings}")
     # With the model config: the FSDP wrap class against the model, a ZeRO-3 config against the plan.
-    facts["flags"] = {**check_flags, "block_size": block_size}
-    checks.stop_on(checks.config_problems(launch_config, **facts, **checks.model_facts(
-        launch_config, ds_config, LlamaForCausalLM, config)), accelerator.is_main_process)
+    guard.check(flags={**guard.facts["flags"], "block_size": block_size}, model_cls=LlamaForCausalLM,
+                model_config=config)
     set_seed(args.seed)  # same initial weights on every rank
     model = LlamaForCausalLM(config)
     # From here each rank draws its own random numbers (dropout, if a config has any). The data
@@ -443,7 +440,7 @@ def main() -> int:
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
     run_state = {"distributed_type": checkpoint.strategy_name(accelerator), "world_size": world_size, "seed": args.seed,
-                 "global_batch": batch * accumulation * world_size, "per_device_train_batch_size": batch,
+                 "global_batch": global_batch, "per_device_train_batch_size": batch,
                  "loader": args.loader, "dataloader_num_workers": workers,
                  "shuffle_buffer_size": args.shuffle_buffer_size, "block_size": block_size,
                  "manifest_sha256": manifest_sha256,
@@ -516,12 +513,16 @@ def main() -> int:
             with accelerator.accumulate(model):  # backward divides the loss by the accumulation steps
                 loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
                 accelerator.backward(loss)  # under fp16: backward of loss x scale
-                if accelerator.sync_gradients:  # the window's last micro batch; under fp16 unscales first
-                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-                optimizer.step()  # no-op until the window's last micro batch; under fp16 skipped on inf/NaN
+                # >>> shared: step
+                if accelerator.sync_gradients:  # the window's last micro batch
+                    # the global norm in fp64: every strategy clips with the same number
+                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
+                                                                 args.max_grad_norm)
+                optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+                    lr_scheduler.step()  # a skipped step did not happen: the LR holds
                 optimizer.zero_grad()
+                # <<< shared
             window_loss += loss.detach() / accumulation
             if args.record_sample_ids:  # kept as tensors: no value is read in an ordinary step
                 seen.setdefault(epoch, []).append(b["block_id"])
@@ -593,7 +594,7 @@ def main() -> int:
         per_rank = [metrics.strict_json(dict(zip(keys, r))) for r in table]  # nested: strict one by one
         metrics.append_jsonl(metrics_path, {"summary": True, "step": args.max_steps, "loader": args.loader,
                                             "text_bytes": manifest["text_bytes"], "world_size": world_size,
-                                            "precision": run_precision, "per_rank": per_rank})
+                                            "precision": guard.precision, "per_rank": per_rank})
         print("\n| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step | data wait "
               "| rank RSS MiB | rank USS MiB | workers USS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in per_rank:

@@ -2,6 +2,7 @@
 the exact line; every recipe and the planner really call it. In-process, no launches."""
 
 import json
+from types import SimpleNamespace
 import sys
 
 import pytest
@@ -274,7 +275,7 @@ def test_deepspeed_settings_on_the_launch_line():
         "recipe (after the script name)"]
 
 
-def test_launch_config_from_env_and_stop_on(capsys):
+def test_launch_config_from_env_and_startup_stops(capsys, monkeypatch, tmp_path):
     env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
            "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false",
            "FSDP_OFFLOAD_PARAMS": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"}
@@ -285,15 +286,22 @@ def test_launch_config_from_env_and_stop_on(capsys):
                         "fsdp_reshard_after_forward": "true", "fsdp_transformer_layer_cls_to_wrap": "GPT2Block"}}
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json"}
     assert checks.launch_config_from_env(env)["deepspeed_config"] == {"deepspeed_config_file": "ds_configs/zero2.json"}
-    # a warning prints once however often it comes back, on the main process only; errors exit, all of them
+    # Startup: a warning prints once however often it comes back, on rank 0 only; errors stop, all of them
+    monkeypatch.chdir(tmp_path)  # no DeepSpeed JSON, an empty launch environment
+    for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "RANK"):
+        monkeypatch.delenv(var, raising=False)
     warning = checks.Problem("warning", "w1 (test_checks)")
-    checks.stop_on([warning])
-    checks.stop_on([warning])
-    checks.stop_on([checks.Problem("warning", "w2 (test_checks)")], main_process=False)
-    assert capsys.readouterr().out == "warning: w1 (test_checks)\n"
+    answers = [[], [warning], [warning], [checks.Problem("error", "e1"), warning, checks.Problem("error", "e2")]]
+    monkeypatch.setattr(checks, "config_problems", lambda config, **facts: answers.pop(0))
+    guard = checks.Startup(SimpleNamespace(ddp_timeout=60, per_device_train_batch_size=2))
+    assert guard.facts["flags"] == {"per_device_train_batch_size": 2, "mixed_precision": guard.precision["used"]}
+    guard.check(train_size=10)
+    guard.check(train_size=10)
+    assert capsys.readouterr().out.count("warning: w1 (test_checks)\n") == 1
     with pytest.raises(Stop) as exc:
-        checks.stop_on([checks.Problem("error", "e1"), warning, checks.Problem("error", "e2")])
+        guard.data_ready(train_size=10, train_unit="blocks", steps=3)
     assert f"error: {exc.value}" == "error: e1\nerror: e2"
+    assert guard.facts["train_size"] == 10 and guard.facts["steps"] == 3
 
 
 def test_the_planner_prints_the_problems(tmp_path, capsys):

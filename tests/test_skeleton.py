@@ -1,0 +1,70 @@
+"""The blocks the recipes share are the same text, so `diff recipes/llama.py recipes/X.py` shows X's
+lesson and nothing else. A shared block sits between `# >>> shared: NAME` and `# <<< shared`; its
+copies are compared after removing their common indentation."""
+
+import textwrap
+
+import pytest
+from conftest import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("*.py"))
+
+
+def shared_blocks(text: str, where: str) -> dict[str, str]:
+    """NAME -> the dedented block (marker lines included) for every shared block of `text`."""
+    blocks, lines, i = {}, text.splitlines(keepends=True), 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("# >>> shared:"):
+            name = line.split(":", 1)[1].split("(")[0].strip()
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "# <<< shared"), None)
+            assert end is not None, f"{where}: shared block {name!r} has no end marker"
+            assert name not in blocks, f"{where}: shared block {name!r} twice"
+            body = "".join(lines[i:end + 1])
+            blocks[name] = textwrap.dedent(body.replace(lines[i], lines[i].split("(")[0].rstrip() + "\n"))
+            i = end
+        i += 1
+    return blocks
+
+
+def drift(texts: dict[str, str]) -> list[str]:
+    """Every shared block whose copies differ, or that only one recipe has: one line each."""
+    blocks = {name: shared_blocks(text, name) for name, text in texts.items()}
+    problems = []
+    for block in sorted({b for found in blocks.values() for b in found}):
+        copies = {recipe: found[block] for recipe, found in blocks.items() if block in found}
+        if len(copies) < 2:
+            problems.append(f"shared block {block!r} only in {sorted(copies)}")
+        elif len(set(copies.values())) > 1:
+            first = next(iter(copies))
+            differ = [r for r, text in copies.items() if text != copies[first]]
+            problems.append(f"shared block {block!r} differs between {first} and {differ}")
+    return problems
+
+
+def test_the_shared_blocks_are_the_same_text_in_every_recipe():
+    texts = {p.name: p.read_text() for p in RECIPES}
+    assert drift(texts) == []
+    # the Accelerator, its checks and workarounds: the same block in every recipe
+    assert all("accelerator" in shared_blocks(t, n) for n, t in texts.items()), sorted(texts)
+    counts = {b: sum(b in shared_blocks(t, n) for n, t in texts.items()) for b in ("step", "evaluate")}
+    assert counts["step"] >= 3 and counts["evaluate"] >= 2, counts
+
+
+@pytest.mark.parametrize("edit", ["one character", "one line"])
+def test_an_edited_copy_is_caught(edit):
+    texts = {p.name: p.read_text() for p in RECIPES}
+    block = shared_blocks(texts["llama.py"], "llama.py")["accelerator"]
+    line = next(x for x in block.splitlines()[1:] if "Accelerator(" in x)  # inside the block
+    changed = line.replace(" ", "  ", 1) if edit == "one character" else line + "  # edited"
+    texts["ddp_classifier.py"] = texts["ddp_classifier.py"].replace(line.strip(), changed.strip(), 1)
+    assert drift(texts) == ["shared block 'accelerator' differs between ddp_classifier.py and ['gradient_checkpointing.py', "
+                            "'llama.py', 'mixed_precision.py', 'sharded_data.py']"]
+
+
+def test_the_main_recipe_fits_100_columns_and_marks_what_to_adapt():
+    text = (REPO / "recipes" / "llama.py").read_text()
+    assert [n for n, line in enumerate(text.splitlines(), 1) if len(line) > 100] == []
+    assert "sys.exit" not in text  # one way out: common/errors.run
+    for part in ("data", "model", "loss", "export"):  # named in the docstring, found by a marker
+        assert text.count(f"# ADAPT: {part}") == 1, part
