@@ -53,9 +53,9 @@ EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP", "deepspeed_zero3": "DEEPSPE
 
 
 def copy_list():
-    """{"needed for" cell: [paths]} from the README's "Copy and adapt" table."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Copy and adapt\n", 1)[1].split("\n## ", 1)[0]
+    """{"needed for" cell: [paths]} from the table in docs/copy_and_adapt.md ("The files a copy needs")."""
+    page = (REPO / "docs" / "copy_and_adapt.md").read_text()
+    section = page.split("## The files a copy needs\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,0 +1,104 @@
+"""The README and docs/ as a reader meets them: every relative link resolves (file and heading), the
+README stays short, and no page but docs/measurements.md carries dates or names tracker issues.
+
+In-process and fast: it reads markdown files only."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MEASUREMENTS = REPO / "docs" / "measurements.md"
+README_MAX_LINES = 150
+README_MAX_COLUMNS = 120
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def prose_lines(text: str):
+    """(line number, line) outside fenced and indented code blocks, inline code spans removed."""
+    fenced, in_indented, previous_blank = False, False, True
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        indented = line.startswith(("    ", "\t"))
+        if indented and (previous_blank or in_indented):
+            in_indented = True
+            continue
+        if line.strip():
+            in_indented = False
+        previous_blank = not line.strip()
+        yield number, re.sub(r"`[^`]*`", "``", line)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, markup and punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link keeps its text
+    text = re.sub(r"[^\w\- ]", "", text.replace("`", "").lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Anchors of the headings as written (code spans keep their text, as GitHub renders them)."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not (m := re.match(r"#{1,6}\s+(.*?)\s*$", line)):
+            continue
+        base = slug(m.group(1))
+        out.add(base if base not in seen else f"{base}-{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
+    return out
+
+
+def relative_links(path: Path):
+    """(line number, target) of every link in prose that is not a URL (http:, https:, mailto: ...)."""
+    for number, line in prose_lines(path.read_text()):
+        for target in LINK.findall(line):
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):
+                yield number, target
+
+
+def test_the_pages_exist():
+    assert (REPO / "docs").is_dir() and len(PAGES) > 1
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for number, target in relative_links(page):
+        file_part, _, anchor = target.partition("#")
+        dest = (page.parent / file_part).resolve() if file_part else page
+        if not dest.exists():
+            broken.append(f"{page.name}:{number}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{page.name}:{number}: {target} (no heading #{anchor} in {dest.name})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_short():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
+    text = (REPO / "README.md").read_text()
+    raw = text.splitlines()
+    wide = [f"{n}: {len(raw[n - 1])} columns" for n, _ in prose_lines(text) if len(raw[n - 1]) > README_MAX_COLUMNS]
+    assert not wide, "README.md lines over 120 columns outside code blocks:\n" + "\n".join(wide)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_issue_numbers_or_dates_outside_the_measurements_page(page):
+    if page == MEASUREMENTS:
+        pytest.skip("the one page of dated measurements")
+    text = page.read_text()
+    hits = [f"{page.name}:{n}: {m.group(0)}" for n, line in enumerate(text.splitlines(), 1)
+            for m in [*ISSUE.finditer(line), *DATE.finditer(line)]]
+    assert not hits, "\n".join(hits)
