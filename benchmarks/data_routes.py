@@ -22,7 +22,7 @@ summary. Per rank, the recipe measures:
   * memory at the end, workers alive: the rank's RSS plus its workers' USS (pages only they hold;
     their RSS would count again the libraries they share with the rank).
 The table gives the median over the repeats per rank, and growth = the 1 GB figure minus the
-10 MB one. Goals (issue 11): ratio >= 20, data wait < 2%, growth <= 50 MB per rank.
+10 MB one. Goals: ratio >= 20, data wait < 2%, growth <= 50 MB per rank.
 Measurements that go in results files run under `flock /tmp/bench.lock` on a shared host.
 """
 

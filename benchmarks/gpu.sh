@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmark, one command on a single-GPU host (issue 11), from any directory:
+# GPU benchmark, one command on a single-GPU host, from any directory:
 #
 #     bash benchmarks/gpu.sh               # writes gpu_benchmark.md to $OUT if set, else the current directory
 #     bash benchmarks/gpu.sh --cpu-smoke   # the same script on a CPU (CI): debug model, 4 steps, 2 runs

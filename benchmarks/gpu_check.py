@@ -1,4 +1,4 @@
-"""Confirm on the first lent GPU what issue 14's fixes were built for on CPU: one command, one device.
+"""Confirm on one GPU what was built on CPU for CUDA hosts: one command, one device.
 
     python benchmarks/gpu_check.py                # a CUDA host, 1 GPU: a few minutes
     python benchmarks/gpu_check.py --cpu-smoke    # the same code on CPU with the debug model (CI)
@@ -6,14 +6,14 @@
 Each check prints one PASS/FAIL line with its figures, and all of them go to gpu_check.md in
 $OUT (if set) or the working directory; the exit status is 1 if any check failed.
 
-| check             | finding                                           | passes when                                   |
+| check             | guards against                                    | passes when                                   |
 |-------------------|---------------------------------------------------|-----------------------------------------------|
-| collectives       | 1: a CPU tensor handed to an NCCL collective      | measure_model_states.py under ddp.yaml exits 0 |
-| eval memory       | 4: eval copied the whole logits three times       | eval's peak < 1/2 a train step's (same batch) |
-| grad-norm memory  | 11: fp64 copies of whole gradients for the norm   | clip_grad_norm_'s extra bytes < 3 fp64 slices |
-| step syncs        | 11: host syncs in an ordinary step                | no CUDA sync from project code in a step      |
-| deepspeed memory  | 7: 5e8-element buckets (2 GB per rank)           | ZeRO-2's peak exceeds common/plan.py's total by < 1 GiB |
-| fsdp loading      | 6: every rank loaded the fp32 weights             | a --model_name_or_path fine-tune under fsdp.yaml (RAM-efficient loading) matches ddp.yaml's first loss |
+| collectives       | a CPU tensor handed to an NCCL collective         | measure_model_states.py under ddp.yaml exits 0 |
+| eval memory       | an eval that copies the whole logits three times  | eval's peak < 1/2 a train step's (same batch) |
+| grad-norm memory  | fp64 copies of whole gradients for the norm       | clip_grad_norm_'s extra bytes < 3 fp64 slices |
+| step syncs        | host syncs in an ordinary step                    | no CUDA sync from project code in a step      |
+| deepspeed memory  | 5e8-element buckets (2 GB per rank)               | ZeRO-2's peak exceeds common/plan.py's total by < 1 GiB |
+| fsdp loading      | every rank loading the fp32 weights               | a --model_name_or_path fine-tune under fsdp.yaml (RAM-efficient loading) matches ddp.yaml's first loss |
 
 The last two train recipes/llama.py for 3 steps at llama-3.2-1b, 1 x 2048 tokens (1 process,
 bf16) and print the plan beside the measured peak (`max_memory_allocated`) for ddp and ZeRO-2.

@@ -1,4 +1,4 @@
-"""What recipes/llama.py costs on top of the training loop a user would write by hand (issue 11).
+"""What recipes/llama.py costs on top of the training loop a user would write by hand.
 
     python benchmarks/overhead.py                    # the table (single, ddp, fsdp, zero2): ~9 min on 2 CPU cores
     python benchmarks/overhead.py --configs single ddp --steps 40 --repeats 5

@@ -1,4 +1,4 @@
-"""Will it fit? Bytes per rank for each strategy, before you launch (issue 12).
+"""Will it fit? Bytes per rank for each strategy, before you launch.
 
     python common/plan.py --all --model_config llama-3-8b --block_size 2048 \
         --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB
