@@ -172,7 +172,7 @@ for config in ("ddp", "deepspeed_zero2"):
         report(f"{config} run", False, proc.stderr[-1500:])
         continue
     plan = json.loads(subprocess.run(
-        [sys.executable, "common/plan.py", "--config", config, "--model_config", preset, "--vocab_size",
+        [sys.executable, "tools/plan.py", "--config", config, "--model_config", preset, "--vocab_size",
          str(json.load(open(tmp / config / "final" / "config.json"))["vocab_size"]), "--block_size", str(seq),
          "--per_device_train_batch_size", "1", "--num_processes", "1", "--format", "json"],
         cwd=REPO, capture_output=True, text=True, check=True).stdout)

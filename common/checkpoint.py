@@ -113,7 +113,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
 
     Every rank runs `save_state` (it holds collectives and per-rank shard writes); then, after a
     barrier, rank 0 writes `hf_files` (objects with `save_pretrained`, e.g. the model config and
-    tokenizer, so `common/consolidate.py` can rebuild an HF model offline); every rank fsyncs and
+    tokenizer, so `tools/consolidate.py` can rebuild an HF model offline); every rank fsyncs and
     hashes its share of the files (`_digests`); rank 0 fsyncs the folders, writes the marker
     (sizes, sha256 sums and `run_state`: world size, global batch, ... for checks on resume), renames
     `checkpoint-{step}.tmp` into place, and deletes the oldest complete checkpoints beyond
@@ -447,7 +447,7 @@ def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]
                                                                             run_state["world_size"])
     if layout[0] and not {layout[0], here[0]} <= REPLICATED and layout != here:
         changes.append(f"a {layout[0]} state of {layout[1]} rank(s), this run is {here[0]} with {here[1]} (sharded "
-                       "FSDP/ZeRO states resume on the same strategy and world size; common/consolidate.py "
+                       "FSDP/ZeRO states resume on the same strategy and world size; tools/consolidate.py "
                        "converts one to plain weights)")
     if end_error := _end_error(saved, run_state.get("max_steps")):
         return f"cannot resume from {path}: {end_error}"

@@ -1,6 +1,6 @@
 """Start-up checks of a launch (accelerate config, DeepSpeed JSON, flags, model, data, hardware): one line per problem.
 
-One function, `config_problems`, used by every recipe and by the planner (`common/plan.py`). Its
+One function, `config_problems`, used by every recipe and by the planner (`tools/plan.py`). Its
 inputs are plain values: the accelerate config as a dict in the YAML's keys (the planner reads the
 YAML; a recipe rebuilds it from what `accelerate launch` put in its environment,
 `launch_config_from_env`), the DeepSpeed JSON as a dict, the flags as a dict, and the hardware
@@ -430,7 +430,7 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
     return Problem("warning", f"ZeRO-3 (zero_optimization.stage: 3 in {where}) sends {_size(this['comm_per_step'])} "
                               f"per rank and step ({_size(this['total'])} per rank), but the plan says "
                               f"{'; '.join(better)}; prefer that unless you measured otherwise "
-                              "(python common/plan.py, benchmarks/compare_strategies.py)")
+                              "(python tools/plan.py, benchmarks/compare_strategies.py)")
 
 
 def _idle_gpus_problem(config: dict, where: str, hardware: dict, ranks: int, per_machine: int) -> Problem | None:

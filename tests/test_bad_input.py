@@ -211,7 +211,7 @@ def test_unknown_flag_is_one_error_line_in_every_recipe(recipe, tmp_path, monkey
 # --help of every entry point, in this process (the imports are paid once): exit 0, and the text says
 # what the tool does (its docstring, or the line named here).
 ENTRY_POINTS = sorted(str(p.relative_to(REPO)) for pattern in ("recipes/*.py", "benchmarks/*.py")
-                      for p in REPO.glob(pattern)) + ["common/launch.py", "common/plan.py", "common/consolidate.py"]
+                      for p in REPO.glob(pattern)) + ["common/launch.py", "tools/plan.py", "tools/consolidate.py"]
 SAYS = {"common/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
         "recipes/sharded_data.py prepare": "tokenize the bundled corpus once and write parquet shards"}
 

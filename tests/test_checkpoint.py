@@ -323,7 +323,7 @@ def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpu
         assert info["n_params"] == plain_info["n_params"] and info["distributed_type"] == "DEEPSPEED"
         first, plain_first = read_metrics(out)[0][0], read_metrics(plain)[0][0]
         assert first["step"] == plain_first["step"] == 1 and first["loss"] != plain_first["loss"]
-    subprocess.run([sys.executable, REPO / "common/consolidate.py", out / f"checkpoint-{last}", tmp_path / "hf"],
+    subprocess.run([sys.executable, REPO / "tools/consolidate.py", out / f"checkpoint-{last}", tmp_path / "hf"],
                    check=True, capture_output=True)
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
     assert merged.keys() == exported.keys()

@@ -12,6 +12,7 @@ from conftest import REPO, run_in_process
 
 sys.path.insert(0, str(REPO))
 from common import checks, models, plan  # noqa: E402
+from tools import plan as plan_cli  # noqa: E402
 from common.errors import Stop  # noqa: E402
 
 CPU = {"device_type": "cpu", "capability": None, "gpus": 0}
@@ -217,7 +218,7 @@ def test_zero3_where_the_plan_fits_something_cheaper():
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     head = (f"warning: ZeRO-3 (zero_optimization.stage: 3 in the DeepSpeed JSON ds_configs/zero3.json) sends "
             f"{mb(zero3['comm_per_step'])} per rank and step ({mb(zero3['total'])} per rank), but the plan says ")
-    tail = "; prefer that unless you measured otherwise (python common/plan.py, benchmarks/compare_strategies.py)"
+    tail = "; prefer that unless you measured otherwise (python tools/plan.py, benchmarks/compare_strategies.py)"
     zero2_line = f"ZeRO-2 fits ({mb(zero2_rs['total'])} of {{}} per rank) sending {mb(zero2_rs['comm_per_step'])}"
     fsdp_line = (f"FSDP2 with fsdp_reshard_after_forward: false fits ({mb(fsdp['total'])} of {{}} per rank) sending "
                  f"{mb(fsdp['comm_per_step'])}")
@@ -312,7 +313,7 @@ def test_the_planner_prints_the_problems(tmp_path, capsys):
             "no such module")
     for fmt in ("table", "json"):  # an error among the problems: exit status 1, after the table
         with pytest.raises(SystemExit) as exit_:
-            plan.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB", "--format", fmt])
+            plan_cli.main(["--config", str(tmp_path / "fsdp.yaml"), "--device_memory", "80GB", "--format", fmt])
         assert exit_.value.code == 1
         out = capsys.readouterr().out
         if fmt == "table":

@@ -1,4 +1,4 @@
-"""common/plan.py against measurement: model states from live tensors (one launch per strategy,
+"""common/plan.py (and its command line, tools/plan.py) against measurement: model states from live tensors (one launch per strategy,
 three model shapes each), activations from autograd's saved tensors (in process), and DeepSpeed's
 own estimators (offline)."""
 
@@ -12,6 +12,7 @@ from conftest import REPO, launch
 
 sys.path.insert(0, str(REPO))
 from common import models, plan  # noqa: E402
+from tools import plan as plan_cli  # noqa: E402
 from common.memory import SavedTensorBytes  # noqa: E402
 
 # the debug preset, a deeper one, one with grouped-query attention and untied embeddings
@@ -123,21 +124,21 @@ def test_model_states_agree_with_deepspeeds_estimator(preset):
 
 
 def run_cli(*args):
-    """`python common/plan.py ARGS` for real (a subprocess)."""
-    return subprocess.run([sys.executable, str(REPO / "common" / "plan.py"), *map(str, args)], capture_output=True,
+    """`python tools/plan.py ARGS` for real (a subprocess)."""
+    return subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), *map(str, args)], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
 
 
 @pytest.fixture
 def cli(capsys, monkeypatch):
-    """`plan.main(ARGS)` in this process, as `run_cli` returns it: returncode, stdout, and stderr with the
+    """`plan_cli.main(ARGS)` in this process, as `run_cli` returns it: returncode, stdout, and stderr with the
     exit message that Python would print (one line and a newline) after what main printed there."""
     monkeypatch.chdir(REPO)
 
     def run(*args):
         code = 0
         try:
-            plan.main(list(map(str, args)))
+            plan_cli.main(list(map(str, args)))
         except SystemExit as exc:
             code = exc.code
         out, err = capsys.readouterr()
@@ -176,12 +177,12 @@ def test_cli_table_json_and_bad_input(cli):
 
 
 def _plans(capsys, tmp_path, *yamls, args=()):
-    """{config name: plan} from plan.main(--format json) over YAMLs written to tmp_path (name -> text)."""
+    """{config name: plan} from plan_cli.main(--format json) over YAMLs written to tmp_path (name -> text)."""
     paths = []
     for name, text in yamls:
         (tmp_path / f"{name}.yaml").write_text(text)
         paths += ["--config", str(tmp_path / f"{name}.yaml")]
-    plan.main([*paths, "--model_config", "llama-3-8b", "--block_size", "2048", "--per_device_train_batch_size", "1",
+    plan_cli.main([*paths, "--model_config", "llama-3-8b", "--block_size", "2048", "--per_device_train_batch_size", "1",
                "--format", "json", *args])
     return json.loads(capsys.readouterr().out)
 
@@ -204,7 +205,7 @@ def test_what_the_review_found(tmp_path, capsys):
     two_nodes = _plans(capsys, tmp_path, ("two", FSDP2.replace("num_processes: 8", "num_processes: 16")
                                           + "num_machines: 2\n"), args=["--device_memory", "80GB"])
     assert two_nodes["plans"]["two"]["ranks"] == 16  # not 32
-    plan.main(["--all", "--format", "json"])
+    plan_cli.main(["--all", "--format", "json"])
     debug = json.loads(capsys.readouterr().out)
     assert debug["recommendation"].startswith("Recommendation: ddp ")  # ties with the sharded ones: least sharding
     if "host RAM" in debug["device_memory_source"]:  # CPU host: offloaded bytes use the same memory
