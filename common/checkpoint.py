@@ -36,6 +36,7 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
+from common import workarounds
 from common.errors import Stop
 
 MARKER = "COMPLETE.json"
@@ -281,68 +282,21 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
                             "(save some with --save_steps)")
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: int) -> None:
-    """`accelerator.load_state(path)` on every rank, with two fixes.
+def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: int) -> list[str]:
+    """`accelerator.load_state(path)` on every rank, with two workarounds (common/workarounds.py).
 
-    The micro-step counter: `load_state` restores Accelerate's count of micro batches
-    (`accelerator.step`), whose remainder modulo `gradient_accumulation_steps` decides which
-    micro batch ends an accumulation window. A run resumed with another split of the same global
-    batch (batch 2 x 1 saved at step 9, resumed as batch 1 x accumulation 2: 9 % 2 = 1) would
-    close every window one micro batch early, silently. We set it to
-    `optimizer_steps x gradient_accumulation_steps`, so windows start where they should.
-
-    FSDP1: Accelerate loads its SHARDED_STATE_DICT optimizer state with torch.distributed.checkpoint,
-    which fills the *existing* state dict in place. In a fresh process Adam has no state yet, so
-    nothing was loaded, silently: the run resumed with zeroed moments (found by
-    tests/test_checkpoint.py, accelerate 1.15 / torch 2.13). `get_optimizer_state_dict`
-    initialises the states first (torch's own `_init_optim_state`), so the load fills them.
-    """
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        get_optimizer_state_dict(model, optimizer.optimizer)
-    accelerator.load_state(str(path))
-    accelerator.step = optimizer_steps * accelerator.gradient_accumulation_steps
-
-
-def eager_state_dict_keys(model) -> int:
-    """Make every `torch.compile` wrapper inside `model` save and load its eager module's state-dict keys.
-
-    `accelerator.prepare` under a dynamo backend (`accelerate launch --dynamo_backend inductor`)
-    returns `torch.compile(model)`: an `OptimizedModule` that holds the model as `_orig_mod`, so
-    every state-dict key gains `_orig_mod.` (regional compilation: one per block). Measured,
-    torch 2.13: the final/ export then held only `_orig_mod.model...` keys, and transformers'
-    `from_pretrained` reloaded it as a freshly initialised model, with a warning, exit 0.
-    Checkpoints written by a compiled run would not load into an eager one, and back.
-
-    State-dict post-hooks drop `_orig_mod.` from what each wrapper writes; load pre-hooks put it
-    back in front of eager names (keys that already carry it load as they are). Parameters and
-    optimizer state are untouched. (FSDP2's `get_model_state_dict` strips the prefix itself;
-    call this only for state dicts that `nn.Module.state_dict` writes: single process, DDP.)
+    FSDP1: `fill_fsdp1_optimizer_state` first, else the optimizer's moments would stay zero.
+    After the load, `micro_steps_from_optimizer_steps`: the count of micro batches follows this
+    run's split of the global batch (batch 2 x 1 saved at step 9, resumed as batch 1 x
+    accumulation 2: 18 micro batches, where the saved count 9 would give 9 % 2 = 1 and close
+    every window one micro batch early).
 
     Returns:
-        The number of wrappers given the hooks (0 when nothing in `model` is compiled).
+        The names of the workarounds applied.
     """
-    import torch
-
-    def strip(module, state_dict, prefix, local_metadata):
-        inner = prefix + "_orig_mod."
-        renamed = [(prefix + k[len(inner):] if k.startswith(inner) else k, v) for k, v in state_dict.items()]
-        state_dict.clear()
-        state_dict.update(renamed)  # keeps the order
-
-    def restore(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        inner = prefix + "_orig_mod."
-        for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
-
-    wrappers = [m for m in model.modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
-    for m in wrappers:
-        m.register_state_dict_post_hook(strip)
-        m.register_load_state_dict_pre_hook(restore)
-    return len(wrappers)
+    applied = workarounds.fill_fsdp1_optimizer_state(accelerator, model, optimizer)
+    accelerator.load_state(str(path))
+    return applied + workarounds.micro_steps_from_optimizer_steps(accelerator, optimizer_steps)
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
@@ -542,6 +496,19 @@ def stop_on_signal(accelerator, timeout_s: float):
     return preempted
 
 
+def full_state_dict(accelerator, model) -> dict:
+    """The full (unsharded) model state dict for export. Call on every rank: it is a collective.
+
+    `accelerator.get_state_dict`, except FSDP1 on a CPU-only host, which gathers without
+    offloading (`workarounds.fsdp1_cpu_state_dict`).
+
+    Returns:
+        name -> full-size tensor on rank 0 (FSDP1 leaves other ranks' dicts empty).
+    """
+    state_dict = workarounds.fsdp1_cpu_state_dict(accelerator, model)
+    return accelerator.get_state_dict(model) if state_dict is None else state_dict
+
+
 def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     """Write the trained model and its tokenizer to `{output_dir}/final/` in Hugging Face format
     (safetensors), whole and atomically (`atomic_export`); returns that path. Call on every rank:
@@ -552,11 +519,9 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     the export reloaded untrained. Tied embeddings are stored once, as Hugging Face does (gathered
     copies no longer share storage).
     """
-    from common import launch
-
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    state_dict = launch.full_state_dict(accelerator, model) if sharded else unwrapped.state_dict()
+    state_dict = full_state_dict(accelerator, model) if sharded else unwrapped.state_dict()
     if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # (other ranks may hold none)
         state_dict.pop("lm_head.weight", None)
     with atomic_export(accelerator, output_dir) as export_dir:  # final/ is never half written
@@ -596,17 +561,3 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str]) -
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
                           "run only while both are still in warmup")
     return path, saved
-
-
-def keep_eager_keys(accelerator, model) -> dict | None:
-    """After `prepare`: under torch.compile (`accelerate launch --dynamo_backend inductor`, or the
-    config's dynamo_config), keep eager state-dict key names (`eager_state_dict_keys`), so the
-    export reloads and checkpoints move between compiled and eager runs (FSDP2's state dicts
-    already do). Returns {"backend", "mode", "regional"} for run_info.json, or None uncompiled."""
-    dynamo = accelerator.state.dynamo_plugin
-    if dynamo.backend.value == "NO":
-        return None
-    if not accelerator.is_fsdp2:
-        eager_state_dict_keys(model)
-    return {"backend": dynamo.backend.value.lower(), "mode": dynamo.mode,
-            "regional": bool(dynamo.use_regional_compilation)}

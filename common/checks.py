@@ -558,7 +558,9 @@ class Startup:
     Attributes:
         precision: {"requested", "used", "reason"}; "used" goes to the `Accelerator`.
         handlers: the Accelerator's kwargs_handlers: the collective timeout, and on a CPU-only host
-            real gloo ranks (`launch.cpu_process_group_kwargs`), then the recipe's `handlers`.
+            real gloo ranks (`launch.process_group`), then the recipe's `handlers`.
+        workarounds: the names of the library workarounds `launch.process_group` applied
+            (common/workarounds.py): a recipe adds its own and records them in run_info.json.
     """
 
     FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "warmup_steps",
@@ -579,7 +581,8 @@ class Startup:
                           steps=steps)
         self._printed: set[str] = set()
         self.check(model_cls=model_cls, model_config=model_config)
-        self.handlers = [launch.cpu_process_group_kwargs(args.ddp_timeout), *handlers]
+        group, self.workarounds = launch.process_group(args.ddp_timeout)
+        self.handlers = [group, *handlers]
 
     def check(self, *, model_cls=None, model_config=None, **facts) -> None:
         """Add `facts` (config_problems' keywords), then stop on any error; print each new warning."""

@@ -2,35 +2,32 @@
 
 `accelerate launch --num_processes 2` on a CPU-only host starts 2 processes through torchrun,
 but inside them Accelerate 1.x finds no device and quietly builds a *single*, non-distributed
-state per process: two independent runs that only look distributed. `cpu_process_group_kwargs`
-switches each strategy back to its real code path over gloo, and `check_distributed` refuses to
-train if that did not work, so an Accelerate upgrade that changes the internals fails loudly.
+state per process: two independent runs that only look distributed. `process_group` switches
+each strategy back to its real code path over gloo (the workarounds are common/workarounds.py's),
+and `check_distributed` refuses to train if that did not work, so an Accelerate upgrade that
+changes the internals fails loudly.
 
 What each strategy needs (checked with accelerate 1.15, deepspeed 0.19.8, torch 2.13 CPU):
 
 | strategy (set by `accelerate launch`)  | what we do on CPU                                          |
 |----------------------------------------|------------------------------------------------------------|
-| DDP / MULTI_CPU                        | `ACCELERATE_USE_CPU=true`: Accelerate's own MULTI_CPU path |
-| DeepSpeed (`ACCELERATE_USE_DEEPSPEED`)  | process-group backend `gloo` instead of `nccl`             |
-| FSDP1 / FSDP2 (`ACCELERATE_USE_FSDP`)   | gloo process group, then the state's distributed type set  |
-|                                        | to MULTI_GPU so that `AcceleratorState` picks FSDP (it     |
-|                                        | only does from a multi-device type); the device stays CPU. |
+| DDP / MULTI_CPU                        | `workarounds.ddp_ranks_on_cpu`: Accelerate's MULTI_CPU path |
+| DeepSpeed (`ACCELERATE_USE_DEEPSPEED`)  | process-group backend `gloo` instead of `nccl`, and        |
+|                                        | `workarounds.skip_deepspeed_shm_build`                     |
+| FSDP1 / FSDP2 (`ACCELERATE_USE_FSDP`)   | `workarounds.fsdp_ranks_on_cpu`: a gloo process group, and |
+|                                        | a state that `AcceleratorState` picks FSDP from            |
 
 On a host with CUDA (or any device Accelerate knows) nothing here changes anything: the only
 effect is the collective timeout, which every run gets.
 
 A host that *has* NVIDIA GPUs but whose torch sees none (a CPU-only wheel, a driver too old for
 the wheel's CUDA, a container started without `--gpus`) would otherwise land on the CPU path
-above and train there, slowly and silently. `cpu_process_group_kwargs` refuses that (see
+above and train there, slowly and silently. `process_group` refuses that (see
 `host_nvidia_gpus`) unless the user opts in with `ACCELERATE_RECIPES_ALLOW_CPU=1`. Accelerate's
 own CPU switches cannot be that opt-in: `accelerate launch --cpu` starts one plain process, not
 the config's ranks, and drops FSDP/DeepSpeed; `use_cpu: true` in the YAML never reaches the
 ranks of a multi-GPU, FSDP or DeepSpeed launch (both checked with accelerate 1.15). An
 `ACCELERATE_USE_CPU=true` already in the environment (`--cpu`'s one process) is accepted too.
-
-Also here: `full_state_dict` (FSDP1's full-state-dict gather crashed with CPU offload) and
-`install_cpu_grad_scaler` (Accelerate builds no GradScaler or fp16 autocast on CPU, so
-`mixed_precision="fp16"` silently trained in fp32 there).
 """
 
 from __future__ import annotations
@@ -45,11 +42,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 if __name__ == "__main__":  # python common/launch.py CONFIG RECIPE: the shorthand at the end
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import workarounds  # noqa: E402
 from common.errors import Stop  # noqa: E402
 
 
@@ -91,20 +89,21 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
-    """Process-group settings for `Accelerator(kwargs_handlers=[...])`, fixing up CPU-only launches.
+def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
+    """Process-group settings for `Accelerator(kwargs_handlers=[...])`, after the launch's checks.
 
-    Call it before building the `Accelerator`. It also lets a DeepSpeed YAML set
-    `mixed_precision` (`allow_mixed_precision_with_deepspeed_json`). With no accelerator and a torchrun launch
-    (`LOCAL_RANK` set), it makes the strategy chosen by the accelerate config run for real over
-    gloo (see the module docstring). Elsewhere it only sets the timeout.
+    Call it before building the `Accelerator`. It lets a DeepSpeed YAML set `mixed_precision`
+    (`workarounds.allow_mixed_precision_with_deepspeed_json`). With no accelerator and a
+    torchrun launch (`LOCAL_RANK` set), it makes the strategy chosen by the accelerate config
+    run for real over gloo (see the module docstring). Elsewhere it only sets the timeout.
 
     Args:
         timeout_s: collective timeout in seconds (`--ddp_timeout`, as in `TrainingArguments`). A
             rank stuck in a collective longer than this raises, so one dead rank ends the job.
 
     Returns:
-        `InitProcessGroupKwargs` with `timeout` set, and `backend="gloo"` on CPU-only launches.
+        (`InitProcessGroupKwargs` with `timeout` set, and `backend="gloo"` on CPU-only launches;
+        the names of the workarounds applied, common/workarounds.py).
 
     Raises:
         ValueError: if `timeout_s` is not positive, the accelerate config's DeepSpeed JSON is missing,
@@ -128,7 +127,7 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
                 f"this host has {n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)} ({seen_by}) but torch {torch.__version__} sees "
                 f"none; {why}. Fix that, or set ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway "
                 "(`accelerate launch --cpu` would run one process, not the config's ranks)")
-    allow_mixed_precision_with_deepspeed_json()
+    applied = workarounds.allow_mixed_precision_with_deepspeed_json()
     # A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
     # with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
     if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
@@ -146,76 +145,19 @@ def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
                          "`accelerate launch --rdzv_backend c10d --max_restarts N ...`")
     timeout = timedelta(seconds=timeout_s)
     if _has_accelerator() or "LOCAL_RANK" not in os.environ:
-        return InitProcessGroupKwargs(timeout=timeout)
-
+        return InitProcessGroupKwargs(timeout=timeout), applied
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        # FSDP is only chosen from a multi-device state. Initialise the process group ourselves
-        # (gloo), then relabel the state; PartialState is a shared singleton, so the
-        # Accelerator built next reuses it.
-        state = PartialState(cpu=True, backend="gloo", timeout=timeout)
-        state.distributed_type = DistributedType.MULTI_GPU
-        state.device = torch.device("cpu")  # not "cpu:0": FSDP1 rejects an indexed CPU device_id
+        applied += workarounds.fsdp_ranks_on_cpu(timeout)
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        skip_deepspeed_shm_build()
+        applied += workarounds.skip_deepspeed_shm_build()
     else:
-        os.environ["ACCELERATE_USE_CPU"] = "true"  # DDP: Accelerate's MULTI_CPU path over gloo
-    return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+        applied += workarounds.ddp_ranks_on_cpu()
+    return InitProcessGroupKwargs(backend="gloo", timeout=timeout), applied
 
 
-def skip_deepspeed_shm_build() -> None:
-    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce, which training never calls.
-
-    deepspeed 0.19.8's CPU accelerator builds the `deepspeed_shm_comm` op when it sets up its
-    process group (`TorchBackend.__init__`): ~40 s of gcc on 2 cores in a fresh environment, and
-    a load of the cached build on every later launch. Only `inference_all_reduce` (tensor-parallel
-    inference) uses it; ZeRO's collectives go through torch.distributed. Marking the op
-    incompatible makes `build_shm_op` return None. Canary:
-    tests/test_deepspeed_config.py::test_deepspeed_on_cpu_does_not_build_its_shm_all_reduce.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def die_with_launcher() -> None:
-    """End this worker when its launcher dies, even by SIGKILL: no orphaned ranks.
-
-    torchrun (which `accelerate launch` runs) stops its workers when it exits normally or on a
-    signal it can catch; SIGKILLed (the OOM killer, `kill -9`, a node agent), it cannot, and the
-    workers ran on (reported: 22 minutes, until killed by hand). Linux's parent-death signal
-    (`prctl(PR_SET_PDEATHSIG, SIGKILL)`) has the kernel kill this process when its parent, the
-    launcher, goes. SIGKILL rather than SIGTERM: nobody would be left to restart the job, and the
-    last complete checkpoint is what a relaunch resumes from anyway. Only under torchrun
-    (`TORCHELASTIC_RUN_ID` set), so `nohup python recipe.py` keeps running after its shell closes.
-    Linux only; elsewhere it does nothing.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before the call: the signal will never come
-        os._exit(1)
-
-
-def allow_mixed_precision_with_deepspeed_json() -> None:
-    """Let a DeepSpeed YAML carry `mixed_precision`, like every other accelerate config.
-
-    `accelerate launch` passes the YAML's `mixed_precision` on, but Accelerate 1.15 then refuses
-    to start when the YAML points to a DeepSpeed JSON (`_deepspeed_config_checks`: the JSON's own
-    `bf16`/`fp16` blocks would win). Without the key the launch defaults to fp32, so the ZeRO
-    configs trained in fp32 where every other config trained in bf16. Our JSONs set those
-    blocks to `"auto"`, which follows the requested precision, so nothing is ignored; and a JSON
-    with explicit blocks that disagree is refused at start-up by `checks.config_problems`.
-    Here we drop `mixed_precision` from the list of YAML fields that Accelerate refuses
-    (`ACCELERATE_CONFIG_DS_FIELDS`). Call before building the `Accelerator`; `--mixed_precision`
-    on the launch line still wins over the YAML.
-    """
-    fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS")
-    if fields:
-        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields.split(",") if f != "mixed_precision")
+def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:
+    """`process_group`'s settings alone, for scripts that build an `Accelerator` by hand."""
+    return process_group(timeout_s)[0]
 
 
 def _end_process() -> None:
@@ -296,29 +238,6 @@ def check_distributed(accelerator: Accelerator) -> None:
         )
 
 
-def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
-    """The full (unsharded) model state dict for export. Call on every rank: it is a collective.
-
-    `accelerator.get_state_dict` everywhere, except FSDP1 on a CPU-only host: there its
-    FULL_STATE_DICT gather with `offload_to_cpu=True` crashed (SIGSEGV, torch 2.13), and
-    offloading to the CPU is meaningless when the tensors already live there, so we gather
-    without it.
-
-    Returns:
-        name -> full-size tensor on rank 0 (FSDP1 leaves other ranks' dicts empty).
-    """
-    if (accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
-            and accelerator.device.type == "cpu"):
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
-            return model.state_dict()
-    return accelerator.get_state_dict(model)
-
-
-
 def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
     """What DeepSpeed really runs with, read from its config after `prepare` (where Accelerate has filled
     the "auto" keys and any launch-line flags): for run_info.json and the start line. None off DeepSpeed.
@@ -335,45 +254,6 @@ def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
             "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
             "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
             **{key: ds.get(key) for key in ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")}}
-
-
-def install_cpu_grad_scaler(accelerator) -> bool:
-    """Make `mixed_precision="fp16"` real on CPU ranks (see the module docstring). Call before `prepare`.
-
-    Gives Accelerate a `torch.amp.GradScaler("cpu")` (FSDP1: `ShardedGradScaler("cpu")`, which
-    agrees on overflow across shards) built from the Accelerator's `GradScalerKwargs`, and turns
-    on its native-AMP path so that `prepare` wraps the forward in fp16 autocast and the
-    optimizer steps through the scaler. Does nothing on GPUs, under DeepSpeed (its engine does
-    its own loss scaling) and for other precisions.
-
-    Returns:
-        True when a scaler was installed.
-
-    Raises:
-        ValueError: fp16 under DeepSpeed on a CPU without fp16 kernels: DeepSpeed 0.19.8 refuses
-            it at `prepare` ("Type fp16 is not supported on your device", from its CPU
-            accelerator's `is_fp16_supported`, which asks oneDNN).
-    """
-    from accelerate.utils import DistributedType
-
-    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu" or accelerator.scaler is not None:
-        return False  # (under DeepSpeed, `mixed_precision` reads the JSON's fp16/bf16 blocks)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from deepspeed.accelerator import get_accelerator
-
-        if not get_accelerator().is_fp16_supported():
-            raise Stop("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
-                             "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
-                             "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler")
-        return False  # the DeepSpeed engine scales the loss itself
-    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
-    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        accelerator.scaler = ShardedGradScaler("cpu", **kwargs)
-    else:  # FSDP2 gradients are DTensors, whose overflow check is already reduced across ranks
-        accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
-    accelerator.native_amp = True
-    return True
 
 
 if __name__ == "__main__":

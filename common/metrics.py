@@ -327,6 +327,17 @@ def memory_summary(device: torch.device) -> dict:
     return out
 
 
+def compile_settings(accelerator) -> dict | None:
+    """torch.compile as the run uses it (`accelerate launch --dynamo_backend inductor`, or the
+    config's dynamo_config): {"backend", "mode", "regional"} for run_info.json, or None uncompiled.
+    Its checkpoints and export keep eager key names (`workarounds.eager_state_dict_keys`)."""
+    dynamo = accelerator.state.dynamo_plugin
+    if dynamo.backend.value == "NO":
+        return None
+    return {"backend": dynamo.backend.value.lower(), "mode": dynamo.mode,
+            "regional": bool(dynamo.use_regional_compilation)}
+
+
 def start_line(run_info: dict) -> str:
     """The run's first line: strategy x ranks, ZeRO stage and offload, precision, size, batch, steps."""
     ds, compiled = run_info.get("deepspeed"), run_info.get("torch_compile")

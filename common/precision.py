@@ -36,8 +36,10 @@ fp16 on CPU: Accelerate 1.15 builds its GradScaler and fp16 autocast only for no
 (`Accelerator.__init__`: `mixed_precision == "fp16" and self.device.type != "cpu"`); on a CPU
 rank `mixed_precision="fp16"` silently trains in plain fp32. torch 2.13 does support both
 pieces on CPU (`torch.autocast("cpu", dtype=torch.float16)`, `torch.amp.GradScaler("cpu")`), so
-`common.launch.install_cpu_grad_scaler` hands Accelerate the CPU scaler it did not build; from then on
-backward scaling, unscale-before-clip, step skipping and checkpointing are Accelerate's own code.
+`common.workarounds.install_cpu_grad_scaler` hands Accelerate the CPU scaler it did not build; from
+then on backward scaling, unscale-before-clip, step skipping and checkpointing are Accelerate's own
+code. FSDP's fp32 gradient reduction and the dropped fp32 copy of the outputs are workarounds too
+(`keep_fp32_reduction`, `drop_fp32_output_copy`).
 """
 
 from __future__ import annotations
@@ -171,74 +173,6 @@ def for_launch(launch_config: dict, hardware: dict, n_params: int = 0) -> dict:
     if (used != requested or "emulated" in reason) and int(os.environ.get("RANK", 0)) == 0:
         print(f"precision: {reason}", flush=True)
     return {"requested": requested, "used": used, "reason": reason}
-
-
-def keep_fp32_reduction(accelerator) -> None:
-    """FSDP with bf16/fp16: compute in low precision, but reduce gradients (and return outputs) in
-    fp32, and keep buffers (rotary `inv_freq`) in fp32.
-
-    Accelerate's FSDP mixed-precision policy reduces gradients in the compute dtype, where most
-    of the precision of a sum over ranks is lost, and (FSDP2) casts every wrapped module's output
-    to it, which rounds the fp32 loss the model computes to bf16 (steps of 0.03 at a loss of 8);
-    under fp16 the backward then starts by casting the loss scale itself (by default 65536, above
-    fp16's max 65504) to fp16, so the first step overflows and is skipped (measured: it was).
-    FSDP1's policy also has `buffer_dtype` = the compute dtype: its first forward rounds the rotary
-    frequencies to bf16 (a phase error growing with position: 0.45 rad at 1023 for head dim 64),
-    where DDP, FSDP2, DeepSpeed (0.19 casts parameters only) and the export keep them fp32.
-    Call after building the Accelerator and before `prepare`; a no-op for other strategies.
-    """
-    from dataclasses import replace
-
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
-        return
-    plugin = accelerator.state.fsdp_plugin
-    plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32,
-                                            **({"output_dtype": None} if accelerator.is_fsdp2 else
-                                               {"buffer_dtype": torch.float32}))
-
-
-def drop_fp32_output_copy(accelerator, model) -> bool:
-    """Keep `prepare`'s autocast around the forward, but not its fp32 copy of every output.
-
-    Under bf16/fp16 autocast (single process, DDP, FSDP), `accelerator.prepare` wraps the model's
-    forward in autocast and then in `convert_outputs_to_fp32`, which returns an fp32 copy of every
-    low-precision output: for a causal LM the whole B x T x V logits (4·B·T·V bytes: 8.4 GB at
-    8 x 2048 tokens and a 128k vocabulary), which nothing reads, since the model's loss upcasts the
-    logits itself (huggingface/accelerate#3477). Measured with benchmarks/overhead.py on the debug
-    model: 4% of a step; losses, gradient norms and eval losses bitwise equal without it. Outputs
-    stay in the compute dtype: cast what you read (`metrics.token_nll` does, in slices).
-    Call right after `prepare`, before the first forward (a compiled model traces it then).
-
-    Returns:
-        True if a copy was dropped; False when there was none (fp32, DeepSpeed: its engine casts).
-    """
-    from types import MethodType
-
-    from accelerate.utils import get_mixed_precision_context_manager
-
-    if not accelerator.native_amp:
-        return False
-    autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
-    # The module whose forward prepare wrapped, and any copy of it that runs instead: regional
-    # compilation (--dynamo_use_regional_compilation) builds a new top module whose __dict__ holds
-    # the wrapped forward rebound to it; DDP / FSDP1 (.module) and whole-model compile (._orig_mod)
-    # hold it inside.
-    candidates = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
-    candidates += [getattr(c, "module", None) for c in candidates[1:] if c is not None]
-    candidates.append(accelerator.unwrap_model(model, keep_torch_compile=False))
-    dropped = False
-    for module in {id(c): c for c in candidates if isinstance(c, torch.nn.Module)}.values():
-        original = module.__dict__.get("_original_forward")  # set by prepare when it wrapped the forward
-        if original is None:
-            continue
-        if hasattr(original, "__func__"):
-            module.forward = MethodType(autocast(original.__func__), module)
-        else:
-            module.forward = autocast(original)
-        dropped = True
-    return dropped
 
 
 MIN_LOSS_SCALE = 1.0  # DeepSpeed's default `min_loss_scale`; torch's GradScaler has no floor of its own

@@ -57,7 +57,7 @@ from transformers import BertConfig, BertForSequenceClassification, get_linear_s
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common.args import flag  # noqa: E402
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch, metrics, models  # noqa: E402
-from common import errors, precision  # noqa: E402
+from common import errors, precision, workarounds  # noqa: E402
 from common.errors import Stop  # noqa: E402
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
@@ -144,7 +144,8 @@ def main() -> int:
     # ---------------------------------------------------------------------------------------------
     startup = {}  # nothing known about the model before the data
     # >>> shared: accelerator
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # Library workarounds (common/workarounds.py) return the names of those applied
+    applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists
     # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
     guard = checks.Startup(args, **startup)
@@ -162,9 +163,9 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
-    launch.install_cpu_grad_scaler(accelerator)
-    precision.keep_fp32_reduction(accelerator)
+    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
+    # and FSDP's gradient reduction in fp32
+    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = accelerator.num_processes
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -274,7 +275,7 @@ def main() -> int:
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
-    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no fp32 copy of every output
+    workarounds.prepared(accelerator, model)  # autocast stays; no fp32 copy of every output
     if resume_path:  # model, optimizer, scheduler, grad scaler and every rank's RNG
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
     accelerator.print(
@@ -396,7 +397,7 @@ def main() -> int:
         accuracy = (preds == labels).float().mean().item()
     per_genre = {g: ((preds == i) & (labels == i)).sum().item() / max(1, (labels == i).sum().item())
                  for i, g in enumerate(GENRES)}
-    state_dict = launch.full_state_dict(accelerator, model)
+    state_dict = checkpoint.full_state_dict(accelerator, model)
     with checkpoint.atomic_export(accelerator, args.output_dir) as export_dir:  # final/ is never half written
         accelerator.unwrap_model(model).save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
                                                         save_function=accelerator.save, state_dict=state_dict)

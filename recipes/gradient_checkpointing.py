@@ -74,6 +74,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import workarounds  # noqa: E402
 from common.errors import Stop  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, unsupported  # noqa: E402
 from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
@@ -120,7 +121,7 @@ def build(accelerator, args, tokenizer, num_layers: int, variant: str):
     # decay on weight matrices and embeddings only, never on norm weights
     optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
-    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     return model, optimizer
 
 
@@ -195,7 +196,8 @@ def main() -> int:
                "handlers": [DistributedDataParallelKwargs(
                    find_unused_parameters=args.ddp_find_unused_parameters)]}
     # >>> shared: accelerator
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # Library workarounds (common/workarounds.py) return the names of those applied
+    applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists
     # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
     guard = checks.Startup(args, **startup)
@@ -213,9 +215,9 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
-    launch.install_cpu_grad_scaler(accelerator)
-    precision.keep_fp32_reduction(accelerator)
+    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
+    # and FSDP's gradient reduction in fp32
+    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = accelerator.num_processes
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size

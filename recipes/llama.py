@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_w
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, data, errors, grad_norm, launch  # noqa: E402
-from common import metrics, models, precision, schedule  # noqa: E402
+from common import metrics, models, precision, schedule, workarounds  # noqa: E402
 from common.args import flag, make_output_dir, parse_args  # noqa: E402
 from common.errors import Stop  # noqa: E402
 
@@ -143,7 +143,8 @@ def main() -> int:
     # and keeps the data order seeded and identical on every rank.
     # -----------------------------------------------------------------------------------------
     # >>> shared: accelerator
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # Library workarounds (common/workarounds.py) return the names of those applied
+    applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists
     # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
     guard = checks.Startup(args, **startup)
@@ -161,9 +162,9 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
-    launch.install_cpu_grad_scaler(accelerator)
-    precision.keep_fp32_reduction(accelerator)
+    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
+    # and FSDP's gradient reduction in fp32
+    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = accelerator.num_processes
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -290,8 +291,9 @@ def main() -> int:
     # -----------------------------------------------------------------------------------------
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
-    precision.drop_fp32_output_copy(accelerator, model)  # no unread fp32 copy of the logits
-    compiled = checkpoint.keep_eager_keys(accelerator, model)  # torch.compile: eager key names
+    # no unread fp32 copy of the logits; under torch.compile, eager state-dict key names
+    applied += workarounds.prepared(accelerator, model)
+    compiled = metrics.compile_settings(accelerator)  # torch.compile's backend, or None
     device = accelerator.device
     run_info = {
         "distributed_type": accelerator.distributed_type.value, "world_size": world_size,
@@ -306,9 +308,11 @@ def main() -> int:
         "torch_compile": compiled, "args": vars(args)}
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
-        checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
+        applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer,
+                                              optimizer_steps=step)
         accelerator.print(f"resumed from {resume_path} at step {step}"
                           + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+    run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info)
 
     # -----------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ can skip it, so the run stops with an error naming the step, before any checkpoi
 
 fp16 on CPU ranks: Accelerate 1.15 builds neither the GradScaler nor fp16 autocast for a CPU
 device, so `mixed_precision="fp16"` would silently train in fp32. torch 2.13 supports both on
-CPU, so we hand Accelerate a `GradScaler("cpu")` (launch.install_cpu_grad_scaler). It is
+CPU, so we hand Accelerate a `GradScaler("cpu")` (workarounds.install_cpu_grad_scaler). It is
 real fp16 arithmetic, and slow: CPUs without AVX512-FP16/AMX-FP16 have no fp16 matmul units
 (on our 2-core test host fp16 ran ~20x slower than bf16). DeepSpeed on such a CPU refuses fp16
 outright; the recipe says so instead of failing inside the engine.
@@ -68,6 +68,7 @@ from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import workarounds  # noqa: E402
 from common.errors import Stop  # noqa: E402
 from common.args import TrainingFlags, flag, make_output_dir, parse_args  # noqa: E402
 from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
@@ -214,7 +215,8 @@ def main() -> int:
                                              growth_interval=args.growth_interval)]}
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
     # >>> shared: accelerator
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # Library workarounds (common/workarounds.py) return the names of those applied
+    applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists
     # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
     guard = checks.Startup(args, **startup)
@@ -232,9 +234,9 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
-    launch.install_cpu_grad_scaler(accelerator)
-    precision.keep_fp32_reduction(accelerator)
+    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
+    # and FSDP's gradient reduction in fp32
+    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = accelerator.num_processes
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -291,7 +293,7 @@ def main() -> int:
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
-    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
 
     # Resume only into the same kind of run: the data position follows from the step count, the seed
     # and the block size, and the scaler state means nothing to another precision.

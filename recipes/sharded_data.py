@@ -38,7 +38,7 @@ in llama.py (common/checkpoint.py: SIGTERM, SIGINT or SIGHUP saves at the next s
 Each rank's epoch has its own length, so --num_train_epochs is refused, and a checkpoint records
 every rank's data position (its epoch and the batches it consumed of it) to resume exactly.
 `accelerate launch --mixed_precision fp16` on CPU ranks trains in real fp16 with a loss-scaling
-GradScaler (common/launch.py); each logged line then has `loss_scale` and `skipped_steps`, and a
+GradScaler (common/workarounds.py); each logged line then has `loss_scale` and `skipped_steps`, and a
 skipped step does not advance the LR schedule.
 
 Outputs in --output_dir (standard JSON: a non-finite number is written as null and named in the
@@ -47,7 +47,6 @@ checkpoint-N/ (--save_steps), and with --record_sample_ids, sample_ids/rank{r}.j
 rank r alone: the block ids this process trained on, per epoch).
 """
 
-import ctypes
 import gc
 import hashlib
 import json
@@ -70,6 +69,7 @@ from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
 from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
+from common import workarounds  # noqa: E402
 from common.errors import Stop  # noqa: E402
 from common.args import flag, make_output_dir, parse_args, parse_flags, unsupported  # noqa: E402
 
@@ -331,7 +331,8 @@ def main() -> int:
         raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     startup = {"steps": args.max_steps}  # known before the data: every rank streams that many
     # >>> shared: accelerator
-    launch.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
+    # Library workarounds (common/workarounds.py) return the names of those applied
+    applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # The launch against the flags and the hardware, before any work (common/checks.py lists
     # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
     guard = checks.Startup(args, **startup)
@@ -349,9 +350,9 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # fp16 on CPU ranks gets a GradScaler; FSDP reduces gradients in fp32 (common/precision.py)
-    launch.install_cpu_grad_scaler(accelerator)
-    precision.keep_fp32_reduction(accelerator)
+    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
+    # and FSDP's gradient reduction in fp32
+    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = accelerator.num_processes
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -436,7 +437,7 @@ def main() -> int:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot read the micro batch off a loader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    precision.drop_fp32_output_copy(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
     run_state = {"distributed_type": checkpoint.strategy_name(accelerator), "world_size": world_size, "seed": args.seed,
@@ -573,8 +574,7 @@ def main() -> int:
     # worker still shares with its parent (libraries, torch); USS counts only the pages a process
     # alone holds, so the workers' cost is their USS.
     gc.collect()
-    if sys.platform == "linux":  # glibc keeps freed heap pages; trimmed, RSS counts what is live, not malloc's luck
-        ctypes.CDLL(None).malloc_trim(0)
+    workarounds.trim_malloc_heap()  # glibc keeps freed heap pages: RSS then counts what is live
     me = psutil.Process()
     kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
     step_tps = (args.max_steps - start) * accumulation * batch * block_size / compute_s \

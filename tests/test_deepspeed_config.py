@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from common import launch
 from conftest import REPO
 
 HIDDEN = 64  # a tiny Llama: Accelerate's "auto" gives buckets of HIDDEN**2 = 4096 elements
@@ -30,9 +29,9 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common import launch
+from common import workarounds
 
-launch.skip_deepspeed_shm_build()  # as the recipes do on CPU
+workarounds.skip_deepspeed_shm_build()  # as the recipes do on CPU
 results = {}
 for path in sys.argv[2:]:
     accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path),
@@ -107,14 +106,3 @@ def test_engines_size_buckets_from_the_model_and_keep_gradients_in_fp32(tmp_path
     assert zero3["prefetch_bucket_size"] == int(0.9 * HIDDEN ** 2)
     assert zero3["param_persistence_threshold"] == 10 * HIDDEN
 
-
-def test_deepspeed_on_cpu_does_not_build_its_shm_all_reduce():
-    """Canary for `launch.skip_deepspeed_shm_build`: while DeepSpeed's CPU accelerator offers the
-    shared-memory all-reduce op, its process-group setup compiles it; the patch makes it build nothing."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.comm.torch import build_shm_op
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    assert builder is not None and builder.is_compatible()  # once this fails, delete the patch
-    launch.skip_deepspeed_shm_build()
-    assert build_shm_op() is None

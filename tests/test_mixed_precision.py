@@ -20,7 +20,7 @@ from conftest import REPO, host_reads, launch, ordinary_step_reads, run_in_proce
 sys.path.insert(0, str(REPO))
 from common import precision  # noqa: E402
 from common.grad_norm import clip_grad_norm_  # noqa: E402
-from common.launch import install_cpu_grad_scaler  # noqa: E402
+from common.workarounds import drop_fp32_output_copy, install_cpu_grad_scaler  # noqa: E402
 
 RECIPE = "recipes/mixed_precision.py"
 SMALL, LARGE = 4_212_992, 1_235_814_400  # the debug preset; Llama-3.2-1B
@@ -168,14 +168,14 @@ def test_prepared_forward_keeps_autocast_without_the_fp32_logits_copy(fresh_acce
         return out, meter.net  # bytes still held after the forward: activations and the outputs
     (with_copy, held_with), elements = forward(), ids.numel() * 4096
     assert with_copy.logits.dtype == torch.float32  # Accelerate's convert_outputs_to_fp32
-    assert precision.drop_fp32_output_copy(accelerator, model)
+    assert drop_fp32_output_copy(accelerator, model)
     without, held_without = forward()
     assert without.logits.dtype == torch.bfloat16  # autocast still on: bf16 matmuls
     assert torch.equal(without.loss, with_copy.loss) and without.loss.dtype == torch.float32
     assert torch.equal(without.logits.float(), with_copy.logits)
     # until backward, the output holds 2-byte logits instead of 4-byte ones (the bf16 ones were freed)
     assert held_with - held_without == 2 * elements, (held_with, held_without, elements)
-    assert not precision.drop_fp32_output_copy(Accelerator(cpu=True), torch.nn.Linear(2, 2))  # fp32: nothing to drop
+    assert not drop_fp32_output_copy(Accelerator(cpu=True), torch.nn.Linear(2, 2))  # fp32: nothing to drop
 
 
 def test_the_fp32_logits_copy_goes_under_regional_compilation_too(fresh_accelerate_state):
@@ -189,7 +189,7 @@ def test_the_fp32_logits_copy_goes_under_regional_compilation_too(fresh_accelera
     model = accelerator.prepare(LlamaForCausalLM(models.llama_config("debug", vocab_size=512)))
     ids = torch.randint(0, 512, (1, 16))
     assert model(input_ids=ids).logits.dtype == torch.float32
-    assert precision.drop_fp32_output_copy(accelerator, model)
+    assert drop_fp32_output_copy(accelerator, model)
     assert model(input_ids=ids).logits.dtype == torch.bfloat16
 
 

@@ -29,7 +29,7 @@ STEPS, WARMUP, LR = 10, 3, 3e-3  # conftest.SHORT
 FP32_RTOL = 5e-6
 # bf16 keeps 8 mantissa bits: ~4e-3 relative rounding per op, compounding over steps. About 10x the
 # worst measured per key (README table: loss 8.1e-5, grad norm 2.5e-3, eval loss 8.6e-5), so that
-# FSDP2 casting its output to bf16 (a 2.2e-3 loss gap, what precision.keep_fp32_reduction prevents) fails.
+# FSDP2 casting its output to bf16 (a 2.2e-3 loss gap, what workarounds.keep_fp32_reduction prevents) fails.
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 2.5e-2, "eval_loss": 1e-3}
 
 

@@ -1,0 +1,245 @@
+"""Canaries for common/workarounds.py: each `test_<workaround>` asserts that the upstream behaviour
+the workaround exists for is still there. One failing means upstream changed: review the
+workaround, and delete it if the library no longer needs it. In-process and fast: no launches."""
+
+import ast
+import inspect
+import os
+import re
+
+import pytest
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+from common import launch, workarounds
+
+STAGES = {"accelerator_built", "prepared"}  # one call per point where workarounds apply
+
+
+def upstream(name: str) -> str:
+    return f"upstream changed: review/delete workarounds.{name}"
+
+
+@pytest.fixture
+def fresh_state():
+    """Accelerate's shared state, empty before and after the test."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_die_with_launcher():
+    """torchrun still starts its workers without a parent-death signal: SIGKILLed, it leaves them."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    source = inspect.getsource(subprocess_handler)
+    assert "PDEATHSIG" not in source and "prctl" not in source, upstream("die_with_launcher")
+
+
+def test_allow_mixed_precision_with_deepspeed_json(monkeypatch):
+    """Accelerate still refuses a YAML's mixed_precision next to a DeepSpeed JSON; without it, not."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,mixed_precision")
+    with pytest.raises(ValueError, match="will be ignored"):
+        DeepSpeedPlugin._deepspeed_config_checks(None)
+    assert workarounds.allow_mixed_precision_with_deepspeed_json() == ["allow_mixed_precision_with_deepspeed_json"]
+    assert os.environ["ACCELERATE_CONFIG_DS_FIELDS"] == "deepspeed_config_file"
+    DeepSpeedPlugin._deepspeed_config_checks(None)  # nothing refused now
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file")
+    assert workarounds.allow_mixed_precision_with_deepspeed_json() == []
+
+
+def test_ddp_ranks_on_cpu(monkeypatch):
+    """A torchrun rank with no device is still given a non-distributed state unless told `cpu`,
+    which ACCELERATE_USE_CPU still sets."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU host: Accelerate finds the device")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert PartialState._prepare_backend(None, cpu=False) == (None, DistributedType.NO), upstream("ddp_ranks_on_cpu")
+    assert PartialState._prepare_backend(None, cpu=True) == ("gloo", DistributedType.MULTI_CPU)
+    assert "ACCELERATE_USE_CPU" in inspect.getsource(AcceleratorState.__init__), upstream("ddp_ranks_on_cpu")
+
+
+def test_fsdp_ranks_on_cpu(monkeypatch, fresh_state):
+    """AcceleratorState still picks FSDP from a multi-device state only: a CPU one stays unsharded."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+
+    def state():
+        return AcceleratorState(cpu=True, _from_accelerator=True, dynamo_plugin=TorchDynamoPlugin())
+    assert state().distributed_type == DistributedType.NO, upstream("fsdp_ranks_on_cpu")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    relabelled = PartialState(cpu=True)  # what the workaround does, without a process group
+    relabelled.distributed_type, relabelled.device = DistributedType.MULTI_GPU, torch.device("cpu")
+    assert state().distributed_type == DistributedType.FSDP
+
+
+def test_skip_deepspeed_shm_build():
+    """DeepSpeed's CPU accelerator still offers the shared-memory all-reduce op, so its process-group
+    setup would compile it; marked incompatible, it builds nothing."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    assert builder is not None and builder.is_compatible(), upstream("skip_deepspeed_shm_build")
+    assert workarounds.skip_deepspeed_shm_build() == ["skip_deepspeed_shm_build"]
+    assert build_shm_op() is None
+
+
+def test_install_cpu_grad_scaler(fresh_state):
+    """Accelerate still builds no GradScaler and no fp16 autocast for fp16 on a CPU device."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    assert accelerator.scaler is None and not accelerator.native_amp, upstream("install_cpu_grad_scaler")
+    assert workarounds.install_cpu_grad_scaler(accelerator) == ["install_cpu_grad_scaler"]
+    assert isinstance(accelerator.scaler, torch.amp.GradScaler) and accelerator.native_amp
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_keep_fp32_reduction(version):
+    """Accelerate's FSDP bf16 policy still reduces gradients in bf16, and casts FSDP2's outputs
+    (FSDP1: keeps buffers) in bf16 too."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    plugin.set_mixed_precision("bf16")
+    policy = plugin.mixed_precision_policy
+    other = policy.output_dtype if version == 2 else policy.buffer_dtype
+    assert policy.reduce_dtype == other == torch.bfloat16, upstream("keep_fp32_reduction")
+
+
+def test_drop_fp32_output_copy(fresh_state):
+    """`prepare` under bf16 still wraps the forward to return fp32 copies of its outputs."""
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    assert model(torch.randn(2, 4)).dtype == torch.float32, upstream("drop_fp32_output_copy")
+    assert "_original_forward" in model.__dict__, upstream("drop_fp32_output_copy")
+    assert workarounds.drop_fp32_output_copy(accelerator, model) == ["drop_fp32_output_copy"]
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+def test_eager_state_dict_keys(fresh_state):
+    """A compiled module's state-dict keys still carry `_orig_mod.`; with the hooks, eager keys."""
+    compiled = torch.compile(torch.nn.Linear(2, 2))
+    assert list(compiled.state_dict()) == ["_orig_mod.weight", "_orig_mod.bias"], upstream("eager_state_dict_keys")
+    assert workarounds.eager_state_dict_keys(Accelerator(cpu=True), compiled) == ["eager_state_dict_keys"]
+    assert list(compiled.state_dict()) == ["weight", "bias"]
+
+
+def test_fill_fsdp1_optimizer_state():
+    """Accelerate still loads FSDP1's sharded optimizer state into the optimizer's existing state,
+    which a fresh torch optimizer does not have yet."""
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer
+
+    source = inspect.getsource(load_fsdp_optimizer)
+    assert "FSDP.optim_state_dict(model, optimizer)" in source and "dist_cp.load(" in source, \
+        upstream("fill_fsdp1_optimizer_state")
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    assert fresh.state_dict()["state"] == {}, upstream("fill_fsdp1_optimizer_state")
+
+
+def test_micro_steps_from_optimizer_steps(fresh_state, tmp_path):
+    """`load_state` still restores the saved count of micro batches (`accelerator.step`)."""
+    accelerator = Accelerator(cpu=True)
+    accelerator.step = 9
+    accelerator.save_state(str(tmp_path))
+    accelerator.step = 0
+    accelerator.load_state(str(tmp_path))
+    assert accelerator.step == 9, upstream("micro_steps_from_optimizer_steps")
+    accelerator.gradient_accumulation_steps = 2
+    assert workarounds.micro_steps_from_optimizer_steps(accelerator, 9) == ["micro_steps_from_optimizer_steps"]
+    assert accelerator.step == 18
+
+
+def test_fsdp1_cpu_state_dict():
+    """The crash was measured on torch 2.13 (a SIGSEGV cannot be probed in-process): re-measure the
+    FSDP1 export on CPU (tests/test_llama.py, fsdp1) on another torch. Accelerate still gathers
+    FSDP1's full state dict with `offload_to_cpu=True`."""
+    assert torch.__version__.startswith("2.13."), upstream("fsdp1_cpu_state_dict")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="FULL_STATE_DICT")
+    assert plugin.state_dict_config.offload_to_cpu, upstream("fsdp1_cpu_state_dict")
+
+
+def test_trim_malloc_heap():
+    """The C library is still glibc, whose malloc keeps freed heap pages, and it has malloc_trim."""
+    import ctypes
+    import platform
+
+    if not os.uname().sysname == "Linux":
+        pytest.skip("Linux only")
+    assert platform.libc_ver()[0] == "glibc", upstream("trim_malloc_heap")
+    assert hasattr(ctypes.CDLL(None), "malloc_trim"), upstream("trim_malloc_heap")
+    assert workarounds.trim_malloc_heap() == ["trim_malloc_heap"]
+
+
+def _functions() -> dict:
+    return {name: f for name, f in inspect.getmembers(workarounds, inspect.isfunction)
+            if f.__module__ == workarounds.__name__ and not name.startswith("_")}
+
+
+def _table() -> list[str]:
+    """The workaround names of the module docstring's table (a name cut at `_` continues below)."""
+    names = []
+    for line in workarounds.__doc__.splitlines():
+        cell = line.split("|")[1].strip() if line.startswith("|") else ""
+        if not cell or cell == "workaround" or set(cell) == {"-"}:
+            continue
+        if names and names[-1].endswith("_"):
+            names[-1] += cell
+        else:
+            names.append(cell)
+    return names
+
+
+def test_the_table_lists_every_workaround_once_with_its_canary():
+    table, functions = _table(), _functions()
+    assert len(table) == len(set(table))
+    assert set(table) == set(functions) - STAGES
+    here = inspect.getsource(inspect.getmodule(test_the_table_lists_every_workaround_once_with_its_canary))
+    for name in table:
+        assert f"def test_{name}(" in here, f"no canary test_{name}"
+        doc = functions[name].__doc__
+        assert "Canary:" in doc and re.search(r"\b(accelerate|torch|deepspeed|glibc|torchrun)\b", doc, re.I), name
+    for name in STAGES:  # a stage names the workarounds it calls, and calls them
+        named = set(re.findall(r"`(\w+)`", functions[name].__doc__)) & set(functions)
+        called = {n.func.id for n in ast.walk(ast.parse(inspect.getsource(functions[name])))
+                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert named == called and named <= set(table), (name, named, called)
+
+
+def test_each_workaround_returns_its_own_name():
+    """What run_info.json lists is the function's own name: `return ["name"]` or `[]`."""
+    for name, f in _functions().items():
+        returns = [n for n in ast.walk(ast.parse(inspect.getsource(f))) if isinstance(n, ast.Return)]
+        names = {c.value for r in returns for n in ast.walk(r) if isinstance(n, ast.List)
+                 for c in n.elts if isinstance(c, ast.Constant)}
+        assert names <= {name}, (name, names)
+
+
+def test_the_stages_return_what_applied(fresh_state):
+    """fp16 on CPU: the scaler goes in; then `prepare` wraps the forward, whose fp32 copy goes."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    assert workarounds.accelerator_built(accelerator) == ["install_cpu_grad_scaler"]
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    assert workarounds.prepared(accelerator, model) == ["drop_fp32_output_copy"]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert workarounds.accelerator_built(Accelerator(cpu=True)) == []  # fp32: nothing
+
+
+def test_process_group_returns_what_applied(monkeypatch):
+    """A CPU-only torchrun DDP rank: a DeepSpeed YAML's field list is fixed, then real gloo ranks."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU host: nothing to switch")
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU",
+                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_RECIPES_ALLOW_CPU", "1")
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "mixed_precision")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch.process_group(60)[1] == ["allow_mixed_precision_with_deepspeed_json"]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    group, applied = launch.process_group(60)
+    assert applied == ["ddp_ranks_on_cpu"] and group.backend == "gloo"
+    assert os.environ["ACCELERATE_USE_CPU"] == "true"
