@@ -102,7 +102,8 @@ def describe_machine() -> str:
 
 
 def accelerate_launch(config: str, script: str, script_args: list, args: Args, log_path: Path) -> None:
-    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml script ...`; exit with its log tail on failure."""
+    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml script ...`; exit with its log tail on
+    failure."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(args.num_processes),
            *(["--mixed_precision", args.mixed_precision] if args.mixed_precision != "auto" else []),
@@ -238,7 +239,8 @@ def main():
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = describe_machine()
     header = (f"{args.model_config} Llama ({rows[0]['n_params']:,} parameters = Ψ), {args.num_processes} ranks, "
-              f"{rows[0]['mixed_precision']}, micro batch {args.per_device_train_batch_size} x {args.block_size} tokens, "
+              f"{rows[0]['mixed_precision']}, micro batch {args.per_device_train_batch_size} x {args.block_size} "
+              "tokens, "
               f"{args.steps} steps (median step time after {WARMUP_STEPS}); {when}; {machine}")
     table = markdown_table(rows)
     print(f"\n{header}\n\n{table}\n")

@@ -58,7 +58,8 @@ class Args:
     loader_benchmark_batches: int = flag(200, low=1)
     keep_corpora: bool = False
     num_processes: int = flag(2, low=1)
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (the config's, by the hardware), no, bf16, fp16"})
+    mixed_precision: str = field(default="auto",
+                                 metadata={"help": "auto (the config's, by the hardware), no, bf16, fp16"})
     timeout: int = flag(900, "seconds allowed per launched run", low=1)
 
 
@@ -106,7 +107,8 @@ def main():
                     per_rank = run(args, corpora[size], route, work / f"run_{route}_{SIZES[size]}_{i}")
                     results.setdefault((size, route), []).append(per_rank)
                     r0 = per_rank[0]
-                    print(f"{size} {route} #{i}: ratio {r0['loader_to_step_ratio']:.0f}, wait {r0['data_wait_share']:.1%}, "
+                    print(f"{size} {route} #{i}: ratio {r0['loader_to_step_ratio']:.0f}, "
+                          f"wait {r0['data_wait_share']:.1%}, "
                           f"RSS+USS {(r0['rss_bytes'] + r0['workers_uss_bytes']) / MB:.0f} MiB", flush=True)
     finally:
         if not args.keep_corpora:
@@ -122,7 +124,8 @@ def main():
              "Memory: the rank's RSS plus its workers' USS (MiB), at the end of the run; growth: 1 GB minus 10 MB. "
              f"Goals: loader/step >= {GOALS['ratio']}, data wait < {GOALS['data_wait']:.0%}, "
              f"growth <= {GOALS['growth_mb']} MB.\n",
-             "| corpus (text) | route | loader tokens/s | step tokens/s | loader/step | data wait | rank RSS + workers USS MiB "
+             "| corpus (text) | route | loader tokens/s | step tokens/s | loader/step | data wait "
+             "| rank RSS + workers USS MiB "
              "| workers USS MiB | growth MiB | goals met |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     table = {key: medians(runs) for key, runs in results.items()}

@@ -6,14 +6,16 @@
 Each check prints one PASS/FAIL line with its figures, and all of them go to gpu_check.md in
 $OUT (if set) or the working directory; the exit status is 1 if any check failed.
 
-| check             | guards against                                    | passes when                                   |
-|-------------------|---------------------------------------------------|-----------------------------------------------|
-| collectives       | a CPU tensor handed to an NCCL collective         | measure_model_states.py under ddp.yaml exits 0 |
-| eval memory       | an eval that copies the whole logits three times  | eval's peak < 1/2 a train step's (same batch) |
-| grad-norm memory  | fp64 copies of whole gradients for the norm       | clip_grad_norm_'s extra bytes < 3 fp64 slices |
-| step syncs        | host syncs in an ordinary step                    | no CUDA sync from project code in a step      |
-| deepspeed memory  | 5e8-element buckets (2 GB per rank)               | ZeRO-2's peak exceeds common/plan.py's total by < 1 GiB |
-| fsdp loading      | every rank loading the fp32 weights               | a --model_name_or_path fine-tune under fsdp.yaml (RAM-efficient loading) matches ddp.yaml's first loss |
+| check            | guards against                               | passes when                                      |
+|------------------|----------------------------------------------|--------------------------------------------------|
+| collectives      | a CPU tensor handed to an NCCL collective    | measure_model_states.py under ddp.yaml exits 0   |
+| eval memory      | an eval copying the whole logits three times | eval's peak < 1/2 a train step's (same batch)    |
+| grad-norm memory | fp64 copies of whole gradients for the norm  | clip_grad_norm_'s extra bytes < 3 fp64 slices    |
+| step syncs       | host syncs in an ordinary step               | no CUDA sync from project code in a step         |
+| deepspeed memory | 5e8-element buckets (2 GB per rank)          | ZeRO-2's peak < common/plan.py's total + 1 GiB   |
+| fsdp loading     | every rank loading the fp32 weights          | fine-tune under fsdp.yaml matches ddp's 1st loss |
+
+The fsdp loading check fine-tunes with --model_name_or_path (fsdp.yaml: RAM-efficient loading).
 
 The last two train recipes/llama.py for 3 steps at llama-3.2-1b, 1 x 2048 tokens (1 process,
 bf16) and print the plan beside the measured peak (`max_memory_allocated`) for ddp and ZeRO-2.
@@ -192,13 +194,16 @@ if (tmp / "ddp" / "final").is_dir():
         proc = launch(config, "recipes/llama.py", "--model_name_or_path", tmp / "ddp" / "final",
                       "--output_dir", tmp / f"tune-{config}", *steps, processes=processes)
         losses[config] = first_loss_and_peak(tmp / f"tune-{config}")[0] if proc.returncode == 0 else proc.stderr[-800:]
-    ok = all(isinstance(v, float) for v in losses.values()) and abs(losses["fsdp"] - losses["ddp"]) < 2e-2 * losses["ddp"]
+    ok = (all(isinstance(v, float) for v in losses.values())
+          and abs(losses["fsdp"] - losses["ddp"]) < 2e-2 * losses["ddp"])
     report("fsdp loading", ok, f"first fine-tune loss on {processes} process(es): {losses}")
 
 # --- summary ------------------------------------------------------------------------------------
 table = ["| check | result | figures |", "|---|---|---|"] + [
-    f"| {c} | {'PASS' if ok else 'FAIL'} | {f.replace('|', '/').splitlines()[-1] if f else ''} |" for c, ok, f in results]
-header = f"# gpu_check on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (smoke)'}, torch {torch.__version__}\n\n"
+    f"| {c} | {'PASS' if ok else 'FAIL'} | {f.replace('|', '/').splitlines()[-1] if f else ''} |"
+    for c, ok, f in results]
+header = (f"# gpu_check on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (smoke)'}, "
+          f"torch {torch.__version__}\n\n")
 (out_dir / "gpu_check.md").write_text(header + "\n".join(table) + "\n")
 (out_dir / "gpu_check.json").write_text(json.dumps([{"check": c, "passed": ok, "figures": f} for c, ok, f in results]))
 print(f"wrote {out_dir / 'gpu_check.md'}")

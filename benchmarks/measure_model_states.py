@@ -258,7 +258,8 @@ def main():
         accelerator = Accelerator(kwargs_handlers=[pg_kwargs])
         launch.check_distributed(accelerator)
         if i == 0:
-            with accelerator.local_main_process_first():  # per node, as the recipes: the recipe's cached tokenizer and packed blocks
+            # per node, as the recipes: the recipe's cached tokenizer and packed blocks
+            with accelerator.local_main_process_first():
                 raw = data.load_text_dataset()
                 tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
                 train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"]

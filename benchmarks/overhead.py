@@ -380,7 +380,8 @@ def main(argv=None) -> None:
     setup = (f"{args.steps} steps per run, the first {args.warmup} left out, {args.repeats} interleaved repeats; "
              f"{cores} cores: OMP_NUM_THREADS {threads['single']} for one process, {threads['ddp']} per process for 2; "
              f"{PER_DEVICE_BATCH} x {BLOCK_SIZE} tokens per process per step; recipe flags: "
-             f"{args.recipe_args or '(defaults)'}{'; fp32 on both sides (--fp32)' if args.fp32 else ''}; waited up to {args.wait_quiet:g} s for a quiet machine before "
+             f"{args.recipe_args or '(defaults)'}{'; fp32 on both sides (--fp32)' if args.fp32 else ''}; "
+             f"waited up to {args.wait_quiet:g} s for a quiet machine before "
              f"each run; other processes used {100 * min(foreign):.0f}-{100 * max(foreign):.0f}% "
              "of the machine's CPU during the runs")
     print(f"\n{setup}\n\n{text}\n\nwall time {time.perf_counter() - t0:.0f} s")

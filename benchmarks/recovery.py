@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 RUN30 = ["--max_eval_samples", "8", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_steps", "30",
          "--save_steps", "10", "--warmup_steps", "4", "--logging_steps", "1", "--eval_steps", "30",
          "--report_to", "none", "--ddp_timeout", "60"]
-RESTARTS = dict(launcher=["--rdzv_backend", "c10d", "--max_restarts", "1"], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+RESTARTS = dict(launcher=["--rdzv_backend", "c10d", "--max_restarts", "1"],
+                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 # Log lines, in the order a failure produces them. torchrun logs "failed" only after it has stopped
 # every worker (SIGTERM, then SIGKILL after 30 s), so "closing" is the moment it noticed.
 PATTERNS = {"timed out": r"Timed out waiting (\d+)ms", "closing": r"Sending process (\d+) closing signal",

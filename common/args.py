@@ -62,7 +62,8 @@ class FlagParser(HfArgumentParser):
         if int in (field.type, *typing.get_args(field.type)) and "range" not in field.metadata:
             raise TypeError(f"--{field.name}: an integer flag needs a range (common.args.flag(low=, high=))")
         # argparse %-formats help texts ("%(default)s"): a literal % must be doubled
-        text = " ".join(filter(None, [meta.get("help", ""), f"({range_text(low, high)})" if range_text(low, high) else ""]))
+        text = " ".join(filter(None, [meta.get("help", ""),
+                                      f"({range_text(low, high)})" if range_text(low, high) else ""]))
         meta["help"] = text.replace("%", "%%")
         field = copy.copy(field)
         field.metadata = meta

@@ -122,7 +122,8 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
             else:
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 hiding = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
-                why = f"likely causes: a driver too old for CUDA {torch.version.cuda}, a container started without --gpus{hiding}"
+                why = (f"likely causes: a driver too old for CUDA {torch.version.cuda}, "
+                       f"a container started without --gpus{hiding}")
             raise Stop(
                 f"this host has {n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)} ({seen_by}) but torch {torch.__version__} sees "
                 f"none; {why}. Fix that, or set ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway "
@@ -130,7 +131,8 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
     applied = workarounds.allow_mixed_precision_with_deepspeed_json()
     # A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
     # with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
-    if (ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none" and not os.path.isfile(ds_json):
+    if ((ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none"
+            and not os.path.isfile(ds_json)):
         raise Stop(f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
                          f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
     # torchrun's --max_restarts with the rendezvous store shared between attempts (the default): the
@@ -138,7 +140,8 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
     # (pytorch/pytorch#135712; measured: 7 restarts in 8 failed). The static rendezvous of the accelerate
     # configs always shares it; the c10d one with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
     # attempt a fresh store (6 in 6 worked).
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         raise Stop("--max_restarts with torchrun's shared rendezvous store: a restarted job would reconnect to "
                          "the dead attempt's addresses and hang (pytorch/pytorch#135712). Launch with "
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and "
@@ -275,4 +278,5 @@ if __name__ == "__main__":
     if not path.is_file():
         sys.exit(f"error: accelerate config {path} not found; available: "
                  f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}")
-    os.execvp(sys.executable, [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), *sys.argv[2:]])
+    os.execvp(sys.executable,
+              [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), *sys.argv[2:]])

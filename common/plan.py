@@ -275,9 +275,10 @@ def read_strategy(config_path: Path) -> dict:
             except (OSError, ValueError) as err:
                 raise ValueError(f"--config {config_path}: deepspeed_config_file {path!r}: {err}") from None
         else:  # the keys in the YAML itself, as `accelerate config` writes them
-            ds = {"zero_optimization": {"stage": ds_yaml.get("zero_stage", 0),
-                                        "offload_optimizer": {"device": ds_yaml.get("offload_optimizer_device", "none")},
-                                        "offload_param": {"device": ds_yaml.get("offload_param_device", "none")}}}
+            ds = {"zero_optimization": {
+                "stage": ds_yaml.get("zero_stage", 0),
+                "offload_optimizer": {"device": ds_yaml.get("offload_optimizer_device", "none")},
+                "offload_param": {"device": ds_yaml.get("offload_param_device", "none")}}}
         zero = ds.get("zero_optimization", {})
         stage = zero.get("stage", 0)
         if str(stage) not in ("0", "1", "2", "3"):

@@ -260,7 +260,8 @@ class NonFiniteGuard:
         loss, norm = (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else
                       torch.full((), v, dtype=torch.float64, device=self.first.device) for v in (loss, norm))
         new = (self.first[0] == 0) & ~(torch.isfinite(loss) & torch.isfinite(norm))
-        self.first = torch.where(new, torch.stack([torch.full_like(loss, step), loss, norm.to(loss.device)]), self.first)
+        self.first = torch.where(new, torch.stack([torch.full_like(loss, step), loss, norm.to(loss.device)]),
+                                 self.first)
 
     def problem(self) -> str | None:
         """One line naming the first step whose loss or gradient norm was not finite on any rank, or None.

@@ -28,8 +28,8 @@ def args(out, corpus, *extra):
     train, valid, tok = corpus
     return ["--output_dir", out, "--train_file", train, "--validation_file", valid, "--tokenizer_name_or_path", tok,
             "--block_size", 64, "--max_steps", STEPS, "--save_steps", SAVE, "--warmup_steps", 4,
-            "--logging_steps", 1, "--eval_steps", STEPS, "--report_to", "none", "--ddp_timeout", 60, "--sample_tokens", 0,
-            "--record_sample_ids", *extra]  # the data order: tests/test_data_order.py
+            "--logging_steps", 1, "--eval_steps", STEPS, "--report_to", "none", "--ddp_timeout", 60,
+            "--sample_tokens", 0, "--record_sample_ids", *extra]  # the data order: tests/test_data_order.py
 
 
 def batch_args(config):
@@ -98,7 +98,8 @@ def test_rotation_latest_and_damaged_checkpoints(tmp_path, cache_dir, small_corp
     size = victim.stat().st_size
     zero_tensor_bytes(victim)
     assert victim.stat().st_size == size
-    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", out / "checkpoint-16"),
+    proc = launch("ddp", "recipes/llama.py",
+                  *args(out, small_corpus, "--resume_from_checkpoint", out / "checkpoint-16"),
                   cache_dir=cache_dir, mixed_precision="no", check=False)
     assert proc.returncode != 0
     assert f"checkpoint file {victim} does not match the sha256 recorded when it was saved" in proc.stderr

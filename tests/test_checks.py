@@ -158,8 +158,8 @@ def test_gpus_left_idle(tmp_path, monkeypatch):
     config = yaml_config(tmp_path, "ddp", num_processes=6, num_machines=2)
     assert lines(checks.config_problems(config, where="ddp.yaml", hardware={**eight, "gpus": 4})) == [
         "warning: num_processes 6 in ddp.yaml (or --num_processes) starts 3 processes on this machine, which has 4 "
-        "GPUs: 1 stay idle: cuda:3 (device 7); launch with --num_processes 8 to use them all (or set CUDA_VISIBLE_DEVICES to "
-        "the GPUs this job should have)"]
+        "GPUs: 1 stay idle: cuda:3 (device 7); launch with --num_processes 8 to use them all (or set "
+        "CUDA_VISIBLE_DEVICES to the GPUs this job should have)"]
     # every GPU used, a one-process launch (single.yaml), or a CPU host: nothing to say
     assert checks.config_problems(yaml_config(tmp_path, "ddp", num_processes=8), hardware=eight) == []
     assert checks.config_problems(yaml_config(tmp_path, "single"), hardware=eight) == []
@@ -237,7 +237,8 @@ def test_deepspeed_settings_on_the_launch_line():
     """`accelerate launch --zero_stage 3 ...` next to a JSON: Accelerate copies a flag only where the JSON
     says "auto"; any other flag is dropped silently, and one that reaches DeepSpeed must match the recipe's."""
     env = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE":
-           "ds_configs/zero2.json", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4", "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+           "ds_configs/zero2.json", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4",
+           "ACCELERATE_GRADIENT_CLIPPING": "1.0",
            "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}
     config = checks.launch_config_from_env(env)
     assert config["deepspeed_config"] == {"deepspeed_config_file": "ds_configs/zero2.json", "zero_stage": "3",
@@ -246,8 +247,9 @@ def test_deepspeed_settings_on_the_launch_line():
     ds, where = checks.deepspeed_settings(config, root=str(REPO))
     flags = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0}
     assert lines(checks.config_problems(config, ds=ds, ds_where=where, flags=flags)) == [
-        "error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's --gradient_accumulation_steps "
-        "1: DeepSpeed would follow the launch flag (the DeepSpeed JSON ds_configs/zero2.json says \"auto\") while the "
+        "error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's "
+        "--gradient_accumulation_steps 1: DeepSpeed would follow the launch flag (the DeepSpeed JSON "
+        "ds_configs/zero2.json says \"auto\") while the "
         "recipe counts and reports its own; give the value to the recipe (after the script name) and drop the launch "
         "flag",
         "error: accelerate launch --zero_stage 3 conflicts with the DeepSpeed JSON ds_configs/zero2.json, which sets "
@@ -262,12 +264,15 @@ def test_deepspeed_settings_on_the_launch_line():
             "gradient_clipping": "1", "zero3_save_16bit_model": "false"}
     assert checks.launch_flag_problems(same, ds, where, flags) == []
     zero3_offload, where3 = checks.deepspeed_settings(
-        {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds_configs/zero3_offload.json"}},
+        {"distributed_type": "DEEPSPEED",
+         "deepspeed_config": {"deepspeed_config_file": "ds_configs/zero3_offload.json"}},
         root=str(REPO))
     assert [p.text.split(",")[0] for p in checks.launch_flag_problems(
         {"offload_param_device": "none", "zero3_save_16bit_model": "false"}, zero3_offload, where3, flags)] == [
-        "accelerate launch --offload_param_device none conflicts with the DeepSpeed JSON ds_configs/zero3_offload.json",
-        "accelerate launch --zero3_save_16bit_model false conflicts with the DeepSpeed JSON ds_configs/zero3_offload.json"]
+        "accelerate launch --offload_param_device none conflicts with the DeepSpeed JSON "
+        "ds_configs/zero3_offload.json",
+        "accelerate launch --zero3_save_16bit_model false conflicts with the DeepSpeed JSON "
+        "ds_configs/zero3_offload.json"]
     # Under another strategy Accelerate drops every DeepSpeed flag of the launch line.
     config = {"distributed_type": "MULTI_GPU", "dropped_launch_flags": {"--gradient_accumulation_steps": "4"}}
     assert lines(checks.config_problems(config)) == [

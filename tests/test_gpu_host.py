@@ -77,7 +77,8 @@ def gpu_host(tmp_path, monkeypatch):
 def refusal(found="8 NVIDIA GPUs (nvidia-smi)", cuda=None):
     """The message, for a CPU-only torch wheel (cuda=None) or one built for CUDA `cuda`."""
     why = ("it is a CPU-only build: install a CUDA one" if cuda is None else
-           f"likely causes: a driver too old for CUDA {cuda}, a container started without --gpus, CUDA_VISIBLE_DEVICES=''")
+           f"likely causes: a driver too old for CUDA {cuda}, a container started without --gpus, "
+           "CUDA_VISIBLE_DEVICES=''")
     return (f"this host has {found} but torch {torch.__version__} sees none; {why}. Fix that, or set "
             "ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway (`accelerate launch --cpu` would run one "
             "process, not the config's ranks)")
@@ -120,7 +121,8 @@ def test_launched_ranks_refuse_without_the_suites_opt_in_and_train_with_it(tmp_p
     assert proc.returncode != 0
     n = len(os.listdir(PROC)) if PROC.exists() else 0  # on a real GPU host the driver's entries win over the fake
     found = f"{n} NVIDIA GPU{'s' * (n > 1)} ({PROC})" if n else "8 NVIDIA GPUs (nvidia-smi)"
-    assert {line for line in proc.stderr.splitlines() if line.startswith("error:")} == {f"error: {refusal(found, torch.version.cuda)}"}
+    assert ({line for line in proc.stderr.splitlines() if line.startswith("error:")}
+            == {f"error: {refusal(found, torch.version.cuda)}"})
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
     proc = launch("ddp", *args, "--output_dir", tmp_path / "cpu", cache_dir=cache_dir)

@@ -39,4 +39,5 @@ def test_gpu_sh_refuses_unknown_arguments():
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), "--fast"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: unknown argument '--fast' (benchmarks/gpu.sh takes none, --cpu-smoke or --help)"
+    assert proc.stderr.strip() == ("error: unknown argument '--fast' "
+                                   "(benchmarks/gpu.sh takes none, --cpu-smoke or --help)")

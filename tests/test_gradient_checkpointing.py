@@ -110,6 +110,6 @@ def test_a_nan_loss_stops_the_measurement(tmp_path, cache_dir):
     errors = {line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line}
     # each rank's line, and torchrun's failure summary, which repeats it cut short
     assert errors and all(e.startswith(
-        "error: L=1 none round 0: step 2: the training loss is nan and the gradient norm nan in fp32") for e in errors), \
-        proc.stderr[-3000:]
+        "error: L=1 none round 0: step 2: the training loss is nan and the gradient norm nan in fp32")
+        for e in errors), proc.stderr[-3000:]
     assert not (out / "results.json").exists()

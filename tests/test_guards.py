@@ -147,10 +147,12 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch):
 @pytest.mark.parametrize("config, launcher_args, expected", [
     # DeepSpeed copies --gradient_accumulation_steps into the JSON's "auto" key (the recipe counted 1 and
     # reported 4x the optimizer steps); a stage the JSON sets, or an offload it lacks, was dropped silently.
-    ("deepspeed_zero3", ["--gradient_accumulation_steps", 4, "--zero_stage", 2, "--offload_optimizer_device", "cpu"],
-     ["error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's --gradient_accumulation_steps 1",
-      "error: accelerate launch --offload_optimizer_device cpu conflicts with the DeepSpeed JSON ds_configs/zero3.json, "
-      "which has no zero_optimization.offload_optimizer.device",
+    ("deepspeed_zero3",
+     ["--gradient_accumulation_steps", 4, "--zero_stage", 2, "--offload_optimizer_device", "cpu"],
+     ["error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's "
+      "--gradient_accumulation_steps 1",
+      "error: accelerate launch --offload_optimizer_device cpu conflicts with the DeepSpeed JSON "
+      "ds_configs/zero3.json, which has no zero_optimization.offload_optimizer.device",
       "error: accelerate launch --zero_stage 2 conflicts with the DeepSpeed JSON ds_configs/zero3.json, which sets "
       "zero_optimization.stage: 3 and wins"]),
     # Accelerate passes these flags to DeepSpeed only: under DDP it dropped them.

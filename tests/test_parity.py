@@ -152,8 +152,8 @@ def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path):
             json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "lr": lr, "eval_loss": 7.0}) + "\n")
         return tmp_path / name
 
-    ref, close, off, lr_off = metrics("ref", 8.0), metrics("close", 8.0 * (1 + 1e-6)), metrics("off", 8.0 * (1 + 1e-3)), \
-        metrics("lr_off", 8.0, lr=1.1e-3)
+    ref, close, off, lr_off = (metrics("ref", 8.0), metrics("close", 8.0 * (1 + 1e-6)),
+                               metrics("off", 8.0 * (1 + 1e-3)), metrics("lr_off", 8.0, lr=1.1e-3))
 
     def compare(*argv):
         return subprocess.run([sys.executable, REPO / "tests/scripts/compare_runs.py", *map(str, argv)],

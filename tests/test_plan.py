@@ -1,6 +1,6 @@
-"""common/plan.py (and its command line, tools/plan.py) against measurement: model states from live tensors (one launch per strategy,
-three model shapes each), activations from autograd's saved tensors (in process), and DeepSpeed's
-own estimators (offline)."""
+"""common/plan.py (and its command line, tools/plan.py) against measurement: model states from live
+tensors (one launch per strategy, three model shapes each), activations from autograd's saved tensors
+(in process), and DeepSpeed's own estimators (offline)."""
 
 import json
 import subprocess
@@ -195,7 +195,8 @@ def test_what_the_review_found(tmp_path, capsys):
     machine (as accelerate launch); ties go to the least sharding; offload counts on a CPU host."""
     out = _plans(capsys, tmp_path, ("full", FSDP2 + "  fsdp_reshard_after_forward: true\n"),
                  ("noreshard", FSDP2 + "  fsdp_reshard_after_forward: false\n"),
-                 ("noshard", FSDP2.replace("fsdp_version: 2", "fsdp_version: 1") + "  fsdp_sharding_strategy: NO_SHARD\n"),
+                 ("noshard",
+                  FSDP2.replace("fsdp_version: 2", "fsdp_version: 1") + "  fsdp_sharding_strategy: NO_SHARD\n"),
                  ("ddp", "distributed_type: MULTI_GPU\nnum_processes: 8\nmixed_precision: bf16\n"),
                  args=["--device_memory", "80GB"])
     plans, n = out["plans"], out["n_params"]

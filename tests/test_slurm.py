@@ -17,7 +17,8 @@ from common.checkpoint import verify_checkpoint
 from conftest import REPO, RUN30, corpus_args, read_metrics
 
 pytestmark = pytest.mark.skipif(shutil.which("sbatch") is None,
-                                reason="no sbatch on PATH: run `bash slurm/local_cluster.sh` (as root) for a local SLURM")
+                                reason="no sbatch on PATH: run `bash slurm/local_cluster.sh` (as root) "
+                                       "for a local SLURM")
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE"}

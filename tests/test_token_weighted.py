@@ -21,7 +21,8 @@ def files(tmp_path_factory, cache_dir):
     tok.save_pretrained(root / "tokenizer")
     lengths = [len(tok(t)["input_ids"]) + 1 for t in (SHORT, LONG)]  # + eos; the model predicts n - 1 of them
     short = tok.decode(tok(SHORT)["input_ids"])
-    rows = {"train.jsonl": [short, tok.decode(tok(LONG)["input_ids"][:100])], "valid.jsonl": [short, LONG[:200], LONG[:50]]}
+    rows = {"train.jsonl": [short, tok.decode(tok(LONG)["input_ids"][:100])],
+            "valid.jsonl": [short, LONG[:200], LONG[:50]]}
     for name, texts in rows.items():
         (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return root, lengths

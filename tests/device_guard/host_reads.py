@@ -1,8 +1,9 @@
 """Test helper: log every read of a tensor's value on the host, with the recipe's `step` at that moment.
 
 On a GPU, `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)`, `f"{t}"`, `str(t)` / `print(t)`
-(`__repr__`), `.cpu()` and `.to("cpu")` copy a device value to the host: the host waits for every kernel queued so far, and cannot run ahead of
-the device. Once per logging step that is harmless; once per step it stalls the GPU every step.
+(`__repr__`), `.cpu()` and `.to("cpu")` copy a device value to the host: the host waits for every kernel
+queued so far, and cannot run ahead of the device. Once per logging step that is harmless; once per step it
+stalls the GPU every step.
 On a CPU-only host nothing stalls, so this logger makes the reads visible instead.
 
 With `HOST_READS_DIR` set, `sitecustomize.py` calls `install()` in every process of a launch; at
@@ -17,8 +18,9 @@ exit, a process whose `__main__` is a project script writes `{HOST_READS_DIR}/ra
   * via is the innermost project frame on the stack for a library read ("file:line"), else None.
 
 With `HOST_READS_CUDA_SYNCS=1` too (a GPU host), it turns on `torch.cuda.set_sync_debug_mode("warn")`
-once the script's `step` exists (not at start-up: no CUDA call before the script's own), and logs every synchronizing CUDA operation the same way, named "cuda_sync" (whatever the op:
-`.item()`, a boolean mask, `nonzero`, a blocking copy), attributed to the Python frame that ran it.
+once the script's `step` exists (not at start-up: no CUDA call before the script's own), and logs every
+synchronizing CUDA operation the same way, named "cuda_sync" (whatever the op: `.item()`, a boolean mask,
+`nonzero`, a blocking copy), attributed to the Python frame that ran it.
 "warn", not "error": libraries sync on their own (transformers' packed-sequence check, GradScaler,
 DeepSpeed's overflow check), and "error" would stop the run at the first of those.
 
