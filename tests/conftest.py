@@ -2,9 +2,12 @@
 
 import json
 import os
+import re
 import runpy
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # The suite asserts the CPU paths (MULTI_CPU, gloo, the CPU GradScaler), so on a GPU host it hides
@@ -32,29 +35,141 @@ def cache_dir(tmp_path_factory):
     return path
 
 
-def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True,
-           launcher_args=()):
-    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {launcher_args} {script} {args}`
-    (`config` may also be the path of a YAML file).
-
-    Returns the CompletedProcess; with check=True, fails the test with the output tail on error.
-    """
-    config_file = config if isinstance(config, Path) else REPO / "accelerate_configs" / f"{config}.yaml"
+def launch_command(config, script, *args, num_processes=None, mixed_precision=None, launcher_args=(), root=REPO):
+    """`accelerate launch --config_file accelerate_configs/{config}.yaml [--num_processes N] [--mixed_precision P]
+    {launcher_args} {script} {args}` as a list of strings, the config and script under `root` (this
+    repository, or a copy of it); `config` may also be the path of a YAML file."""
+    config_file = config if isinstance(config, Path) else Path(root) / "accelerate_configs" / f"{config}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         cmd += ["--num_processes", str(num_processes)]
     if mixed_precision is not None:
         cmd += ["--mixed_precision", mixed_precision]
-    cmd += [*map(str, launcher_args), str(REPO / script), *map(str, args)]
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           # every process runs tests/device_guard: project code may not hand a collective a host tensor
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return [*cmd, *map(str, launcher_args), str(Path(root) / script), *map(str, args)]
+
+
+def launch_env(cache_dir, env=None, device_guard=True):
+    """The environment of a launch: this one, the shared cache, unbuffered output, one thread per rank, and
+    (device_guard) tests/device_guard first on PYTHONPATH; then `env` on top, where None removes a variable."""
+    base = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    if device_guard:  # every process runs tests/device_guard: project code may not hand a collective a host tensor
+        base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"),
+                                                           os.environ.get("PYTHONPATH")]))
+    return {k: v for k, v in {**base, **(env or {})}.items() if v is not None}
+
+
+def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True,
+           launcher_args=(), env=None, device_guard=True, root=REPO):
+    """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {launcher_args} {script} {args}`
+    (`launch_command`) in `root`, with `launch_env(cache_dir, env, device_guard)`.
+
+    Returns the CompletedProcess; with check=True, fails the test with the output tail on error.
+    """
+    cmd = launch_command(config, script, *args, num_processes=num_processes, mixed_precision=mixed_precision,
+                         launcher_args=launcher_args, root=root)
+    proc = subprocess.run(cmd, cwd=root, env=launch_env(cache_dir, env, device_guard), capture_output=True,
+                          text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
                     f"--- stderr ---\n{proc.stderr[-8000:]}")
     return proc
+
+
+def start(config, script, *args, cache_dir, log, env=None, device_guard=True, **launch_options):
+    """`launch` in the background: a Popen in its own session (so that a test can kill all of it), stdout
+    and stderr into the file `log`. `launch_options`: num_processes, mixed_precision, launcher_args."""
+    cmd = launch_command(config, script, *args, **launch_options)
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=launch_env(cache_dir, env, device_guard), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def workers(job, script):
+    """The recipe processes of a background launch, by rank: the launcher's own children running
+    `script` (torchrun runs inside `accelerate launch`), not their DataLoader workers."""
+    import psutil
+
+    found = {}
+    for p in psutil.Process(job.pid).children():
+        try:
+            if Path(script).name in " ".join(p.cmdline()):
+                found[int(p.environ()["RANK"])] = p
+        except (psutil.Error, KeyError):
+            pass
+    return found
+
+
+def wait_until(condition, job, what, timeout=300, poll=0.05):
+    """Poll `condition()` until it holds; fail if the background `job` ends first or `timeout` s pass."""
+    deadline = time.time() + timeout
+    while not condition():
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before {what}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(poll)
+
+
+def finish(job, timeout=300):
+    """Wait for the background job; on timeout kill its whole session and fail."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail(f"the job did not end within {timeout} s")
+
+
+def catches(process, sig):
+    """Whether `process` (a psutil.Process) has a handler installed for `sig` (/proc/PID/status, SigCgt)."""
+    try:
+        with open(f"/proc/{process.pid}/status") as f:
+            mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (int(sig) - 1) & 1)
+
+
+def preempt(config, script, *args, out, cache_dir, world=2, **launch_options):
+    """Launch `script --output_dir out args` in the background and SIGTERM the launcher (as SLURM or
+    Kubernetes would) as soon as every rank has installed the recipe's handler
+    (checkpoint.stop_on_signal, right before the training loop), so during step 1. Checks what
+    README.md's failure table promises: every rank saves `checkpoint-N` at the next step boundary
+    (complete: COMPLETE.json verified), prints `preempted (SIGTERM) at step N: saved ...` and exits
+    143 (tests/device_guard records each rank's exit status); the launcher exits 1 after torchrun's
+    SignalException; no rank is left running. Returns (N, the launch's output)."""
+    import psutil
+
+    from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
+
+    statuses, log = Path(f"{out}.exit"), Path(f"{out}.log")
+    statuses.mkdir()
+    job = start(config, script, "--output_dir", out, *args, cache_dir=cache_dir, log=log,
+                env={"EXIT_STATUS_DIR": str(statuses)}, **launch_options)
+    ranks = {}
+
+    def started():
+        ranks.update(workers(job, script))  # (a scan of every process: slow, so polled slowly)
+        return len(ranks) == world
+    try:
+        wait_until(started, job, f"{world} ranks", poll=0.2)
+        wait_until(lambda: all(catches(p, signal.SIGTERM) for p in ranks.values()), job,
+                   "every rank's SIGTERM handler", poll=0.005)
+        job.send_signal(signal.SIGTERM)  # the launcher only: torchrun passes it on to every rank
+        status = finish(job, timeout=120)
+        assert not psutil.wait_procs(list(ranks.values()), timeout=10)[1], "ranks left running"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert status == 1 and "SignalException" in output, (status, output[-3000:])
+    assert PREEMPTED_EXIT_CODE == 143  # 128 + SIGTERM, what SLURM and shells read as "ended by SIGTERM"
+    assert {p.name: p.read_text() for p in statuses.iterdir()} == {f"rank{r}": "143" for r in range(world)}, \
+        output[-3000:]
+    preempted = re.search(r"preempted \(SIGTERM\) at step (\d+): saved (\S+);", output)
+    assert preempted, output[-3000:]
+    step = int(preempted.group(1))
+    assert preempted.group(2) == str(Path(out) / f"checkpoint-{step}")
+    assert verify_checkpoint(Path(out) / f"checkpoint-{step}")["step"] == step
+    return step, output
 
 
 def read_metrics(output_dir):

@@ -6,6 +6,7 @@ import runpy
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +22,10 @@ def fails_with(proc, *fragments):
         assert fragment in proc.stderr, proc.stderr[-3000:]
 
 
-def test_missing_config_file(tmp_path):
+def test_missing_config_file(tmp_path, cache_dir):
     # accelerate's own check names the file ...
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/nope.yaml",
-                           "recipes/llama.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = launch(Path("accelerate_configs/nope.yaml"), "recipes/llama.py", cache_dir=cache_dir, device_guard=False,
+                  check=False, timeout=120)
     fails_with(proc, "accelerate_configs/nope.yaml", "does not exist")
     # ... and our shorthand also lists the configs there are.
     proc = subprocess.run([sys.executable, "common/launch.py", "nope", "recipes/llama.py"], cwd=REPO,

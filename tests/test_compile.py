@@ -9,7 +9,6 @@ too) and trains to step 30, saving checkpoint-20 for an eager run to resume.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -103,12 +102,9 @@ def test_an_eager_run_resumes_a_compiled_checkpoint(compiled, tmp_path, cache_di
 def test_deepspeed_with_a_dynamo_backend_is_one_error_line(tmp_path, cache_dir):
     """accelerate launch does not pass --dynamo_backend to DeepSpeed's ranks: they would train
     uncompiled, silently. The recipe reads the launcher's command line and refuses in one line."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / "deepspeed_zero2.yaml"), "--dynamo_backend", "inductor",
-           str(REPO / "recipes" / "llama.py"), "--output_dir", tmp_path / "out", "--max_steps", 1, "--report_to", "none"]
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
-    env.pop("ACCELERATE_DYNAMO_BACKEND", None)
-    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch("deepspeed_zero2", "recipes/llama.py", "--output_dir", tmp_path / "out", "--max_steps", 1,
+                  "--report_to", "none", launcher_args=["--dynamo_backend", "inductor"], cache_dir=cache_dir,
+                  env={"ACCELERATE_DYNAMO_BACKEND": None}, device_guard=False, check=False, timeout=300)
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -151,11 +147,9 @@ def test_dynamo_checks(tmp_path):
 
 def test_other_recipes_refuse_a_dynamo_backend(tmp_path, cache_dir):
     """Compiled, mixed_precision.py's checkpoints and export would carry '_orig_mod.' keys: one error line."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / "ddp.yaml"), "--dynamo_backend", "inductor",
-           str(REPO / "recipes" / "mixed_precision.py"), "--output_dir", tmp_path / "out", "--max_steps", 1]
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch("ddp", "recipes/mixed_precision.py", "--output_dir", tmp_path / "out", "--max_steps", 1,
+                  launcher_args=["--dynamo_backend", "inductor"], cache_dir=cache_dir, device_guard=False, check=False,
+                  timeout=300)
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
     assert len(errors) == 1 and "does not support torch.compile" in errors[0], proc.stderr[-3000:]

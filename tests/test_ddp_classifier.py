@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data
-from conftest import host_reads, launch, ordinary_step_reads, read_metrics, run_in_process
+from conftest import host_reads, launch, ordinary_step_reads, preempt, read_metrics, run_in_process
 from write_audit import audit_writes, files_under, writes_by_file
 
 MASKS = Path(__file__).resolve().parent / "dropout_masks"  # a sitecustomize recording each rank's first dropout mask
@@ -234,6 +234,28 @@ def test_resume_mid_epoch_is_exact(resumed):
     # and on the same samples: step 4 is the second half of epoch 1, then all of epoch 2
     for r in range(WORLD):
         assert again["ids"][r][1] == full["ids"][r][1][16:] and again["ids"][r][2] == full["ids"][r][2]
+
+
+def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_exactly(resumed, tmp_path, cache_dir):
+    """SHORT preempted in step 1 (SIGTERM to the launcher: conftest.preempt checks the save, the line and
+    each rank's 143), then the same command with --resume_from_checkpoint latest: it ends as the
+    uninterrupted run of `resumed` did, on the same samples (dropout on: every rank's RNG restored)."""
+    full, out = resumed[0], tmp_path / "run"
+    step, _ = preempt("ddp", RECIPE, *SHORT, out=out, cache_dir=cache_dir, num_processes=WORLD, mixed_precision="no")
+    assert step == 1  # the signal arrives while step 1 trains: saved at its end, mid-epoch (2 steps per epoch)
+    assert [r["step"] for r in read_metrics(out)[0]] == [1]
+    proc = launch("ddp", RECIPE, "--output_dir", out, *SHORT, "--resume_from_checkpoint", "latest", cache_dir=cache_dir,
+                  num_processes=WORLD, mixed_precision="no")
+    assert f"resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, proc.stdout[-3000:]
+    again = read_metrics(out)[0]
+    assert [(r["step"], r.keys()) for r in again] == [(r["step"], r.keys()) for r in full["steps"]]
+    for a, b in zip(full["steps"], again):
+        for key in ("loss", "grad_norm", "lr", "eval_accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a, b)
+    for r in range(WORLD):  # this launch's samples: the uninterrupted run's after step 1's 2 x 8
+        ids = json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
+        assert sum(ids, []) == sum(full["ids"][r], [])[16:]
 
 
 def test_resume_with_other_settings_is_refused(resumed, cache_dir):

@@ -15,7 +15,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from conftest import REPO, host_reads, launch, ordinary_step_reads, run_in_process, strict_json, strict_lines
+from conftest import (REPO, host_reads, launch, ordinary_step_reads, preempt, run_in_process, strict_json,
+                      strict_lines)
 
 sys.path.insert(0, str(REPO))
 from common import precision  # noqa: E402
@@ -399,6 +400,33 @@ def test_fp32_has_no_safety_net_so_the_run_stops_at_the_bad_step(tmp_path, cache
     assert re.fullmatch(r"error: step 2: the training loss is [0-9.]+ and the gradient norm inf in fp32; stopped "
                         r"before saving any weights .*", next(iter(errors))), errors
     assert not list(out.glob("checkpoint-*")) and not (out / "summary.json").exists()
+
+
+def test_sigterm_saves_exits_143_and_the_resume_is_exact(compared, tmp_path, cache_dir):
+    """The driver's fp32 launch (RUN under ddp.yaml, --precision no) again, preempted in step 1 (SIGTERM
+    to the launcher: conftest.preempt checks the save, the line and each rank's 143), then resumed with
+    --resume_from_checkpoint latest: it ends as the uninterrupted run did. Measured: every logged value
+    and the summary's losses equal to the last bit (the bound is the suite's fp32 one, 1e-6 relative).
+    RUN's step 1 applies LR 0 (warmup), so checkpoint-1 holds the initial weights but not the initial
+    optimizer: Adam's moments and the schedule (a resume that loaded nothing logged LR 0.0 at step 2)."""
+    out, flags = tmp_path / "run", ["--precision", "no", *RUN]
+    step, _ = preempt("ddp", RECIPE, *flags, out=out, cache_dir=cache_dir)
+    assert step == 1  # the signal arrives while step 1 trains (its first micro batch is measured: the slowest)
+    assert not (out / "metrics.jsonl").read_text()  # step 1 is not a logging step
+    proc = launch("ddp", RECIPE, *flags, "--output_dir", out, "--resume_from_checkpoint", "latest", cache_dir=cache_dir)
+    assert f"steps 1..{STEPS} | resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, proc.stdout[-3000:]
+    reference = strict_lines(compared[0] / "no" / "metrics.jsonl")
+    got = strict_lines(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in reference] == [2, 4]
+    for a, b in zip(reference, got):
+        # a logged loss is the mean over the steps since the last log, in this launch: step 2's covers
+        # step 2 alone after the resume, steps 1-2 without one; the norm and LR are the step's own
+        for key in ("grad_norm", "lr") if a["step"] == 2 else ("loss", "grad_norm", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (key, a, b)
+    want, summary = (strict_json((d / "summary.json").read_text()) for d in (compared[0] / "no", out))
+    for key in ("train_loss", "eval_loss"):
+        assert summary[key] == pytest.approx(want[key], rel=1e-6, abs=0), (key, want, summary)
+    assert summary["steps"] == STEPS
 
 
 def test_compare_prints_the_table(compared):

@@ -4,7 +4,6 @@
 import hashlib
 import json
 import math
-import os
 import runpy
 import shutil
 import socket
@@ -16,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import data
-from conftest import REPO, host_reads, launch, ordinary_step_reads, run_in_process, strict_lines
+from conftest import (REPO, host_reads, launch, launch_command, launch_env, ordinary_step_reads, preempt, run_in_process,
+                      strict_lines)
 from test_parity import FP32_RTOL
 from write_audit import audit_writes, files_under, writes_by_file
 
@@ -309,28 +309,65 @@ def uneven(tiny, tmp_path_factory):
     return out
 
 
-def test_resume_continues_every_rank_exactly(uneven, tmp_path, cache_dir):
-    """20 steps saving checkpoint-16, against a run resumed from it into another --output_dir. At step
-    16 one rank has just used up its 16-batch first epoch and the other is 1 batch into its second
-    (15-batch epochs), so each rank skips its own count: the same blocks, batch for batch, and the
-    same losses, grad norms and LRs (fp32, 1e-6 relative; warmup still running across the resume).
-    The parquet route only: with `--loader datasets` the same test passes (bit-exact) but takes 60 s."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    flags = ["--max_steps", 20, "--logging_steps", 1, "--warmup_steps", 18,
-             "--loader_benchmark_batches", 2, "--record_sample_ids"]
-    train("ddp", uneven, full, *flags, "--save_steps", 16, cache_dir=cache_dir)
-    position = json.loads((full / "checkpoint-16" / "COMPLETE.json").read_text())["data_position"]
-    assert position == [[0, 16], [1, 1]]  # [epoch, batches consumed in it] per rank
-    proc = train("ddp", uneven, resumed, *flags, "--resume_from_checkpoint", full / "checkpoint-16", cache_dir=cache_dir)
-    assert f"resumed from {full / 'checkpoint-16'} at step 16" in proc.stdout, proc.stdout[-3000:]
-    (a, _), (b, _) = strict_metrics(full), strict_metrics(resumed)
-    assert [r["step"] for r in a] == list(range(1, 21)) and [r["step"] for r in b] == [17, 18, 19, 20]
-    for x, y in zip(a[16:], b):
+# 20 steps on `uneven`, every step logged, warmup running across any resume before step 18.
+RESUMABLE = ["--max_steps", 20, "--logging_steps", 1, "--warmup_steps", 18, "--loader_benchmark_batches", 2,
+             "--record_sample_ids", "--save_steps", 16]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uneven, tmp_path_factory, cache_dir):
+    """RESUMABLE without a break, saving checkpoint-16: (output dir, per-step records, each rank's block ids)."""
+    full = tmp_path_factory.mktemp("uninterrupted") / "full"
+    train("ddp", uneven, full, *RESUMABLE, cache_dir=cache_dir)
+    ids = [json.loads((full / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]
+    return full, strict_metrics(full)[0], ids
+
+
+def assert_resumed_exactly(out, uninterrupted, start):
+    """`out` resumed at step `start`: the uninterrupted run's steps and, from there, its blocks, batch for
+    batch, and its losses, grad norms and LRs (fp32, 1e-6 relative)."""
+    _, a, ids = uninterrupted
+    b = strict_metrics(out)[0][start - 20:]  # the resumed launch's lines
+    assert [r["step"] for r in a] == list(range(1, 21)) and [r["step"] for r in b] == list(range(start + 1, 21))
+    for x, y in zip(a[start:], b):
         for key in ("loss", "grad_norm", "lr"):
             assert y[key] == pytest.approx(x[key], rel=1e-6, abs=0), (key, x, y)
     for r in range(WORLD):
-        ids = [json.loads((d / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for d in (full, resumed)]
-        assert sum(ids[1], []) == sum(ids[0], [])[16 * BATCH:]
+        resumed = json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
+        assert sum(resumed, []) == sum(ids[r], [])[start * BATCH:]
+
+
+def test_resume_continues_every_rank_exactly(uneven, uninterrupted, tmp_path, cache_dir):
+    """The uninterrupted run against a run resumed from its checkpoint-16 into another --output_dir. At
+    step 16 one rank has just used up its 16-batch first epoch and the other is 1 batch into its second
+    (15-batch epochs), so each rank skips its own count: the same blocks, batch for batch, and the
+    same losses, grad norms and LRs (fp32, 1e-6 relative; warmup still running across the resume).
+    The parquet route only: with `--loader datasets` the same test passes (bit-exact) but takes 60 s."""
+    full, resumed = uninterrupted[0], tmp_path / "resumed"
+    position = json.loads((full / "checkpoint-16" / "COMPLETE.json").read_text())["data_position"]
+    assert position == [[0, 16], [1, 1]]  # [epoch, batches consumed in it] per rank
+    proc = train("ddp", uneven, resumed, *RESUMABLE, "--resume_from_checkpoint", full / "checkpoint-16",
+                 cache_dir=cache_dir)
+    assert f"resumed from {full / 'checkpoint-16'} at step 16" in proc.stdout, proc.stdout[-3000:]
+    assert [r["step"] for r in strict_metrics(resumed)[0]] == [17, 18, 19, 20]
+    assert_resumed_exactly(resumed, uninterrupted, 16)
+
+
+def test_sigterm_saves_every_ranks_position_exits_143_and_the_same_command_resumes(uneven, uninterrupted, tmp_path,
+                                                                                  cache_dir):
+    """RESUMABLE preempted in step 1 (SIGTERM to the launcher: conftest.preempt checks the save, the
+    line and each rank's 143); the same command with --resume_from_checkpoint latest then ends as the
+    uninterrupted run did."""
+    out = tmp_path / "run"
+    step, _ = preempt("ddp", RECIPE, "--data_dir", uneven, "--per_device_train_batch_size", BATCH, "--ddp_timeout", 120,
+                      *RESUMABLE, out=out, cache_dir=cache_dir, num_processes=WORLD)
+    assert step == 1  # the signal arrives while step 1 trains
+    position = json.loads((out / f"checkpoint-{step}" / "COMPLETE.json").read_text())["data_position"]
+    assert position == [[0, 1], [0, 1]]
+    proc = train("ddp", uneven, out, *RESUMABLE, "--resume_from_checkpoint", "latest", cache_dir=cache_dir)
+    assert f"resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, proc.stdout[-3000:]
+    assert [r["step"] for r in strict_metrics(out)[0]] == list(range(1, 21))
+    assert_resumed_exactly(out, uninterrupted, 1)
 
 
 def damaged(tiny, tmp_path, damage):
@@ -393,16 +430,16 @@ def two_machines(data_dirs, out, *flags, logs, cache_dir, timeout=300):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = launch_env(cache_dir, {"TOKENIZERS_PARALLELISM": None}, device_guard=False)
     logs.mkdir()
     procs = []
     for m, data_dir in enumerate(data_dirs):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-               "--num_machines", 2, "--machine_rank", m, "--num_processes", 2, "--main_process_ip", "127.0.0.1",
-               "--main_process_port", port, "--mixed_precision", "no", REPO / RECIPE, "--data_dir", data_dir,
-               "--output_dir", out, "--per_device_train_batch_size", BATCH, "--ddp_timeout", 60, *flags]
+        cmd = launch_command("ddp", RECIPE, "--data_dir", data_dir, "--output_dir", out, "--per_device_train_batch_size",
+                             BATCH, "--ddp_timeout", 60, *flags, num_processes=2, mixed_precision="no",
+                             launcher_args=["--num_machines", 2, "--machine_rank", m, "--main_process_ip", "127.0.0.1",
+                                            "--main_process_port", port])
         with open(logs / f"machine{m}.log", "w") as log:
-            procs.append(subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.time() + timeout
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]

@@ -2,7 +2,8 @@
 
 tests/conftest.py's `launch` puts this folder first on PYTHONPATH, so every launched test fails
 when project code hands a collective a tensor left on the host (see collective_guard.py).
-With HOST_READS_DIR set it also logs every read of a tensor's value (host_reads.py).
+With HOST_READS_DIR set it also logs every read of a tensor's value (host_reads.py); with
+EXIT_STATUS_DIR set, each rank's exit status (the argument of its sys.exit).
 Python imports only the first `sitecustomize` on the path, so this one then runs the next one
 there too (e.g. tests/dropout_masks's, which runs tests/write_audit's). Those chain to the first
 other `sitecustomize` on the path, which can be this one again: then it runs the first one whose
@@ -28,6 +29,17 @@ if "collective_guard" not in sys.modules:
         import host_reads
 
         host_reads.install(os.environ["HOST_READS_DIR"])
+    if os.environ.get("EXIT_STATUS_DIR") and "RANK" in os.environ:
+        # a rank's exit status, which torchrun does not report when it stops its ranks on a signal: the
+        # recipes leave through common/errors.run's sys.exit(status); written to {EXIT_STATUS_DIR}/rank{RANK}
+        _sys_exit = sys.exit
+
+        def _recorded_exit(status=None):
+            with open(os.path.join(os.environ["EXIT_STATUS_DIR"], f"rank{os.environ['RANK']}"), "w") as f:
+                f.write(str(status))
+            _sys_exit(status)
+
+        sys.exit = _recorded_exit
 
 _running, _frame = set(), sys._getframe()
 while _frame is not None:
