@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, corpus_args
+from conftest import REPO, corpus_args, launch_command, launch_env
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import worst_gaps  # noqa: E402
@@ -66,14 +66,8 @@ def _start(config, output_dir, args, cache_dir):
 
     As conftest.launch (tests/device_guard on PYTHONPATH), but started without waiting, so that
     the test reads each rank's peak memory while the run is alive."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           REPO / "accelerate_configs" / f"{config}.yaml", "--mixed_precision", "no",
-           RECIPE, "--output_dir", output_dir, *args]
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"),
-                                                       os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd = launch_command(config, RECIPE, "--output_dir", output_dir, *args, mixed_precision="no")
+    return subprocess.Popen(cmd, cwd=REPO, env=launch_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 

@@ -10,17 +10,15 @@ through the session's `reference_run`: 16 steps, global batch 8 (2 per device x 
 ranks), a checkpoint at step 10, mid-way through epoch 2.
 """
 
-import os
 import socket
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 from common.checkpoint import verify_checkpoint
-from conftest import REPO, read_metrics, strict_json
+from conftest import REPO, launch_command, launch_env, read_metrics, strict_json
 from test_checkpoint import SAVE, STEPS, args, batch_args
 
 CONFIGS = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
@@ -64,16 +62,14 @@ def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600):
     with the tails of both machines' output. Returns each machine's stdout text, machine 0 first.
     """
     port = free_port()
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = launch_env(cache_dir, device_guard=False)
     logs.mkdir(parents=True, exist_ok=True)
     procs, files = [], []
     for rank in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch",
-               "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml"),
-               "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
-               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
-               str(REPO / "recipes/llama.py"), "--output_dir", str(out), *map(str, flags)]
+        cmd = launch_command(config, "recipes/llama.py", "--output_dir", out, *flags, num_processes=2,
+                             mixed_precision="no", launcher_args=["--num_machines", 2, "--machine_rank", rank,
+                                                                  "--main_process_ip", "127.0.0.1",
+                                                                  "--main_process_port", port])
         stdout, stderr = logs / f"machine{rank}.out", logs / f"machine{rank}.err"
         files.append((stdout, stderr))
         with open(stdout, "w") as o, open(stderr, "w") as e:
