@@ -12,7 +12,6 @@ the recipe's inputs); and, without launches, the .txt split, the tokenizer check
 architectures and the token ids filled into a config."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen2Config
 
-from conftest import REPO, read_metrics
+from conftest import REPO, launch, read_metrics
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import KEYS, worst_gaps  # noqa: E402
@@ -76,18 +75,10 @@ def copy_project(dest: Path, paths) -> Path:
 
 
 def launch_in(project: Path, config: str, *args, cache_dir, mixed_precision="no", check=True):
-    """`accelerate launch` of the copy's recipe, from the copy's root (as its README says)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           f"accelerate_configs/{config}.yaml", "--mixed_precision", mixed_precision, "recipes/llama.py",
-           *map(str, args)]
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)  # nothing from this repository: only the copy
-    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} (in {project}) exited {proc.returncode}\n--- stdout ---\n"
-                    f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
-    return proc
+    """`accelerate launch` of the copy's recipe and config, from the copy's root (as its README says),
+    with nothing from this repository on PYTHONPATH: only the copy."""
+    return launch(config, "recipes/llama.py", *args, root=project, cache_dir=cache_dir, mixed_precision=mixed_precision,
+                  check=check, env={"PYTHONPATH": None}, device_guard=False)
 
 
 @pytest.fixture(scope="module")
