@@ -249,3 +249,17 @@ def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
     for flag, reason in why.items():
         if flag in getattr(args, "given", ()) or getattr(args, flag) != getattr(defaults, flag):
             raise Stop(f"{recipe} does not take --{flag}: {reason}")
+
+
+def changed_flags(args: SimpleNamespace, recipe_args: type, defaults: dict, skip: set[str]) -> list[str]:
+    """The command-line words that pass every flag of `args` that differs from its default on to
+    another launch, e.g. ["--max_steps", "4", "--overwrite_output_dir", "True"]; `skip` left out.
+
+    Args:
+        recipe_args: the recipe's dataclass; defaults: the recipe's own defaults for any flag (as
+            given to `parse_args`), which win over `TrainingFlags`' and `recipe_args`' own.
+    """
+    default = {**asdict(TrainingFlags()), **{f.name: f.default for f in dataclasses.fields(recipe_args)},
+               **defaults}
+    return [s for name, value in vars(args).items() if name not in skip and value != default[name]
+            for s in (f"--{name}", str(value))]

@@ -364,3 +364,41 @@ def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_file({"input_ids": probe.cpu(), "logits": logits}, os.path.join(output_dir, "final_logits.safetensors"))
+
+
+def weight_decay_line(optimizer) -> str:
+    """The AdamW groups as a line: "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on
+    9 tensors (2,304 elements)" (ZeRO-3's partitioned parameters counted whole: `ds_numel`)."""
+    return "AdamW weight decay: " + ", ".join(
+        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups)
+
+
+def comparison_table(rows: list[dict], config_file: str, model_config: str, block_size: int) -> str:
+    """recipes/mixed_precision.py --compare's table, in Markdown: a title line (the launch, from the
+    first launch that succeeded), a blank line, then one row per precision.
+
+    Args:
+        rows: each launch's summary.json, or {"precision": mode, "failed": True} for one that failed;
+            a null figure (not finite, named in its "nonfinite") shows as nan.
+    """
+    done = [r for r in rows if not r.get("failed")] or [{}]
+    lines = [f"{config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
+             f"{done[0].get('device')}, {model_config} Llama, global batch {done[0].get('global_batch')} x "
+             f"{block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
+             "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
+             "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
+             "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
+            continue
+        mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
+                                               "gradient_bytes")]
+        num = {k: "nan" if r[k] is None else format(r[k], spec)
+               for k, spec in (("train_loss", ".4f"), ("eval_loss", ".4f"), ("tokens_per_second", ".0f"))}
+        lines.append(f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
+                     f"{num['tokens_per_second']} | {' | '.join(mib)} | "
+                     f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
+    return "\n".join(lines)

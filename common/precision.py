@@ -276,3 +276,12 @@ class NonFiniteGuard:
         return (f"step {step:.0f}: the training loss is {loss:g} and the gradient norm {norm:g} in {self.precision}; "
                 "stopped before saving any weights (only fp16 loss scaling skips such a step and goes on). Lower "
                 "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data")
+
+
+def warn_nonfinite_loss(step: int, loss: float, mixed_precision: str) -> None:
+    """Warn that step `step`'s logged training loss is not finite, with the usual remedies: for a
+    run that goes on (fp16 loss scaling skips such steps; elsewhere `NonFiniteGuard` stops it)."""
+    warnings.warn(f"step {step}: the training loss is {loss} ({precision_name(mixed_precision)}); "
+                  "usual remedies: lower --learning_rate or lengthen --warmup_steps; keep "
+                  "--max_grad_norm clipping on; look for a bad batch; on hardware with bf16 use "
+                  "--precision bf16 (fp32's range, no loss scaling)", stacklevel=2)

@@ -1,53 +1,24 @@
 """Mixed precision, measured: fp32 vs bf16 vs fp16 with dynamic loss scaling, on the debug Llama.
 
     # one precision per launch (one Accelerator per process has exactly one mixed_precision)
-    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/mixed_precision.py --precision auto
-    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/mixed_precision.py --precision fp16
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/mixed_precision.py \
+        --precision auto
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/mixed_precision.py \
+        --precision fp16
     # the comparison: the same config launched once per precision, then one table
-    python recipes/mixed_precision.py --compare --config_file accelerate_configs/ddp.yaml --max_steps 30
+    python recipes/mixed_precision.py --compare --config_file accelerate_configs/ddp.yaml \
+        --max_steps 30
 
-`--precision` decides the precision (it overrides the config's `mixed_precision`). `auto` picks
-it for the hardware (common/precision.py): bf16 where the device computes it natively (Ampere/
-Hopper, compute capability >= 8.0; CPUs with AVX512-BF16 or AMX), fp16 on Volta/Turing (7.x),
-fp32 elsewhere (CPUs without bf16 instructions, e.g. AVX2 only); the choice is explained in one
-log line. bf16 requested on a GPU without bf16 is an error; on such a CPU it runs emulated (the
-line says so: a llama.py step about 14x slower than fp32 on AVX2), as does fp16 on any CPU without
-AVX512-FP16. fp16 requested on bf16 hardware for a model of 1B+ parameters is a warning.
+`--precision` decides (it overrides the config's `mixed_precision`); `auto` picks what the
+hardware computes natively (common/precision.py): bf16 on Ampere/Hopper and CPUs with
+AVX512-BF16 or AMX, fp16 on Volta/Turing, fp32 elsewhere, and says why in one line.
+fp16 trains on `loss x scale` (a GradScaler): a step with inf/NaN gradients is skipped, the
+scale halved and the LR schedule held; the scale and the skipped steps are logged and
+checkpointed. `--inject_inf_grad_at_step N` is the drill: fp16 skips step N, fp32 and bf16
+stop with an error naming it, before any checkpoint.
 
-fp16 keeps the loss scaled by a GradScaler: backward runs on `loss x scale` so that small
-gradients survive fp16's range, `common.grad_norm.clip_grad_norm_` unscales them before clipping
-(Accelerator.unscale_gradients), a step whose gradients hold an inf/NaN is skipped and the
-scale halved, and the scale doubles after `--growth_interval` clean steps. A skipped step does
-not advance the LR schedule. Each logged step records the scale and the skipped steps so far; the
-scaler's state goes into every checkpoint (`accelerator.save_state` writes scaler.pt) and the
-skipped-step count into its COMPLETE.json, and both come back on resume. Ten skipped steps in a
-row draw a warning; a scale below `--min_loss_scale` stops the run (common/precision.py).
-
-Flags: the core `transformers.TrainingArguments` flags (common/args.py: --output_dir,
---max_steps or --num_train_epochs, --gradient_accumulation_steps, --weight_decay (never on norm
-weights), --save_steps, --resume_from_checkpoint, --report_to, ...) plus the recipe's own below.
-
-`--inject_inf_grad_at_step N` is a drill: it puts an inf into step N's gradients on every rank,
-as an overflow would. Under fp16 the step is skipped and the scale halved; in fp32/bf16 nothing
-can skip it, so the run stops with an error naming the step, before any checkpoint
-(common/precision.py, NonFiniteGuard: checked at logging and saving steps).
-
-fp16 on CPU ranks: Accelerate 1.15 builds neither the GradScaler nor fp16 autocast for a CPU
-device, so `mixed_precision="fp16"` would silently train in fp32. torch 2.13 supports both on
-CPU, so we hand Accelerate a `GradScaler("cpu")` (workarounds.install_cpu_grad_scaler). It is
-real fp16 arithmetic, and slow: CPUs without AVX512-FP16/AMX-FP16 have no fp16 matmul units
-(on our 2-core test host fp16 ran ~20x slower than bf16). DeepSpeed on such a CPU refuses fp16
-outright; the recipe says so instead of failing inside the engine.
-
-The table (--compare): loss after N steps on identical batches, tokens/s per device (the
-steps after the first), and bytes measured on one rank at the first step: saved for backward
-(common/memory.py; autocast's low-precision weight copies apart), parameters, gradients. Under
-DeepSpeed the engine keeps gradients in its own buffers, so they read 0 there.
-
-Outputs in --output_dir (standard JSON: a non-finite number is written as null and named in the
-record's "nonfinite" list): metrics.jsonl (one line per logging step), summary.json (the row of
-the comparison table), checkpoint-N/ (--save_steps); with --compare, one folder per precision
-and comparison.md.
+Outputs in --output_dir: metrics.jsonl, summary.json (a row of the table), checkpoint-N/; with
+--compare, one folder per precision and comparison.md. More: docs/mixed_precision.md.
 """
 
 import json
@@ -56,36 +27,33 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs
+from accelerate.utils import set_seed
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
-from common import checkpoint, checks, data, errors, grad_norm, launch, metrics, models, precision  # noqa: E402
-from common import workarounds  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
+from common import checkpoint, checks, data, errors, grad_norm, launch, metrics  # noqa: E402
+from common import models, precision, workarounds  # noqa: E402
 from common.errors import Stop  # noqa: E402
-from common.args import TrainingFlags, flag, make_output_dir, parse_args  # noqa: E402
-from common.precision import MIN_LOSS_SCALE  # noqa: E402  (the field `precision` hides the module in Args)
+from common.args import changed_flags, flag, make_output_dir, parse_args  # noqa: E402
+from common.precision import MIN_LOSS_SCALE  # noqa: E402  (Args.precision hides the module)
 from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
-
-REMEDIES = ("usual remedies: lower --learning_rate or lengthen --warmup_steps; keep --max_grad_norm clipping on; "
-            "look for a bad batch; on hardware with bf16 use --precision bf16 (fp32's range, no loss scaling)")
 
 
 @dataclass
 class Args:
     """The recipe's own flags; the core TrainingArguments ones come from common/args.py."""
 
-    precision: str = field(default="auto", metadata={"help": "auto | no | bf16 | fp16 (overrides the config's)"})
-    compare: bool = field(default=False, metadata={"help": "launch no, bf16, fp16 with --config_file; print a table"})
-    config_file: str = field(default="accelerate_configs/ddp.yaml", metadata={"help": "--compare: accelerate config"})
-    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
+    precision: str = flag("auto", "auto | no | bf16 | fp16 (overrides the config's)")
+    compare: bool = flag(False, "launch no, bf16, fp16 with --config_file; print a table")
+    config_file: str = flag("accelerate_configs/ddp.yaml", "--compare: accelerate config")
+    model_config: str = flag("debug", f"preset: {', '.join(models.PRESETS)}")
     vocab_size: int = flag(4096, low=256)
     block_size: int = flag(128, low=2)
     validation_split_percentage: int = flag(5, "rows held out for validation, in %", low=1, high=99)
@@ -95,19 +63,18 @@ class Args:
     # fp16 loss scaling (torch.amp.GradScaler arguments)
     init_scale: float = 2.0 ** 16
     growth_interval: int = flag(2000, "clean steps before the scale doubles", low=1)
-    min_loss_scale: float = field(default=MIN_LOSS_SCALE, metadata={
-        "help": "stop the run when the fp16 loss scale falls below this"})
-    inject_inf_grad_at_step: int = flag(0, "drill: put an inf in the gradients of step N; 0: never", low=0)
+    min_loss_scale: float = flag(MIN_LOSS_SCALE, "stop when the fp16 loss scale falls below this")
+    inject_inf_grad_at_step: int = flag(0, "drill: an inf in step N's gradients; 0: never", low=0)
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
 # This recipe's defaults for core flags (the rest keep common/args.py's).
-DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4, learning_rate=3e-3,
-                weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
+DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4,
+                learning_rate=3e-3, weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
 
 
 def poison_gradients(model):
-    """The drill: one inf in the first gradient on every rank (as an overflow leaves it after the all-reduce)."""
+    """The drill: one inf in the first gradient on every rank, as an overflow leaves it."""
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     with torch.no_grad():
         (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
@@ -136,66 +103,33 @@ def evaluate(model, eval_loader, accelerator) -> float:
 
 
 def main() -> int:
-    args = parse_args(Args, description=__doc__, **DEFAULTS)  # one `error:` line for a bad flag or a non-empty --output_dir
-    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
+    # one `error:` line for a bad flag or a non-empty --output_dir, before anything is written
+    args = parse_args(Args, description=__doc__, **DEFAULTS)
+    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     if args.per_device_eval_batch_size is None:
         args.per_device_eval_batch_size = args.per_device_train_batch_size
-    if args.precision not in precision.MODES:
-        raise Stop(f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
-    if args.model_config not in models.PRESETS:
-        raise Stop(f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
-    for name in ("init_scale", "min_loss_scale"):
-        if not getattr(args, name) > 0:
-            raise Stop(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.init_scale < args.min_loss_scale:
-        raise Stop(f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}")
+    checks.mixed_precision_flags(args)  # --precision, the scales; with --compare, its launch
 
     # ---------------------------------------------------------------------------------------------
     # --compare: one launch per precision with the same config and arguments, then the table. Each
     # launch is a whole job, so each mode gets its own process group, Accelerator and autocast.
     # ---------------------------------------------------------------------------------------------
     if args.compare:
-        if "LOCAL_RANK" in os.environ:
-            raise Stop("run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
-        if not Path(args.config_file).is_file():
-            raise Stop(f"--config_file {args.config_file}: no such file")
-        if args.resume_from_checkpoint not in (None, "latest", "auto"):
-            raise Stop("--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
-                       "latest or auto")
         # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
         # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
-        defaults = {**asdict(TrainingFlags()), **{f.name: f.default for f in fields(Args)}, **DEFAULTS}
-        driver_only = {"compare", "config_file", "precision", "output_dir"}
-        passed = [s for name, value in vars(args).items() if name not in driver_only and value != defaults[name]
-                  for s in (f"--{name}", str(value))]
+        passed = changed_flags(args, Args, DEFAULTS,
+                               skip={"compare", "config_file", "precision", "output_dir"})
         rows = []
         for mode in ("no", "bf16", "fp16"):
             out = Path(args.output_dir) / mode
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
-                   __file__, *passed, "--precision", mode, "--output_dir", str(out)]
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   args.config_file, __file__, *passed, "--precision", mode,
+                   "--output_dir", str(out)]
             print(f"=== {mode}: {' '.join(cmd)}", flush=True)
-            done = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
-            rows.append(json.loads((out / "summary.json").read_text()) if done else {"precision": mode, "failed": True})
-        done = [r for r in rows if not r.get("failed")] or [{}]
-        lines = [f"{args.config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
-                 f"{done[0].get('device')}, {args.model_config} Llama, global batch {done[0].get('global_batch')} x "
-                 f"{args.block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
-                 "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
-                 "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
-                 "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            if r.get("failed"):
-                lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
-                continue
-            mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
-                                                   "gradient_bytes")]
-            num = {k: "nan" if r[k] is None else format(r[k], spec)  # null: not finite (summary.json's "nonfinite")
-                   for k, spec in (("train_loss", ".4f"), ("eval_loss", ".4f"), ("tokens_per_second", ".0f"))}
-            lines.append(f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
-                         f"{num['tokens_per_second']} | {' | '.join(mib)} | "
-                         f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
-        table = "\n".join(lines)
+            ok = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
+            rows.append(json.loads((out / "summary.json").read_text()) if ok
+                        else {"precision": mode, "failed": True})
+        table = metrics.comparison_table(rows, args.config_file, args.model_config, args.block_size)
         print(table)
         Path(args.output_dir, "comparison.md").write_text(table + "\n")
         return 1 if any(r.get("failed") for r in rows) else 0
@@ -249,17 +183,20 @@ def main() -> int:
 
     # ---------------------------------------------------------------------------------------------
     # Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches. Each
-    # node's first rank builds the cache (home directories are often node-local), then its others read it.
+    # node's first rank builds the cache (home directories are often node-local), then the others.
     # ---------------------------------------------------------------------------------------------
     with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
         raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
-        lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("torch")
+        lm_data = data.pack_dataset(raw, tokenizer, args.block_size,
+                                    args.cache_dir).with_format("torch")
     train_set = lm_data["train"]
-    eval_set = lm_data["validation"].select(range(min(args.max_eval_samples, len(lm_data["validation"]))))
-    updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest of an epoch is dropped
+    n_eval = min(args.max_eval_samples, len(lm_data["validation"]))
+    eval_set = lm_data["validation"].select(range(n_eval))
+    updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest is dropped
     guard.data_ready(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")
-    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(
+        args.num_train_epochs * updates_per_epoch)
     # >>> shared: loaders
     # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
     # ranks; rank r gets every world_size-th micro batch of it. drop_last: full global batches.
@@ -277,61 +214,62 @@ def main() -> int:
     # ---------------------------------------------------------------------------------------------
     # Model: fp32 master weights in every mode; the precision only changes the compute.
     # ---------------------------------------------------------------------------------------------
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, use_cache=False)
+    eos = tokenizer.eos_token_id
+    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=eos,
+                                 eos_token_id=eos, pad_token_id=eos, use_cache=False)
     set_seed(args.seed)  # the same initial weights in every mode and on every rank
     model = LlamaForCausalLM(config)
-    # From here each rank draws its own random numbers (dropout, if a config has any); the data order
-    # does not use them: the seedable sampler has its own generator, seeded by --seed + epoch.
+    # From here each rank draws its own random numbers (dropout, if a config has any); the data
+    # order does not use them: the seedable sampler has its own generator, seeded by seed + epoch.
     set_seed(args.seed, device_specific=True)
     # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
-    accelerator.print("AdamW weight decay: " + ", ".join(
-        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
-        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups))
+    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay),
+                                  lr=args.learning_rate)
+    accelerator.print(metrics.weight_decay_line(optimizer))
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
     workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
 
-    # Resume only into the same kind of run: the data position follows from the step count, the seed
-    # and the block size, and the scaler state means nothing to another precision.
-    run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + ZeRO's reduction dtypes
+    # Resume only into the same kind of run: the data position follows from the step count, the
+    # seed and the block size, and the scaler state means nothing to another precision.
+    run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + ZeRO's dtypes
                  "distributed_type": checkpoint.strategy_name(accelerator),
-                 "world_size": world_size, "global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
+                 "world_size": world_size, "global_batch": global_batch, "seed": args.seed,
+                 "block_size": args.block_size,
                  # the optimizer state brings its own LR and decay back, whatever the flags say
-                 "learning_rate": args.learning_rate, "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-                 "max_grad_norm": args.max_grad_norm, "model_config": models.config_state(config),
-                 "max_steps": max_steps}  # (not compared: a resume may train longer; see resume_error)
+                 "learning_rate": args.learning_rate, "weight_decay": args.weight_decay,
+                 "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
+                 "model_config": models.config_state(config),
+                 "max_steps": max_steps}  # (not compared: a resume may train longer)
     try:
-        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
+        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir,
+                                                           args.resume_from_checkpoint, accelerator)
     except Stop as err:
         raise Stop(f"cannot resume: {err}") from None
     step = saved["step"]
-    # fp16 bookkeeping that the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
-    skipped_steps, skipped_in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
+    # fp16 bookkeeping the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
+    skipped_steps = saved.get("skipped_steps", 0)
+    skipped_in_a_row = saved.get("skipped_in_a_row", 0)
     if resume_path:
-        if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):  # all of it must match
+        if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):
             raise Stop(error)
-        # model, optimizer, scheduler, RNG and the scaler's scale; the micro-step count follows the step
+        # model, optimizer, scheduler, RNG and the scaler's scale; micro steps follow the step
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
     else:
-        checkpoint.start_fresh(accelerator, args.output_dir)  # an overwritten run's checkpoints must not be resumed
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process:  # a resume keeps the lines up to its step; a fresh run starts the file
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= step] \
-            if resume_path and os.path.exists(metrics_path) else []
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    accelerator.init_trackers("mixed_precision", config={k: v for k, v in vars(args).items() if v is not None})
+        checkpoint.start_fresh(accelerator, args.output_dir)  # old checkpoints are not resumed
+    # metrics.jsonl: a resume keeps the lines up to its step, a fresh run starts it empty
+    metrics_path = metrics.RunLog(accelerator, args, "mixed_precision",
+                                  step if resume_path else None).path
     scale = precision.loss_scale(accelerator, model)  # None without loss scaling
-    accelerator.print(f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | {n_params / 1e6:.2f}M params | "
-                      f"global batch {global_batch} | steps {step}..{max_steps}"
-                      + (f" | loss scale {scale:.0f}" if scale is not None else "")
-                      + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
-                      + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-                      + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+    accelerator.print(
+        f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | "
+        f"{n_params / 1e6:.2f}M params | global batch {global_batch} | steps {step}..{max_steps}"
+        + (f" | loss scale {scale:.0f}" if scale is not None else "")
+        + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
+        + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
+        + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
 
     # ---------------------------------------------------------------------------------------------
     # Training loop. The first micro batch of the launch is measured: bytes saved for backward
@@ -339,15 +277,17 @@ def main() -> int:
     # ---------------------------------------------------------------------------------------------
     model.train()
     start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
-    guard = precision.NonFiniteGuard(accelerator, model)  # an inf/NaN loss or norm outside fp16 loss scaling stops the run
+    # an inf/NaN loss or norm stops the run, unless fp16 loss scaling skips the step
+    guard = precision.NonFiniteGuard(accelerator, model)
     window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
     epoch = step // updates_per_epoch
-    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step boundary.
+    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: a checkpoint at the next step boundary
     preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
     while step < max_steps:
         train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
-        batches = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps)
+        batches = accelerator.skip_first_batches(train_loader,
+                                                 done_in_epoch * args.gradient_accumulation_steps)
         for batch in batches:
             measure = not sizes
             with accelerator.accumulate(model):
@@ -359,62 +299,67 @@ def main() -> int:
                 if accelerator.sync_gradients:
                     if step + 1 == args.inject_inf_grad_at_step:
                         poison_gradients(model)
-                    # Under fp16 this unscales the gradients first, so the norm and the clip threshold
-                    # are in true units; an inf/NaN norm means this step will be skipped.
-                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model, args.max_grad_norm)
-                if measure:
-                    sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,  # autocast's weight casts apart
+                    # Under fp16 this unscales the gradients first, so the norm and the clip
+                    # threshold are in true units; an inf/NaN norm means this step is skipped.
+                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
+                                                                 args.max_grad_norm)
+                if measure:  # autocast's weight casts apart from the activations
+                    sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,
                              "weight_copy_bytes": saved.weight_copy_bytes,
                              "parameter_bytes": local_tensor_bytes(model.parameters()),
-                             "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters())}
+                             "gradient_bytes": local_tensor_bytes(
+                                 p.grad for p in model.parameters())}
                 step_lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
                 optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()  # a skipped step did not happen: the schedule does not advance
+                    lr_scheduler.step()  # a skipped step did not happen: the schedule holds
                 optimizer.zero_grad()
             tokens += batch["input_ids"].numel()
             if not accelerator.sync_gradients:
                 continue
             step += 1
-            guard.record(step, window_loss / window_batches, norm_before_clip)  # on the device: read at logging/saving
+            # on the device: read at logging and saving steps
+            guard.record(step, window_loss / window_batches, norm_before_clip)
             step_skipped = accelerator.optimizer_step_was_skipped
             skipped_steps += step_skipped
             skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
-            # None in fp32/bf16 (no read); fp16: a host read, but scaler.step has already synced for its inf check
+            # None in fp32/bf16 (no read); fp16: a host read, but scaler.step synced for its check
             scale = precision.loss_scale(accelerator, model)
             # the same verdict on every rank: the scale and the skips are the same everywhere
-            warning, stop = precision.loss_scale_verdict(scale, skipped_in_a_row, args.min_loss_scale)
+            warning, stop = precision.loss_scale_verdict(scale, skipped_in_a_row,
+                                                         args.min_loss_scale)
             stop = stop and f"step {step}: {stop}"
             if warning and accelerator.is_main_process:
                 print(f"step {step}: {warning}", file=sys.stderr, flush=True)
             if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
                 tokens, t0 = 0, time.perf_counter()
-            preempt = preempted()  # a collective: every rank stops at the same step (a signal name, or None)
+            preempt = preempted()  # a collective: every rank stops at the same step
             save = preempt or (args.save_steps and step % args.save_steps == 0)
-            if not stop and (save or step % args.logging_steps == 0 or step == max_steps):
+            log_now = step % args.logging_steps == 0 or step == max_steps
+            if not stop and (save or log_now):
                 stop = guard.problem()  # before any checkpoint of non-finite weights
 
-            if step % args.logging_steps == 0 or step == max_steps or stop:
-                loss_mean = accelerator.reduce(window_loss, reduction="mean").item() / window_batches
+            if log_now or stop:
+                loss_mean = accelerator.reduce(window_loss, "mean").item() / window_batches
                 record = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": step_lr,
-                          "grad_norm": float(norm_before_clip),  # a device tensor until now: no sync on other steps
-                          "loss_scale": scale, "step_skipped": step_skipped, "skipped_steps": skipped_steps}
+                          "grad_norm": float(norm_before_clip),  # read now: no sync on other steps
+                          "loss_scale": scale, "step_skipped": step_skipped,
+                          "skipped_steps": skipped_steps}
                 nonfinite_losses += not math.isfinite(loss_mean)
-                if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:  # (else: the guard's error)
-                    warnings.warn(f"step {step}: the training loss is {loss_mean} ({mode if mode != 'no' else 'fp32'}); "
-                                  f"{REMEDIES}")
-                if accelerator.is_main_process:
-                    metrics.append_jsonl(metrics_path, record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
+                if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:
+                    precision.warn_nonfinite_loss(step, loss_mean, mode)  # the run goes on (fp16)
+                if accelerator.is_main_process:  # inf/NaN -> null, named in "nonfinite"
+                    metrics.append_jsonl(metrics_path, record)
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
                 accelerator.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in record.items()))
                 last_window_loss = loss_mean
                 window_loss.zero_()
                 window_batches = 0
-            if save and not stop:
-                saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,  # + scaler.pt
-                                                      run_state={**run_state, "skipped_steps": skipped_steps,
-                                                                 "skipped_in_a_row": skipped_in_a_row})
+            if save and not stop:  # + scaler.pt; the skip counts go into COMPLETE.json
+                fp16 = {"skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row}
+                saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,
+                                                      run_state={**run_state, **fp16})
             if stop or preempt:
                 if not stop:
                     accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
@@ -424,7 +369,7 @@ def main() -> int:
                 if stop:
                     raise Stop(stop)
                 return checkpoint.PREEMPTED_EXIT_CODE
-            if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last whole global batch
+            if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last global batch
                 break
         epoch += 1
 
@@ -434,18 +379,20 @@ def main() -> int:
     elapsed = time.perf_counter() - t0 if t0 else float("nan")
     eval_loss = evaluate(model, eval_loader, accelerator)
     if accelerator.is_main_process:
-        summary = metrics.strict_json({  # standard JSON: a NaN loss becomes null, named in "nonfinite"
-            **run_state, "requested": args.precision, "reason": reason, "device": accelerator.device.type, "steps": step,
+        summary = metrics.strict_json({  # a NaN loss becomes null, named in "nonfinite"
+            **run_state, "requested": args.precision, "reason": reason,
+            "device": accelerator.device.type, "steps": step,
             "train_loss": last_window_loss, "eval_loss": eval_loss,
             "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
             "loss_scale": precision.loss_scale(accelerator, model), "skipped_steps": skipped_steps,
             "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes})
-        Path(args.output_dir, "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+        Path(args.output_dir, "summary.json").write_text(
+            json.dumps(summary, indent=1, allow_nan=False))
         accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
-    accelerator.print(metrics.final_line(metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}",
-                                         eval_loss=eval_loss))
+    accelerator.print(metrics.final_line(
+        metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}", eval_loss=eval_loss))
     return 0
 
 
