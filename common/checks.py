@@ -740,3 +740,10 @@ def mixed_precision_flags(args) -> None:
     if args.resume_from_checkpoint not in (None, "latest", "auto"):
         raise Stop("--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
                    "latest or auto")
+
+
+def classifier_flags(args) -> None:
+    """recipes/ddp_classifier.py's model flags that BERT would refuse later (before any work)."""
+    if args.hidden_size % args.num_attention_heads:
+        raise Stop(f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
+                   f"{args.num_attention_heads}")
