@@ -561,3 +561,29 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str]) -
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
                           "run only while both are still in warmup")
     return path, saved
+
+
+def resume_exactly(accelerator, args, run_state: dict, model, optimizer) -> tuple[Path | None, dict]:
+    """After `prepare`: resume --resume_from_checkpoint only into the same run, or start fresh.
+
+    Every key of `run_state` must match the checkpoint's (`resume_error`; `max_steps` is never
+    compared: a resume may train longer). The checkpoint's model, optimizer, scheduler, scaler and
+    RNG states are loaded (the micro-step count follows the step) and a line says so; a fresh run
+    marks its folder (`start_fresh`): an overwritten run's checkpoints are never resumed.
+
+    Returns:
+        (the checkpoint's path or None, its recorded state: `resolve_checkpoint`'s).
+    """
+    try:
+        path, saved = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
+    except Stop as err:
+        raise Stop(f"cannot resume: {err}") from None
+    if not path:
+        start_fresh(accelerator, args.output_dir)
+        return None, saved
+    if error := resume_error(path, saved, run_state, list(run_state)):
+        raise Stop(error)
+    load_checkpoint(accelerator, path, model, optimizer, optimizer_steps=saved["step"])
+    accelerator.print(f"resumed from {path} at step {saved['step']}"
+                      + (f" ({note})" if (note := restart_note()) else ""))
+    return path, saved

@@ -747,3 +747,33 @@ def classifier_flags(args) -> None:
     if args.hidden_size % args.num_attention_heads:
         raise Stop(f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
                    f"{args.num_attention_heads}")
+
+
+def sharded_data_flags(args) -> None:
+    """recipes/sharded_data.py's refusals of core flags (before any work): it counts steps only."""
+    from common.args import unsupported
+
+    unsupported(args, "sharded_data.py", num_train_epochs="each rank streams its own shards, whose "
+                "epochs differ in length: give --max_steps")
+    if args.max_steps < 1:
+        raise Stop("sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs "
+                   "differ in length, so --num_train_epochs cannot fix one step count for every rank")
+
+
+def stop_if_any_rank_fails(accelerator, check, *args, **kwargs):
+    """`check(*args, **kwargs)`'s result on every rank, or a `Stop` on every rank if it raised
+    FileNotFoundError or ValueError on any: the first such rank's line, `rank R: ...`. A collective.
+
+    For what each rank checks on its own (its own data files): one rank's bad file stops every
+    rank alike, instead of one rank leaving and the others waiting for it in a collective.
+    """
+    from accelerate.utils import gather_object
+
+    result, error = None, None
+    try:
+        result = check(*args, **kwargs)
+    except (FileNotFoundError, ValueError) as err:  # (a library's as well as our own)
+        error = f"rank {accelerator.process_index}: {err}"
+    if error := next(filter(None, gather_object([error])), None):
+        raise Stop(error)
+    return result

@@ -378,3 +378,157 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
                     f"{'trained on' if split == 'train' else 'evaluated'}); raise "
                     "--block_size or keep packing", main_process_only=True)
     return datasets.load_from_disk(str(path))
+
+
+SHARD_MANIFEST = "manifest.json"  # written last by `write_shards`: present = a complete set
+
+
+def write_shards(args) -> None:
+    """recipes/sharded_data.py prepare: tokenize the bundled corpus once, then write
+    `shard_{i:04d}.parquet` files and, last, `manifest.json` into `args.output_dir`.
+
+    The blocks are the LM recipes' (the cached tokenizer and packing: blocks of `block_size`
+    tokens, eos between works). Block b is packed block b mod n (so `--repeat K` makes a corpus K
+    times bigger) and goes to shard b % num_shards, so every shard samples the whole corpus.
+    Columns: `input_ids`, a fixed-size list of uint16 [block_size] (int32 for vocabularies above
+    65,536), and `block_id` int64; a row group per `rows_per_row_group` rows. The manifest lists
+    rows, tokens, bytes and SHA-256 per shard, the tokenizer and the block size; blocks past a
+    multiple of `num_shards` are dropped (counted in it).
+
+    Args:
+        args: the prepare step's flags (output_dir, overwrite_output_dir, num_shards, repeat,
+            max_blocks, block_size, rows_per_row_group, tokenizer_name_or_path, vocab_size,
+            cache_dir).
+
+    Raises:
+        Stop: no --output_dir, an existing manifest without --overwrite_output_dir, or fewer
+            blocks than shards.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from common.args import make_output_dir
+
+    if not args.output_dir:
+        raise Stop("prepare needs --output_dir")
+    out = Path(args.output_dir)
+    if (out / SHARD_MANIFEST).exists() and not args.overwrite_output_dir:
+        raise Stop(f"{out / SHARD_MANIFEST} exists; pass --overwrite_output_dir to replace the "
+                   "shards")
+    make_output_dir(str(out))
+    for old in [out / SHARD_MANIFEST, *out.glob("shard_*.parquet")]:
+        old.unlink(missing_ok=True)  # no stale shard of an earlier, larger set may survive
+    raw = load_text_dataset()
+    tokenizer = get_tokenizer(args.tokenizer_name_or_path, raw, args.vocab_size, args.cache_dir)
+    packed = pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("numpy")
+    splits = ("train", "validation")
+    base = np.concatenate([packed[s]["input_ids"][:] for s in splits])  # [n_base, block_size]
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32  # half the bytes below 65,536
+    n_blocks = len(base) * args.repeat
+    n_blocks = n_blocks if args.max_blocks is None else min(args.max_blocks, n_blocks)
+    num_shards, block_size = args.num_shards, args.block_size
+    rows_per_group = args.rows_per_row_group
+    per_shard = n_blocks // num_shards
+    if per_shard == 0:
+        raise Stop(f"{n_blocks} blocks cannot fill {num_shards} shards")
+    corpus_bytes = sum(len(t) for s in splits for t in raw[s]["text"])
+    text_bytes = corpus_bytes * n_blocks // len(base)  # the text the blocks hold (pro rata)
+    schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(dtype), block_size)),
+                        ("block_id", pa.int64())])
+    shards = []
+    for i in range(num_shards):
+        path, ids = out / f"shard_{i:04d}.parquet", np.arange(i, per_shard * num_shards, num_shards)
+        with pq.ParquetWriter(path, schema) as writer:
+            for start in range(0, per_shard, rows_per_group):  # one row group per write
+                chunk = ids[start:start + rows_per_group]
+                tokens = pa.array(base[chunk % len(base)].astype(dtype).ravel())
+                writer.write_table(pa.table({
+                    "input_ids": pa.FixedSizeListArray.from_arrays(tokens, block_size),
+                    "block_id": chunk}))
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        shards.append({"name": path.name, "rows": per_shard, "tokens": per_shard * block_size,
+                       "bytes": path.stat().st_size, "sha256": digest})
+    vocab = tokenizer.backend_tokenizer.to_str().encode()
+    manifest = {"num_shards": num_shards, "block_size": block_size, "dtype": np.dtype(dtype).name,
+                "tokenizer": {"name_or_path": tokenizer.name_or_path, "vocab_size": len(tokenizer),
+                              "sha256": hashlib.sha256(vocab).hexdigest()},
+                "source": f"bundled Shakespeare corpus x {args.repeat}", "text_bytes": text_bytes,
+                "total_blocks": per_shard * num_shards,
+                "dropped_blocks": n_blocks - per_shard * num_shards,
+                "rows_per_row_group": rows_per_group, "shards": shards}
+    (out / SHARD_MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
+    print(f"{num_shards} shards x {per_shard} blocks of {block_size} tokens "
+          f"({text_bytes / 1e6:.1f} MB of text, "
+          f"{sum(s['bytes'] for s in shards) / 1e6:.1f} MB of parquet) in {out}")
+
+def own_shards(data_dir: str, world_size: int, rank: int, verify: bool,
+               every_shard: bool = False) -> tuple[dict, list[Path]]:
+    """Validate `{data_dir}/manifest.json` and return (manifest, paths of the shards `rank` owns).
+
+    Shard i belongs to rank i % world_size. Presence, size, parquet footer, row count and (with
+    `verify`) SHA-256 are checked for the rank's own shards, which only it reads (so a node-local
+    folder may hold only its ranks' shards); with `every_shard`, every listed shard's presence too.
+
+    Raises:
+        FileNotFoundError: no manifest, or one of the rank's shards (with `every_shard`: any listed
+            shard) is missing (names the file).
+        ValueError: the shard count is not a multiple of `world_size`, or a shard is truncated,
+            corrupt or does not match the manifest (names the file and the numbers).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root, manifest_path = Path(data_dir), Path(data_dir) / SHARD_MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path} not found: run `python recipes/sharded_data.py "
+                                f"prepare --output_dir {data_dir} --num_shards {world_size}` first")
+    manifest = json.loads(manifest_path.read_text())
+    n = manifest["num_shards"]
+    if n != len(manifest["shards"]):
+        raise ValueError(f"{manifest_path} says num_shards={n} but lists "
+                         f"{len(manifest['shards'])} shards")
+    if n % world_size:
+        raise ValueError(f"{manifest_path} lists {n} shards for a world size of {world_size}: "
+                         f"shard i belongs to rank i % world_size, so the shard count must be a "
+                         f"multiple of {world_size} (re-run prepare with --num_shards "
+                         f"{world_size * max(1, round(n / world_size))})")
+    mine = []
+    for i, shard in enumerate(manifest["shards"]):
+        path = root / shard["name"]
+        if i % world_size != rank and not every_shard:
+            continue
+        if not path.is_file():
+            raise FileNotFoundError(f"missing shard {path}: shard {i} of the {n} listed in "
+                                    f"{manifest_path}")
+        if i % world_size != rank:
+            continue
+        if path.stat().st_size != shard["bytes"]:
+            raise ValueError(f"corrupt shard {path}: {path.stat().st_size} bytes, the manifest "
+                             f"says {shard['bytes']}")
+        if verify:
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if digest != shard["sha256"]:
+                raise ValueError(f"corrupt shard {path}: SHA-256 {digest[:16]}... differs from the "
+                                 f"manifest's {shard['sha256'][:16]}...; re-run prepare")
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"corrupt parquet file {path}: {e}") from None
+        if rows != shard["rows"]:
+            raise ValueError(f"corrupt shard {path}: {rows} rows, the manifest says "
+                             f"{shard['rows']}")
+        mine.append(path)
+    return manifest, mine
+
+
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """DataLoader worker init: ignore SIGTERM, SIGINT and SIGHUP. torchrun signals each rank's whole
+    process group, and Ctrl-C the terminal's: a worker killed by one failed its rank's next batch
+    before the rank could save. The rank saves at the next step, then shuts its workers down."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)

@@ -417,3 +417,58 @@ def accuracy_table(classes: list[str], labels: torch.Tensor, recall: dict[str, f
     lines += [f"| {g} ({(labels == i).sum().item()}) | {recall[g]:.3f} |" for i, g in enumerate(classes)]
     return "\n".join([*lines, "", f"| held-out passages | accuracy | majority baseline ({classes[majority]}) |",
                       "|---|---|---|", f"| {len(labels)} | {accuracy:.3f} | {baseline:.3f} |"])
+
+
+def loader_tokens_per_second(loader, batches: int, tokens_per_batch: int) -> float:
+    """Tokens/s `loader` delivers alone: `batches` batches after the first (start-up excluded)."""
+    stream = iter(loader)
+    next(stream)
+    t0, n = time.perf_counter(), 0
+    for n, _ in enumerate(stream, 1):
+        if n == batches:
+            break
+    return n * tokens_per_batch / (time.perf_counter() - t0)
+
+
+LOADER_KEYS = ["rank", "shards", "loader_tokens_per_second", "step_tokens_per_second",
+               "loader_to_step_ratio", "data_wait_share", "rss_bytes", "uss_bytes",
+               "workers_uss_bytes", "workers"]  # a row of recipes/sharded_data.py's summary
+
+
+def gather_loader_rows(accelerator, row: list[float]) -> list[dict]:
+    """Every rank's `row` (LOADER_KEYS up to data_wait_share) and memory, as strict-JSON records.
+
+    Memory: the rank's RSS and USS, and its loader workers' summed USS and number, in bytes. RSS
+    counts pages a forked worker still shares with its parent (libraries, torch); USS counts only
+    the pages a process alone holds, so the workers' cost is their USS. Garbage is collected and
+    freed heap pages handed back first (`workarounds.trim_malloc_heap`), so that RSS counts live
+    memory. A collective.
+    """
+    import gc
+
+    import psutil
+
+    from common import workarounds
+
+    gc.collect()
+    workarounds.trim_malloc_heap()  # glibc keeps freed heap pages: RSS then counts what is live
+    me = psutil.Process()
+    kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
+    row = [*row, me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
+    table = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=accelerator.device))
+    return [strict_json(dict(zip(LOADER_KEYS, r))) for r in table.cpu().tolist()]
+
+
+def loader_table(per_rank: list[dict], text_bytes: int, loader: str) -> str:
+    """The per-rank loader table (`LOADER_KEYS` records) as markdown, after an empty line."""
+    lines = ["", "| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step "
+             "| data wait | rank RSS MiB | rank USS MiB | workers USS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in per_rank:
+        lines.append(
+            f"| {text_bytes / 1e6:.0f} MB | {loader} | {r['rank']:.0f} | {r['shards']:.0f} "
+            f"| {r['loader_tokens_per_second']:,.0f} | {r['step_tokens_per_second']:,.0f} "
+            f"| {r['loader_to_step_ratio']:.0f} | {r['data_wait_share']:.1%} "
+            f"| {r['rss_bytes'] / 2**20:.0f} | {r['uss_bytes'] / 2**20:.0f} "
+            f"| {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |")
+    return "\n".join(lines)
