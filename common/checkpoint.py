@@ -36,7 +36,7 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
-from common import workarounds
+from common import models, workarounds
 from common.errors import Stop
 
 MARKER = "COMPLETE.json"
@@ -561,6 +561,33 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str]) -
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
                           "run only while both are still in warmup")
     return path, saved
+
+
+def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
+              **data_position) -> tuple[dict, list[str]]:
+    """What a causal-LM run records in its checkpoints, and the keys a resume must match.
+
+    Must match: `data_position` (the global batch, seed, blocks: what fixes the data order), and
+    what a resume restores whatever the flags say: the optimizer's LR (`learning_rate`, after any
+    scaling), decay, betas and warmup, --max_grad_norm, the precision (`precision_state`: another
+    precision is another run) and the model config; with dropout, also the split of the global
+    batch over micro batches and ranks, on which its masks depend. Recorded besides, for
+    `resume_error`: the world size and strategy (`strategy_name`), and `max_steps`.
+
+    Returns:
+        (the run state, the keys of it that must match, data position first).
+    """
+    same_run = {"learning_rate": learning_rate, "max_grad_norm": args.max_grad_norm,
+                **{k: getattr(args, k) for k in ("weight_decay", "adam_beta1", "adam_beta2",
+                                                 "adam_epsilon", "warmup_steps")},
+                **precision_state(accelerator),
+                "model_config": models.config_state(model.config),
+                **({"per_device_train_batch_size": args.per_device_train_batch_size,
+                    "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                    "world_size": accelerator.num_processes} if models.uses_dropout(model) else {})}
+    state = {"world_size": accelerator.num_processes, "max_steps": max_steps,
+             "distributed_type": strategy_name(accelerator), **data_position, **same_run}
+    return state, [*data_position, *same_run]
 
 
 def resume_exactly(accelerator, args, run_state: dict, model, optimizer) -> tuple[Path | None, dict]:

@@ -749,6 +749,19 @@ def classifier_flags(args) -> None:
                    f"{args.num_attention_heads}")
 
 
+def same_data(accelerator, raw, tokenizer, block_size: int, packing: bool) -> str:
+    """Stop unless every rank packed the same data: train and validation text, tokenizer, block
+    size (`data.packing_digest`). A collective. Each node reads --train_file from its own path,
+    and another copy there would train on other samples. Returns the digest, for the checkpoints
+    (a resume on other data is refused)."""
+    from common import data
+
+    digest = data.packing_digest(raw, tokenizer, block_size, packing)
+    same_on_every_rank(accelerator, "data (train and validation text, tokenizer, block size)",
+                       digest)
+    return digest
+
+
 def sharded_data_flags(args) -> None:
     """recipes/sharded_data.py's refusals of core flags (before any work): it counts steps only."""
     from common.args import unsupported

@@ -380,6 +380,19 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     return datasets.load_from_disk(str(path))
 
 
+def train_and_eval_sets(lm_data: datasets.DatasetDict, max_eval_samples: int | None,
+                        sample_ids: bool = False) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """`pack_dataset`'s training and validation sets: the validation set cut to its first
+    `max_eval_samples` blocks (None: all of them); with `sample_ids`, the training set gains a
+    "sample_id" column, each block's index in it (--record_sample_ids: the data order check)."""
+    train_set, eval_set = lm_data["train"], lm_data["validation"]
+    if sample_ids:
+        train_set = train_set.add_column("sample_id", list(range(len(train_set))))
+    if max_eval_samples:
+        eval_set = eval_set.select(range(min(max_eval_samples, len(eval_set))))
+    return train_set, eval_set
+
+
 SHARD_MANIFEST = "manifest.json"  # written last by `write_shards`: present = a complete set
 
 

@@ -366,6 +366,54 @@ def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
         save_file({"input_ids": probe.cpu(), "logits": logits}, os.path.join(output_dir, "final_logits.safetensors"))
 
 
+def run_info(accelerator, model, args, **facts) -> dict:
+    """run_info.json: the strategy, world size and precision as Accelerate runs them, `facts`
+    (batch, model, FLOPs, ...), each rank's parameter elements (a collective: call on every
+    rank), torch.compile's settings and every flag."""
+    return {"distributed_type": accelerator.distributed_type.value,
+            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            **facts, "local_param_elements": gathered_parameter_elements(accelerator, model),
+            "torch_compile": compile_settings(accelerator), "args": vars(args)}
+
+
+class SampleIds:
+    """--record_sample_ids: the ids of the samples each rank trained on, per epoch, in
+    OUTPUT_DIR/sample_ids/rank{r}.json ({"rank", "world_size", "epochs"}), written by rank r.
+
+    `take` pops the "sample_id" column from a window's batches (the model must not see it) and
+    keeps the ids on the device: a host copy per step would wait for the GPU. An epoch's ids are
+    copied to the host once, when the next epoch starts or at `write`. Epochs before a resume
+    stay empty lists. Off (`on` false), both do nothing.
+    """
+
+    def __init__(self, on: bool, first_epoch: int = 0):
+        self.on, self.epochs = on, [[] for _ in range(first_epoch)]
+
+    def _to_host(self) -> None:
+        if self.epochs and self.epochs[-1] and isinstance(self.epochs[-1][0], torch.Tensor):
+            self.epochs[-1] = torch.cat(self.epochs[-1]).tolist()
+
+    def take(self, epoch: int, window: list[dict]) -> None:
+        """Keep the ids of `window` (its micro batches), trained in `epoch` (0-based)."""
+        if not self.on:
+            return
+        while len(self.epochs) <= epoch:
+            self._to_host()
+            self.epochs.append([])
+        self.epochs[-1] += [b.pop("sample_id") for b in window]
+
+    def write(self, accelerator, output_dir: str) -> None:
+        """This rank's file (every rank writes its own)."""
+        if not self.on:
+            return
+        self._to_host()
+        os.makedirs(os.path.join(output_dir, "sample_ids"), exist_ok=True)
+        rank = accelerator.process_index
+        with open(os.path.join(output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "world_size": accelerator.num_processes,
+                       "epochs": self.epochs}, f)
+
+
 def weight_decay_line(optimizer) -> str:
     """The AdamW groups as a line: "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on
     9 tensors (2,304 elements)" (ZeRO-3's partitioned parameters counted whole: `ds_numel`)."""
@@ -417,6 +465,13 @@ def accuracy_table(classes: list[str], labels: torch.Tensor, recall: dict[str, f
     lines += [f"| {g} ({(labels == i).sum().item()}) | {recall[g]:.3f} |" for i, g in enumerate(classes)]
     return "\n".join([*lines, "", f"| held-out passages | accuracy | majority baseline ({classes[majority]}) |",
                       "|---|---|---|", f"| {len(labels)} | {accuracy:.3f} | {baseline:.3f} |"])
+
+
+def end_figures(accelerator, model) -> dict:
+    """The summary's figures of the finished run: its peak memory (`memory_summary`) and the
+    dtypes of the unwrapped model's buffers (rotary inv_freq: fp32 under every strategy)."""
+    return {**memory_summary(accelerator.device), "buffer_dtypes": buffer_dtypes(
+        accelerator.unwrap_model(model, keep_torch_compile=False))}
 
 
 def loader_tokens_per_second(loader, batches: int, tokens_per_batch: int) -> float:

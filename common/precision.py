@@ -278,6 +278,79 @@ class NonFiniteGuard:
                 "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data")
 
 
+
+class StepHealth:
+    """What each optimizer step changed, judged in one place: fp16 steps skipped for inf/NaN
+    gradients (a long run of them stops the run: `loss_scale_verdict`), windows without one
+    target token (--packing false and empty rows; the recipe skips them whole), and a non-finite
+    loss or gradient norm outside fp16 (`NonFiniteGuard`: read only when `problem` is asked to).
+
+    The skip counts go into each checkpoint (`state`) and come back on a resume (`saved`).
+
+    Args:
+        accelerator: the run's `Accelerator`; model: the prepared model (DeepSpeed: its engine).
+        saved: the resumed checkpoint's state ({} or without the counts: a fresh run).
+    """
+
+    def __init__(self, accelerator, model, saved: dict):
+        self.accelerator, self.model = accelerator, model
+        self.nonfinite = NonFiniteGuard(accelerator, model)
+        self.skipped_steps = saved.get("skipped_steps", 0)
+        self.empty_windows = saved.get("empty_windows", 0)
+        self.skipped_in_a_row, self.scale_error = 0, None
+
+    def after_step(self, step: int, has_targets: bool, loss, norm) -> None:
+        """Judge optimizer step `step` (1-based): `has_targets` false for a skipped empty window
+        (the first one warns); else count an fp16 skip (a warning for a long run of them) and
+        record this rank's `loss` and the global gradient `norm` on the device (no host read)."""
+        self.scale_error = None
+        if not has_targets:
+            self.empty_windows += 1
+            if self.empty_windows == 1:
+                self.accelerator.print(f"warning: step {step}: no target tokens in the whole "
+                                       "window; skipped (no optimizer, scheduler or weight-decay "
+                                       "update)")
+            return
+        skipped = self.accelerator.optimizer_step_was_skipped
+        self.skipped_steps += skipped
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        warning, error = loss_scale_verdict(loss_scale(self.accelerator, self.model),
+                                            self.skipped_in_a_row)
+        if warning:
+            self.accelerator.print(warning)
+        self.scale_error = f"step {step}: {error}" if error else None
+        self.nonfinite.record(step, loss, norm)
+
+    def problem(self, read: bool) -> str | None:
+        """Why the run must stop now, as one line, or None: the fp16 loss scale's collapse at
+        the last step, else, if `read` (a collective and a host read: at logging steps and before
+        every checkpoint and export), the first step whose loss or norm was not finite."""
+        return self.scale_error or (self.nonfinite.problem() if read else None)
+
+    def scale_fields(self) -> dict:
+        """{"loss_scale", "skipped_steps"} for a step line under fp16 loss scaling, else {}."""
+        scale = loss_scale(self.accelerator, self.model)
+        return {} if scale is None else {"loss_scale": scale, "skipped_steps": self.skipped_steps}
+
+    def state(self) -> dict:
+        """The counts a checkpoint keeps."""
+        return {"skipped_steps": self.skipped_steps, "empty_windows": self.empty_windows}
+
+    def end_of_run(self, steps: int) -> dict:
+        """Print a warning for each kind of step skipped in the run's `steps`; returns the
+        summary's counts (empty_windows; skipped_steps under fp16 loss scaling)."""
+        if self.empty_windows:
+            self.accelerator.print(f"warning: {self.empty_windows} of {steps} windows had no "
+                                   "target tokens and were skipped")
+        if self.skipped_steps:
+            self.accelerator.print(f"warning: {self.skipped_steps} of {steps} "
+                                   f"{precision_name(self.accelerator.mixed_precision)} steps "
+                                   "were skipped for inf/NaN gradients")
+        fp16 = loss_scale(self.accelerator, self.model) is not None
+        return {"empty_windows": self.empty_windows,
+                **({"skipped_steps": self.skipped_steps} if fp16 else {})}
+
+
 def warn_nonfinite_loss(step: int, loss: float, mixed_precision: str) -> None:
     """Warn that step `step`'s logged training loss is not finite, with the usual remedies: for a
     run that goes on (fp16 loss scaling skips such steps; elsewhere `NonFiniteGuard` stops it)."""

@@ -21,18 +21,15 @@ the split. Outputs in --output_dir: metrics.jsonl, run_info.json, checkpoint-N/ 
 final/ (HF format, safetensors), with --record_sample_ids sample_ids/rank{r}.json.
 """
 
-import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -40,69 +37,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from common import checkpoint, checks, data, errors, grad_norm, launch  # noqa: E402
 from common import metrics, models, precision, schedule, workarounds  # noqa: E402
 from common.args import flag, make_output_dir, parse_args  # noqa: E402
-from common.errors import Stop  # noqa: E402
 
 
 @dataclass
 class Args:
-    """This recipe's own flags; the core TrainingArguments ones (--output_dir, --max_steps, ...)
-    are common/args.py's, with the defaults set in main()."""
-    # model and tokenizer
-    model_config: str = field(default="debug", metadata={
-        "help": f"Llama preset: {', '.join(models.PRESETS)}"})
-    model_name_or_path: str = field(default=None, metadata=dict(help=
-        "pretrained weights (fine-tuning) instead of a preset"))
-    allow_new_weights: bool = field(default=False, metadata=dict(help=
-        "let weights that --model_name_or_path lacks (e.g. layers added by --config_name) start "
-        "from their init; without it a checkpoint that does not fit the model stops the run"))
-    config_name: str = field(default=None, metadata=dict(help=
-        "a model config (directory or config.json) to train from scratch, any causal-LM type"))
-    config_overrides: str = field(default=None, metadata=dict(help=
-        "on top of --config_name or the preset, e.g. 'n_embd=64,n_layer=2' "
-        "(config.update_from_string)"))
-    tokenizer_name_or_path: str = field(default=None, metadata=dict(help=
-        "default: --model_name_or_path's, or without one a byte-level BPE trained on the text"))
+    """Flags of this recipe (the data ones as in run_clm); common/args.py has the core ones."""
+    model_config: str = flag("debug", f"Llama preset: {', '.join(models.PRESETS)}")
+    model_name_or_path: str = flag(None, "pretrained weights (fine-tuning) instead of a preset")
+    allow_new_weights: bool = flag(False, "init weights the checkpoint lacks, instead of stopping")
+    config_name: str = flag(None, "a model config (directory or config.json) to train from scratch")
+    config_overrides: str = flag(None, "e.g. 'n_embd=64,n_layer=2' (config.update_from_string)")
+    tokenizer_name_or_path: str = flag(None, "default: the model's, else a BPE trained on the text")
     vocab_size: int = flag(4096, "size of the BPE trained when no tokenizer is given", low=256)
-    # data (transformers run_clm conventions)
     dataset_name: str = None
     dataset_config_name: str = None
-    train_file: str = field(default=None, metadata=dict(help=
-        ".txt (one document, newlines kept), or .json/.jsonl/.parquet with a 'text' column (a "
-        "row per document). A .txt without --validation_file holds out its start, about "
-        "--validation_split_percentage % of its characters, cut at a blank line (or a line "
-        "end), for validation"))
+    train_file: str = flag(None, ".txt (one document; without --validation_file its start is held "
+                           "out), or .json/.jsonl/.parquet with a 'text' column (a row each)")
     validation_file: str = None
-    validation_split_percentage: int = flag(
-        5, "without a validation file or split: the % held out", low=1, high=99)
+    validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
     block_size: int = flag(256, "tokens per sequence", low=2)
-    packing: bool = field(default=True, metadata=dict(help=
-        "concatenate rows into blocks; false: one padded row each"))
-    max_eval_samples: int = flag(None, "cap on validation blocks per evaluation; default: all",
-                                 low=1)
+    packing: bool = flag(True, "concatenate rows into blocks; false: one padded row each")
+    max_eval_samples: int = flag(None, "cap on validation blocks per eval; default: all", low=1)
     cache_dir: str = data.DEFAULT_CACHE_DIR
-    # optimisation, beyond the core flags
     per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
-    scale_lr: bool = field(default=False, metadata=dict(help=
-        "linear scaling rule vs --reference_global_batch"))
+    scale_lr: bool = flag(False, "linear scaling rule vs --reference_global_batch")
     reference_global_batch: int = flag(16, "global batch --learning_rate was tuned at", low=1)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     gradient_checkpointing: bool = False
-    # evaluation, checkpoints, hardware
     eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
-    save_total_limit: int = flag(None, "keep only the newest N complete checkpoints (older ones "
-                                 "are deleted after each save); default: keep all", low=1)
-    peak_tflops: float = field(default=None, metadata=dict(help=
-        "device peak for MFU; default from a GPU table"))
+    save_total_limit: int = flag(None, "keep only the newest N complete checkpoints", low=1)
+    peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
-    save_logits_probe: bool = field(default=False, metadata=dict(help=
-        "write final_logits.safetensors (the live model's logits on 2 validation blocks; tests "
-        "compare the export)"))
-    sample_tokens: int = flag(None, "tokens sampled from the reloaded export at the end; default "
-                              "40 below 1B parameters, else 0 (off)", low=0)
-    record_sample_ids: bool = field(default=False, metadata=dict(help=
-        "each rank writes the block ids it trained on"))
+    save_logits_probe: bool = flag(False, "write final_logits.safetensors (tests of the export)")
+    sample_tokens: int = flag(None, "tokens sampled from the export (default 40; 0 from 1B)", low=0)
+    record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
 
 
 # >>> shared: evaluate (tests/test_skeleton.py keeps the shared blocks identical across recipes)
@@ -138,10 +108,7 @@ def main() -> int:
     checks.llama_flags(args, from_scratch)
     startup = {"compiles": True}  # torch.compile: eager key names in checkpoints and the export
 
-    # -----------------------------------------------------------------------------------------
-    # Accelerator. The accelerate config decides the strategy; the recipe says how to accumulate
-    # and keeps the data order seeded and identical on every rank.
-    # -----------------------------------------------------------------------------------------
+    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     # Library workarounds (common/workarounds.py) return the names of those applied
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
@@ -170,12 +137,7 @@ def main() -> int:
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     # <<< shared
 
-    # -----------------------------------------------------------------------------------------
-    # Model config and data: tokenized and packed once per node (its first rank, then the others
-    # read the cache: home directories are often node-local; common/data.py renames atomically).
-    # -----------------------------------------------------------------------------------------
-    # ADAPT: data. Bad input (a missing file, a broken tokenizer, a tiny corpus): one error line
-    # on every rank, the first rank's after it released the others (launch.node_first).
+    # ADAPT: data. Tokenized and packed by each node's first rank; the others read its cache.
     with launch.node_first(accelerator):
         if args.config_name or args.model_name_or_path:  # any causal-LM type: Qwen2, GPT-2, ...
             config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path)
@@ -191,26 +153,19 @@ def main() -> int:
         if not (args.config_name or args.model_name_or_path):
             config.vocab_size = len(tokenizer)  # a preset's vocabulary is the tokenizer's
         checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.block_size)
-        token_id_changes = models.set_token_ids(config, tokenizer, from_scratch)
+        ids = models.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
         lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir,
                                     args.packing).with_format("torch")
     # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = data.packing_digest(raw, tokenizer, args.block_size, args.packing)
-    checks.same_on_every_rank(accelerator, "data (train and validation text, tokenizer, block "
-                              "size)", data_digest)
-    if token_id_changes and (args.config_name or args.model_name_or_path):  # (presets have none)
-        accelerator.print("token ids from the tokenizer into the model config: "
-                          + ", ".join(token_id_changes))
-    train_set, eval_set = lm_data["train"], lm_data["validation"]
-    if args.record_sample_ids:  # each block's index in the training set, to check the data order
-        train_set = train_set.add_column("sample_id", list(range(len(train_set))))
-    if args.max_eval_samples:
-        eval_set = eval_set.select(range(min(args.max_eval_samples, len(eval_set))))
+    data_digest = checks.same_data(accelerator, raw, tokenizer, args.block_size, args.packing)
+    if ids and (args.config_name or args.model_name_or_path):  # (presets: nothing to report)
+        accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
+    train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
+        lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids)
     updates_per_epoch = len(train_set) // global_batch
     max_steps = args.max_steps if args.max_steps > 0 else \
         math.ceil(args.num_train_epochs * updates_per_epoch)
-    # the training set against the global batch, warmup against the run, the FSDP wrap class
-    # and a ZeRO-3 config against the model (common/plan.py)
+    # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
     guard.data_ready(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens",
                      steps=max_steps, model_cls=model_cls, model_config=config)
     # >>> shared: loaders
@@ -227,12 +182,8 @@ def main() -> int:
         pin_memory=pin)
     # <<< shared
 
-    # -----------------------------------------------------------------------------------------
-    # Model
-    # -----------------------------------------------------------------------------------------
     # ADAPT: model. fp32 master weights; the launch config picks the compute precision.
-    zero3_init = accelerator.distributed_type == DistributedType.DEEPSPEED and \
-        accelerator.state.deepspeed_plugin.zero3_init_flag
+    zero3_init = getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False)
     if args.model_name_or_path:  # missing or unexpected weights stop the run
         model = models.load_pretrained_on_ranks(accelerator, args.model_name_or_path, config,
                                                 args.allow_new_weights)
@@ -247,110 +198,68 @@ def main() -> int:
     if args.config_overrides and not zero3_init:
         checks.model_runs(model, args.config_overrides)  # overrides can leave shapes inconsistent
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
-    # From here on each rank draws its own random numbers (dropout, if the model has any).
-    set_seed(args.seed, device_specific=True)
+    set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.block_size)
 
-    # A bigger global batch averages away gradient noise, so it tolerates a bigger LR (linear
-    # scaling rule), but only after a warmup. Without either, a large batch just trains slower.
-    peak_lr = schedule.scaled_learning_rate(args.learning_rate, global_batch,
-                                            args.reference_global_batch) \
-        if args.scale_lr else args.learning_rate
-    accelerator.print(f"LR: base {args.learning_rate:g} (tuned at global batch "
-                      f"{args.reference_global_batch}), effective {peak_lr:g} at global batch "
-                      f"{global_batch}, {args.warmup_steps} warmup steps")
+    peak_lr, lr_line = schedule.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
+    accelerator.print(lr_line)
     # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
     optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=peak_lr,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    # Resume: the data position follows from the step count, so the global batch must be the
-    # same (its split may change); sharded states (FSDP, ZeRO) need the same world size.
-    # What fixes the data order besides the global batch: the seed, the blocks and their number.
-    data_state = {"seed": args.seed, "block_size": args.block_size, "packing": args.packing,
-                  "train_blocks": len(train_set), "data_digest": data_digest}
-    # What a resume restores whatever the flags say: the optimizer's LR, decay and betas; with
-    # dropout, masks that depend on how each step's samples are split over ranks.
-    same_run = {"learning_rate": peak_lr, "max_grad_norm": args.max_grad_norm,
-                **{k: getattr(args, k) for k in ("weight_decay", "adam_beta1", "adam_beta2",
-                                                 "adam_epsilon", "warmup_steps")},
-                **checkpoint.precision_state(accelerator),  # another precision is another run
-                "model_config": models.config_state(model.config),
-                **({"per_device_train_batch_size": args.per_device_train_batch_size,
-                    "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                    "world_size": world_size} if models.uses_dropout(model) else {})}
-    run_state = {"world_size": world_size, "global_batch": global_batch, "max_steps": max_steps,
-                 "distributed_type": checkpoint.strategy_name(accelerator),  # e.g. "FSDP2"
-                 **data_state, **same_run}
-    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state,
-                                                    ["global_batch", *data_state, *same_run])
+    # Resume: the step count gives the data position, if global batch, seed and blocks match.
+    run_state, must_match = checkpoint.run_state(
+        accelerator, args, model, peak_lr, max_steps, global_batch=global_batch, seed=args.seed,
+        block_size=args.block_size, packing=args.packing, train_blocks=len(train_set),
+        data_digest=data_digest)
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, must_match)
     step = saved["step"]
 
-    # -----------------------------------------------------------------------------------------
-    # accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), the optimizer, the loaders.
-    # -----------------------------------------------------------------------------------------
+    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
-    # no unread fp32 copy of the logits; under torch.compile, eager state-dict key names
-    applied += workarounds.prepared(accelerator, model)
-    compiled = metrics.compile_settings(accelerator)  # torch.compile's backend, or None
+    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
-    run_info = {
-        "distributed_type": accelerator.distributed_type.value, "world_size": world_size,
-        "mixed_precision": accelerator.mixed_precision, "precision": guard.precision,
-        "global_batch": global_batch, "n_params": n_params,
-        "local_param_elements": metrics.gathered_parameter_elements(accelerator, model),
-        "updates_per_epoch": updates_per_epoch, "max_steps": max_steps,
-        "model_type": config.model_type, "model_class": model_cls.__name__,
-        "flops_per_token": flops_per_token, "flops_per_token_method": flops_method,
-        **guard.prepared(accelerator, model, model_cls, global_batch),  # FSDP units, DeepSpeed
-        "data": data.pack_stats(lm_data),  # tokens per split, and what packing dropped
-        "torch_compile": compiled, "args": vars(args)}
+    run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
+        accelerator, model, args, precision=guard.precision, global_batch=global_batch,
+        n_params=n_params, updates_per_epoch=updates_per_epoch, max_steps=max_steps,
+        model_type=config.model_type, model_class=model_cls.__name__, data=data.pack_stats(lm_data),
+        flops_per_token=flops_per_token, flops_per_token_method=flops_method,
+        **guard.prepared(accelerator, model, model_cls, global_batch))  # FSDP units, DeepSpeed
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
-        applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer,
-                                              optimizer_steps=step)
+        applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
         accelerator.print(f"resumed from {resume_path} at step {step}"
                           + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info)
 
-    # -----------------------------------------------------------------------------------------
-    # Training loop. One iteration = one optimizer step = one accumulation window.
-    # -----------------------------------------------------------------------------------------
+    # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()
     progress = tqdm(total=max_steps, initial=step, desc="train",
                     disable=not accelerator.is_local_main_process)
     log.start_clock(device, flops_per_token, args.peak_tflops)
     t_start = time.perf_counter()
     epoch = step // updates_per_epoch
-    # Windows that changed nothing, counted across resumes: fp16 steps skipped for inf/NaN
-    # gradients, and windows without one target token (--packing false and empty rows).
-    skipped_steps, empty_windows = saved.get("skipped_steps", 0), saved.get("empty_windows", 0)
-    skipped_in_a_row = 0
-    seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
-    nonfinite = precision.NonFiniteGuard(accelerator, model)  # inf/NaN loss or norm: stop
-    tokens_seen = (step - empty_windows) * global_batch * args.block_size
-    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: checkpoint at the next step boundary.
-    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
+    health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
+    seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
+    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)  # SIGTERM, Ctrl-C, SIGHUP
     problem = preempt = None  # why the loop ends early: one error line, or a signal's name
     while step < max_steps and not (problem or preempt):
         train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
         batches = iter(accelerator.skip_first_batches(
             train_loader, done_in_epoch * args.gradient_accumulation_steps))
-        seen.append([])
         for _ in range(done_in_epoch, updates_per_epoch):
             lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
             t0 = time.perf_counter()
             window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
             log.count(data_wait=time.perf_counter() - t0)
-            if args.record_sample_ids:  # kept on the device: a host copy would wait for the GPU
-                seen[-1] += [b.pop("sample_id") for b in window]
-            # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the
-            # whole window on all ranks, so the gradient is the full global batch's even with
-            # padding. Scaling by (accumulation x world size) undoes backward's and the
-            # all-reduce's means.
+            seen.take(epoch, window)  # --record_sample_ids: pops the ids, kept on the device
+            # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
+            # window on all ranks, so the gradient is the full global batch's even with padding.
+            # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
             if args.packing:  # every block has block_size - 1 targets: no collective, no sync
                 num_items, has_targets = global_batch * (args.block_size - 1), True
             else:  # padded rows: count on every rank (one sync per step, to see empty windows)
@@ -358,17 +267,10 @@ def main() -> int:
                 # a tensor: a changing int would recompile a compiled model each step
                 num_items = accelerator.reduce(local_items.clone(), reduction="sum")
                 has_targets = num_items.item() > 0
-            loss_total = torch.zeros((), device=device)
+            # No targets: a loss of 0/0 would step AdamW on zero gradients (its moments and weight
+            # decay still move the weights). Skip the window whole; its loss is NaN.
+            loss_total = torch.full((), 0.0 if has_targets else float("nan"), device=device)
             norm_before_clip = float("nan")
-            if not has_targets:
-                # Nothing to learn from: a loss of 0/0 would step AdamW on zero gradients (its
-                # moments and weight decay still move the weights). Skip the window whole.
-                empty_windows += 1
-                loss_total.fill_(float("nan"))
-                if empty_windows == 1:
-                    accelerator.print(f"warning: step {step + 1}: no target tokens in the whole "
-                                      "window; skipped (no optimizer, scheduler or weight-decay "
-                                      "update)")
             for batch in window if has_targets else []:
                 with accelerator.accumulate(model):
                     loss = model(**batch, num_items_in_batch=num_items).loss  # sum / num_items
@@ -384,31 +286,17 @@ def main() -> int:
                         lr_scheduler.step()  # a skipped step did not happen: the LR holds
                     optimizer.zero_grad()
                     # <<< shared
-            scale_error = None
-            if has_targets:  # fp16: a skipped step changes nothing; a long run of them is fatal
-                skipped = accelerator.optimizer_step_was_skipped
-                skipped_steps += skipped
-                skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-                warning, scale_error = precision.loss_scale_verdict(
-                    precision.loss_scale(accelerator, model), skipped_in_a_row)
-                if warning:
-                    accelerator.print(warning)
             step += 1
             progress.update(1)
-            if has_targets:  # an empty window trained on nothing
-                nonfinite.record(step, loss_total, norm_before_clip)  # on the device
-                log.count(tokens=sum(b["input_ids"].numel() for b in window))  # this rank's
-                tokens_seen += global_batch * args.block_size
-
+            health.after_step(step, has_targets, loss_total, norm_before_clip)  # fp16 skips
+            if has_targets:  # this rank's tokens; an empty window trained on nothing
+                log.count(tokens=sum(b["input_ids"].numel() for b in window))
             do_eval = step % args.eval_steps == 0 or step == max_steps
             if step % args.logging_steps == 0 or do_eval:
-                scale = precision.loss_scale(accelerator, model)  # fp16 only, else None
                 record = log.record(  # + tokens/s, data wait, memory, MFU of the window
-                    step=step, epoch=epoch, lr=lr, empty_windows=empty_windows,
+                    step=step, epoch=epoch, lr=lr, empty_windows=health.empty_windows,
                     loss=accelerator.reduce(loss_total, reduction="sum").item(),  # nats/token
-                    grad_norm=float(norm_before_clip),  # a device tensor until now
-                    **({} if scale is None else {"loss_scale": scale,
-                                                 "skipped_steps": skipped_steps}))
+                    grad_norm=float(norm_before_clip), **health.scale_fields())  # fp16 scale
                 if do_eval:
                     record["eval_loss"] = evaluate(model, eval_loader, accelerator)
                 log.log(record)  # NaN (an empty window) is written as null
@@ -417,13 +305,11 @@ def main() -> int:
             preempt = preempted()  # a collective: every rank stops at the same step, or none
             save = preempt or (args.save_steps and step % args.save_steps == 0)
             # a non-finite loss or norm stops before any checkpoint or export of its weights
-            problem = f"step {step}: {scale_error}" if scale_error else (
-                (save or step >= max_steps or step % args.logging_steps == 0)
-                and nonfinite.problem())
+            problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
                 saved_to = checkpoint.save_checkpoint(
                     accelerator, args.output_dir, step, args.save_total_limit,
-                    {**run_state, "skipped_steps": skipped_steps, "empty_windows": empty_windows},
+                    {**run_state, **health.state()},
                     hf_files=(accelerator.unwrap_model(model, keep_torch_compile=False).config,
                               tokenizer))
             if preempt and not problem:
@@ -431,48 +317,27 @@ def main() -> int:
                                   "relaunch with --resume_from_checkpoint auto to continue")
             if problem or preempt or step >= max_steps:
                 break
-        if args.record_sample_ids:  # one host copy per epoch
-            seen[-1] = torch.cat(seen[-1]).tolist() if seen[-1] else []
         epoch += 1
     progress.close()
     if problem or preempt:  # in order: the model before the process group, then the exit
         del model, optimizer
         launch.teardown(accelerator)
         if problem:
-            raise Stop(problem)
+            raise errors.Stop(problem)
         return checkpoint.PREEMPTED_EXIT_CODE
-    if args.record_sample_ids:  # one file per rank, each written by its own rank only
-        os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
-        rank = accelerator.process_index
-        with open(os.path.join(args.output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": world_size, "epochs": seen}, f)
-    if empty_windows:
-        accelerator.print(f"warning: {empty_windows} of {step} windows had no target tokens and "
-                          "were skipped")
-    if skipped_steps:
-        accelerator.print(f"warning: {skipped_steps} of {step} "
-                          f"{precision.precision_name(accelerator.mixed_precision)} steps were "
-                          "skipped for inf/NaN gradients")
+    seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
+    skipped = health.end_of_run(step)  # one warning for each kind of skipped step
 
-    # -----------------------------------------------------------------------------------------
     # ADAPT: export. Gather the full state dict on every rank (a collective); rank 0 writes.
-    # -----------------------------------------------------------------------------------------
     final_dir = checkpoint.export_model(accelerator, model, tokenizer, args.output_dir)
     if args.save_logits_probe:  # the live (still sharded) model's logits, for tests of the export
         metrics.save_logits_probe(accelerator, model, eval_set, args.output_dir)
     accelerator.wait_for_everyone()
-    log.summary({"step": step, "total_tokens": tokens_seen,
-                 "wall_seconds": time.perf_counter() - t_start,
-                 **metrics.memory_summary(device), "empty_windows": empty_windows,
-                 # rotary inv_freq: fp32 under every strategy
-                 "buffer_dtypes": metrics.buffer_dtypes(
-                     accelerator.unwrap_model(model, keep_torch_compile=False)),
-                 **({"skipped_steps": skipped_steps}
-                    if precision.loss_scale(accelerator, model) is not None else {})})
-    # Reload with plain transformers (no project code) and sample: proof that the export works.
-    # Rank 0 alone, while the others wait at the final barrier; off by default above 1B.
-    sample_tokens = args.sample_tokens if args.sample_tokens is not None else \
-        40 if n_params < 1e9 else 0
+    log.summary({"step": step, "wall_seconds": time.perf_counter() - t_start, **skipped,
+                 "total_tokens": (step - skipped["empty_windows"]) * global_batch * args.block_size,
+                 **metrics.end_figures(accelerator, model)})  # peak memory, buffer dtypes
+    # Proof that the export works: rank 0 reloads it with plain transformers and samples.
+    sample_tokens = 40 if args.sample_tokens is None and n_params < 1e9 else args.sample_tokens or 0
     if accelerator.is_main_process and sample_tokens > 0:
         print(models.sample_from_export(final_dir, eval_set[0], tokenizer, sample_tokens, device))
     del model, optimizer
