@@ -213,9 +213,14 @@ def test_every_resumable_recipe_records_the_sharded_layout():
     """A recipe that checks a resume records `strategy_name` in the state the check compares, not
     Accelerate's `distributed_type` ("FSDP" for both FSDP versions)."""
     texts = {p.name: p.read_text() for p in sorted((REPO / "recipes").glob("*.py"))}
-    resumable = [name for name, text in texts.items() if "resume_error(" in text]
+    checks = ("resume_error(", "resume_or_start(", "resume_exactly(")
+    resumable = [name for name, text in texts.items() if any(c in text for c in checks)]
     assert len(resumable) == 4, resumable  # all but gradient_checkpointing.py, which saves no checkpoint
-    assert [name for name in resumable if "checkpoint.strategy_name(accelerator)" not in texts[name]] == []
+    # in the recipe's own run state, or through checkpoint.run_state (llama.py), which records it
+    run_state = (REPO / "common" / "checkpoint.py").read_text().split("def run_state(", 1)[1].split("\ndef ", 1)[0]
+    assert '"distributed_type": strategy_name(accelerator)' in run_state
+    assert [name for name in resumable if "checkpoint.strategy_name(accelerator)" not in texts[name]
+            and "checkpoint.run_state(" not in texts[name]] == []
 
 
 class OneProcess:

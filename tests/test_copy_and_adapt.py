@@ -197,7 +197,9 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     lines = source.split("    with launch.node_first(accelerator):\n", 1)[1].splitlines()
     end = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith(" " * 8))
     block = "\n".join(lines[:end])  # the with-block: every line indented past it
-    assert "data.tokenizer_error(tokenizer, tokenizer_source," in block and "raise Stop(problem)" in block
+    assert "checks.tokenizer_fits(tokenizer, tokenizer_source," in block
+    fits = (REPO / "common" / "checks.py").read_text().split("def tokenizer_fits(", 1)[1].split("\ndef ", 1)[0]
+    assert "data.tokenizer_error(tokenizer, source," in fits and "raise Stop(problem)" in fits
 
 
 def test_vocab_smaller_than_tokenizer_stops_every_rank(tmp_path, small_corpus, cache_dir):
