@@ -152,6 +152,9 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         applied += workarounds.fsdp_ranks_on_cpu(timeout)
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if _env_true("ACCELERATE_USE_CPU"):  # Accelerate would quietly build plain CPU ranks instead
+            raise Stop("ACCELERATE_USE_CPU is set (`accelerate launch --cpu`, or the environment), which keeps "
+                       "Accelerate off DeepSpeed: unset it; DeepSpeed configs run on CPU-only hosts without it")
         applied += workarounds.skip_deepspeed_shm_build()
     else:
         applied += workarounds.ddp_ranks_on_cpu()

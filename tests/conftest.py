@@ -35,6 +35,16 @@ def cache_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """Recipe code run in-process sets variables (ACCELERATE_USE_CPU for DDP on CPU, ...); none may
+    reach a later test's launches (an inherited ACCELERATE_USE_CPU turns DeepSpeed configs into DDP)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def launch_command(config, script, *args, num_processes=None, mixed_precision=None, launcher_args=(), root=REPO):
     """`accelerate launch --config_file accelerate_configs/{config}.yaml [--num_processes N] [--mixed_precision P]
     {launcher_args} {script} {args}` as a list of strings, the config and script under `root` (this

@@ -129,3 +129,13 @@ def test_launched_ranks_refuse_without_the_suites_opt_in_and_train_with_it(tmp_p
     assert "MULTI_CPU x2" in proc.stdout
     steps, (summary,) = read_metrics(tmp_path / "cpu")
     assert steps[-1]["step"] == 2 and summary["total_tokens"] == 2 * 2 * 4 * 128  # steps x ranks x batch x block
+
+
+def test_deepspeed_with_use_cpu_is_refused(monkeypatch):
+    """`accelerate launch --cpu` with a DeepSpeed config: Accelerate would build plain CPU ranks instead."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    with pytest.raises(launch_mod.Stop, match="ACCELERATE_USE_CPU is set"):
+        launch_mod.process_group(60)

@@ -28,7 +28,9 @@ def test_every_recipe_refuses_bf16_on_a_gpu_without_it(recipe, tmp_path, monkeyp
     slowly and silently. The recipe must stop before building anything."""
     monkeypatch.setattr(precision, "detect_device", lambda: ("cuda", (7, 0)))
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--output_dir", tmp_path / "out", "--max_steps", 3)
+    data = ("--data_dir", tmp_path / "shards") if recipe == "sharded_data" else ()  # a full command line
+    message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--output_dir", tmp_path / "out", "--max_steps", 3,
+                             *data)
     assert message.startswith("error: mixed_precision bf16") and "compute capability 7.0" in message, message
     assert "--mixed_precision fp16" in message
 
