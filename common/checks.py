@@ -371,7 +371,8 @@ def _dynamo_problem(config: dict, where: str, compiles: bool) -> Problem | None:
     if not compiles:  # the compile wrapper renames every state-dict key ("_orig_mod."): exports reload untrained
         return Problem("error", f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where}): "
                                 "this recipe does not support torch.compile (its checkpoints and export would carry "
-                                "the compile wrapper's '_orig_mod.' key names); recipes/llama.py does, or drop the setting")
+                                "the compile wrapper's '_orig_mod.' key names); recipes/llama.py does, "
+                                "or drop the setting")
     fsdp_version = int((config.get("fsdp_config") or {}).get("fsdp_version", 1))
     if config.get("distributed_type") == "FSDP" and fsdp_version == 1 and _true(
             dynamo.get("dynamo_use_regional_compilation", False)):
@@ -448,7 +449,8 @@ def _idle_gpus_problem(config: dict, where: str, hardware: dict, ranks: int, per
     idle = [f"cuda:{i}" + (f" (device {visible[i]})" if len(visible) == gpus else "") for i in range(per_machine, gpus)]
     machines = max(1, int(config.get("num_machines", 1)))
     return Problem("warning", f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
-                              f"processes on this machine, which has {gpus} GPUs: {len(idle)} stay idle: {', '.join(idle)}; "
+                              f"processes on this machine, which has {gpus} GPUs: {len(idle)} stay idle: "
+                              f"{', '.join(idle)}; "
                               f"launch with --num_processes {gpus * machines} to use them all (or set "
                               "CUDA_VISIBLE_DEVICES to the GPUs this job should have)")
 
@@ -612,7 +614,6 @@ class Startup:
         self.check(train_size=train_size, train_unit=train_unit, steps=steps, model_cls=model_cls,
                    model_config=model_config)
 
-
     def prepared(self, accelerator, model, model_cls, global_batch: int) -> dict:
         """After `accelerator.prepare`: every decoder block its own FSDP unit (else each rank gathers
         the whole model at once), and DeepSpeed stepping the recipe's global batch.
@@ -630,6 +631,7 @@ class Startup:
             raise Stop(f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
                        f"counts {global_batch}: {ds_used}")
         return {"fsdp_units": units, "deepspeed": ds_used}
+
 
 def model_class_names(model_cls, config) -> set[str]:
     """Class names of every module of `model_cls(config)`, built on the meta device (no memory, no init)."""

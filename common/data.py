@@ -333,7 +333,8 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         ValueError: packed, a split holds fewer tokens than one block (states both numbers).
     """
     digest = packing_digest(raw, tokenizer, block_size, packing)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
     def tokenize(batch):
         return {"ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
@@ -475,6 +476,7 @@ def write_shards(args) -> None:
     print(f"{num_shards} shards x {per_shard} blocks of {block_size} tokens "
           f"({text_bytes / 1e6:.1f} MB of text, "
           f"{sum(s['bytes'] for s in shards) / 1e6:.1f} MB of parquet) in {out}")
+
 
 def own_shards(data_dir: str, world_size: int, rank: int, verify: bool,
                every_shard: bool = False) -> tuple[dict, list[Path]]:

@@ -278,7 +278,6 @@ class NonFiniteGuard:
                 "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data")
 
 
-
 class StepHealth:
     """What each optimizer step changed, judged in one place: fp16 steps skipped for inf/NaN
     gradients (a long run of them stops the run: `loss_scale_verdict`), windows without one

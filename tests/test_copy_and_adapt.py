@@ -6,7 +6,7 @@ so that every strategy row of the README's table trains a copy; each run agrees 
 architecture's one process in fp32 (the copy's own compare_runs.py), and its export reloads and
 generates.
 
-Plus the start-up faults of tracker issue 13: a vocabulary mismatch stops every rank with one line
+Plus the start-up faults of a copied recipe: a vocabulary mismatch stops every rank with one line
 (a launch), an empty tokenizer is caught by the same block of the recipe (its check, run here on
 the recipe's inputs); and, without launches, the .txt split, the tokenizer check, the FLOPs of other
 architectures and the token ids filled into a config."""

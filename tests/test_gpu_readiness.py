@@ -1,4 +1,4 @@
-"""What would break on a first GPU run (issue 14), simulated on CPU: the GPU is mocked, or a
+"""What would break on a first GPU run, simulated on CPU: the GPU is mocked, or a
 device without host storage (`meta`) stands in for CUDA, and a byte meter stands in for the
 CUDA allocator's statistics."""
 

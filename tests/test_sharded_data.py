@@ -207,7 +207,7 @@ def test_exactly_one_writer_per_file(run):
 CORPORA = {"10 MB": 2, "200 MB": 40}
 MEASURED = ["--loader", "datasets", "--max_steps", 3, "--logging_steps", 1, "--gradient_accumulation_steps", 2,
             "--warmup_steps", 2, "--loader_benchmark_batches", 100, "--record_sample_ids"]
-GROWTH_MB = 50  # issue 11: a rank's RSS plus its workers' USS may grow at most 50 MB with the corpus
+GROWTH_MB = 50  # a rank's RSS plus its workers' USS may grow at most 50 MB with the corpus
 
 
 @pytest.fixture(scope="module")
