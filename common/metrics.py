@@ -380,38 +380,33 @@ class SampleIds:
     """--record_sample_ids: the ids of the samples each rank trained on, per epoch, in
     OUTPUT_DIR/sample_ids/rank{r}.json ({"rank", "world_size", "epochs"}), written by rank r.
 
-    `take` pops the "sample_id" column from a window's batches (the model must not see it) and
-    keeps the ids on the device: a host copy per step would wait for the GPU. An epoch's ids are
-    copied to the host once, when the next epoch starts or at `write`. Epochs before a resume
-    stay empty lists. Off (`on` false), both do nothing.
+    `take` pops the "sample_id" entry from each batch of a window (the model must not see it) and
+    keeps the ids where they are (on the device: a host copy per step would wait for the GPU);
+    `write` copies them to the host once, at the end. Epochs before a resume, or that this rank
+    skipped, stay empty lists. Off (`on` false), both do nothing.
     """
 
     def __init__(self, on: bool, first_epoch: int = 0):
         self.on, self.epochs = on, [[] for _ in range(first_epoch)]
-
-    def _to_host(self) -> None:
-        if self.epochs and self.epochs[-1] and isinstance(self.epochs[-1][0], torch.Tensor):
-            self.epochs[-1] = torch.cat(self.epochs[-1]).tolist()
 
     def take(self, epoch: int, window: list[dict]) -> None:
         """Keep the ids of `window` (its micro batches), trained in `epoch` (0-based)."""
         if not self.on:
             return
         while len(self.epochs) <= epoch:
-            self._to_host()
             self.epochs.append([])
-        self.epochs[-1] += [b.pop("sample_id") for b in window]
+        self.epochs[epoch] += [b.pop("sample_id") for b in window]
 
-    def write(self, accelerator, output_dir: str) -> None:
-        """This rank's file (every rank writes its own)."""
+    def write(self, accelerator, output_dir: str, **extra) -> None:
+        """This rank's file (every rank writes its own), with `extra` keys after "epochs"."""
         if not self.on:
             return
-        self._to_host()
         os.makedirs(os.path.join(output_dir, "sample_ids"), exist_ok=True)
         rank = accelerator.process_index
         with open(os.path.join(output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "world_size": accelerator.num_processes,
-                       "epochs": self.epochs}, f)
+                       "epochs": [torch.cat(ids).tolist() if ids else [] for ids in self.epochs],
+                       **extra}, f)
 
 
 def weight_decay_line(optimizer) -> str:

@@ -18,9 +18,7 @@ Outputs in --output_dir: metrics.jsonl, checkpoint-N/, final/ (HF format, safete
 --record_sample_ids, sample_ids/rank{r}.json (written by rank r). More: docs/ddp_classifier.md.
 """
 
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -150,7 +148,6 @@ def main() -> int:
     if accelerator.distributed_type == DistributedType.FSDP:
         # One FSDP unit per BertLayer, whatever the shared fsdp.yaml says (written for decoder LMs).
         accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]
-    rank = accelerator.process_index
 
     # ---------------------------------------------------------------------------------------------
     # Data: passages of block_size tokens; each work's tail is held out.
@@ -278,17 +275,17 @@ def main() -> int:
     t_start, skipped_in_a_row, accuracy = time.perf_counter(), 0, None
     guard = precision.NonFiniteGuard(accelerator, model)  # inf/NaN stops the run (fp16: skips)
     epoch = step // steps_per_epoch
-    seen = [[] for _ in range(epoch)]  # --record_sample_ids: epochs before a resume stay empty
+    seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
     # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: a checkpoint at the next step boundary
     preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
     while step < max_steps:
         train_loader.set_epoch(epoch)  # new permutation each epoch, the same on every rank
         done_in_epoch = step % steps_per_epoch  # > 0 only right after a mid-epoch resume
         batches = iter(accelerator.skip_first_batches(train_loader, done_in_epoch * accumulation))
-        seen.append([])
         for _ in range(done_in_epoch, steps_per_epoch):
             lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
             window = [next(batches) for _ in range(accumulation)]
+            seen.take(epoch, window)  # --record_sample_ids: pops the ids, kept on the device
             window_loss = torch.zeros((), device=accelerator.device)
             for batch in window:
                 with accelerator.accumulate(model):
@@ -309,8 +306,6 @@ def main() -> int:
                         lr_scheduler.step()  # a skipped step did not happen: the LR holds
                     optimizer.zero_grad()
                     # <<< shared
-            if args.record_sample_ids:  # kept on the device: a host copy would wait for the GPU
-                seen[-1] += [b["sample_id"] for b in window]
             step += 1
             guard.record(step, window_loss, norm_before_clip)  # read at logging and saving steps
             scale = precision.loss_scale(accelerator, model)  # None unless fp16
@@ -361,14 +356,9 @@ def main() -> int:
                 return checkpoint.PREEMPTED_EXIT_CODE
             if step >= max_steps:
                 break
-        if args.record_sample_ids:  # one host copy per epoch, after the evaluation (which syncs)
-            seen[-1] = torch.cat(seen[-1]).tolist()
         epoch += 1
 
-    if args.record_sample_ids:  # one file per rank, each written by its own rank only
-        os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
-        with open(os.path.join(args.output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": world_size, "epochs": seen}, f)
+    seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
 
     # ---------------------------------------------------------------------------------------------
     # Evaluation table and export (gathering the weights is a collective; rank 0 alone writes).

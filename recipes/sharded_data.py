@@ -20,8 +20,6 @@ Depth (shards, resume, the `datasets` route, measurements): docs/sharded_data.md
 """
 
 import hashlib
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -231,7 +229,7 @@ def main() -> int:
             n = 0
             for n, b in enumerate(loader, 1):
                 if n > done:
-                    yield epoch, n, {"block_id": b["block_id"], "input_ids":
+                    yield epoch, n, {"sample_id": b["block_id"], "input_ids":
                                      b["input_ids"].long().to(device, non_blocking=True)}
             if n == 0:
                 raise ValueError(f"rank {rank}: shards {[p.name for p in paths]} hold less than "
@@ -292,7 +290,8 @@ def main() -> int:
     # asynchronous: no per-step synchronize (it would stall the host every step); the step time is
     # the loop's wall time, the queued GPU work included at the end, less the waits and the saves.
     model.train()
-    seen, wait_s, save_s, start, t_loop = {}, 0.0, 0.0, saved["step"], time.perf_counter()
+    wait_s, save_s, start, t_loop = 0.0, 0.0, saved["step"], time.perf_counter()
+    seen = metrics.SampleIds(args.record_sample_ids)  # ids stay tensors until the end
     # fp16 bookkeeping the scaler does not keep, and this rank's data position: from COMPLETE.json
     skipped_steps, in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
     epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]
@@ -328,8 +327,7 @@ def main() -> int:
                 optimizer.zero_grad()
                 # <<< shared
             window_loss += loss.detach() / accumulation
-            if args.record_sample_ids:  # kept as tensors: no value is read in an ordinary step
-                seen.setdefault(epoch, []).append(b["block_id"])
+            seen.take(epoch, [b])  # --record_sample_ids (an epoch may end inside a window)
         nonfinite.record(step, window_loss, norm_before_clip)  # on the device, read when logging
         skipped = accelerator.optimizer_step_was_skipped
         skipped_steps, in_a_row = skipped_steps + skipped, in_a_row + 1 if skipped else 0
@@ -379,13 +377,8 @@ def main() -> int:
     per_rank = metrics.gather_loader_rows(accelerator, [
         rank, len(paths), loader_tps, step_tps, loader_tps / step_tps,
         wait_s / (wait_s + compute_s or float("nan"))])  # + memory, every rank's row
-    if args.record_sample_ids:  # one file per rank, each written by its own rank only
-        os.makedirs(os.path.join(args.output_dir, "sample_ids"), exist_ok=True)
-        ids = [torch.cat(seen[e]).tolist() if e in seen else []  # (a resume starts later)
-               for e in range(max(seen, default=-1) + 1)]
-        Path(args.output_dir, "sample_ids", f"rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "world_size": world_size, "epochs": ids, "shards":
-             [p.name for p in paths] if args.loader == "parquet" else None}, allow_nan=False))
+    seen.write(accelerator, args.output_dir,  # --record_sample_ids: each rank its own file
+               shards=[p.name for p in paths] if args.loader == "parquet" else None)
     log.summary({"step": args.max_steps, "loader": args.loader,
                  "text_bytes": manifest["text_bytes"], "world_size": world_size,
                  "precision": guard.precision, "per_rank": per_rank})
