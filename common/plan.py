@@ -105,6 +105,19 @@ CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "comm_buffers", 
 
 
 COMM_KINDS = ("ddp", "zero2", "zero2_allreduce", "zero3")
+CHECKPOINTING = ("none", "full", "selective_layer", "selective_op")  # activation checkpointing modes
+
+
+def checkpoint_mode(checkpointing) -> str:
+    """False -> "none", True -> "full", else one of CHECKPOINTING.
+
+    Raises:
+        ValueError: anything else.
+    """
+    mode = {False: "none", True: "full"}.get(checkpointing, checkpointing)
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"checkpointing {checkpointing!r}: expected one of {', '.join(CHECKPOINTING)}")
+    return mode
 
 
 def predicted_comm_bytes(kind: str, n_params: int, grad_bytes: int, param_bytes: int | None = None,
@@ -160,6 +173,7 @@ def model_shape(config) -> dict:
     Returns a dict of ints: n_params (Ψ, tied weights once), param_dim0_rest (list of (dim 0, other
     elements) per parameter), linear_weights (elements of every nn.Linear weight, lm_head included),
     largest_module (most parameters directly owned by one module, DeepSpeed's "largest layer"),
+    gathered_modules (modules owning more than 10h parameter elements: ZeRO-3's all-gathers),
     block_params (one decoder block), root_params (outside the blocks), small_params (elements of
     parameters of at most 10h elements: ZeRO-3's persistent ones), and hidden, layers, heads,
     kv_dim, head_dim, intermediate, vocab.
@@ -184,6 +198,8 @@ def model_shape(config) -> dict:
         "block_params": block_params,
         "root_params": n - block_params * config.num_hidden_layers,
         "small_params": sum(p.numel() for p in params if p.numel() <= 10 * h),
+        "gathered_modules": sum(1 for m in model.modules()
+                                if sum(p.numel() for p in m.parameters(recurse=False)) > 10 * h),
         "hidden": h, "layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
         "kv_dim": getattr(config, "num_key_value_heads", heads) * head_dim,
         "intermediate": getattr(config, "intermediate_size", 4 * h), "vocab": config.vocab_size,
@@ -204,7 +220,10 @@ def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, com
         batch, seq: micro batch size and tokens per sample (T = batch x seq).
         residual_bytes: r, element size of the params and residual stream (4 fp32, 2 bf16/fp16).
         compute_bytes: c, element size autocast computes in (2 bf16/fp16, 4 without mixed precision).
-        checkpointing: every block checkpointed (non-reentrant): a block keeps its input only.
+        checkpointing: False / "none"; True / "full": every block checkpointed (non-reentrant), a block
+            keeps its input only; "selective_layer": every second block so; "selective_op": torchtitan's
+            per-op policy, a block keeps its input (r h), the q, v, gate and down projections' outputs and
+            attention's output (c(2 h_q + h_kv + I + h)) and its fp32 log-sum-exp (4a), per token.
         weight_copies: autocast casts fp32 weights to c bytes (params fp32 and c == 2).
 
     Returns:
@@ -213,16 +232,26 @@ def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, com
         one block's bytes rebuilt during backward (checkpointing only), "saved": the sum of the
         first four (what `common.memory.SavedTensorBytes` counts)}; ints, bytes.
     """
+    mode = checkpoint_mode(checkpointing)
     r, c, t = residual_bytes, compute_bytes, batch * seq
     h, hkv, i, a = shape["hidden"], shape["kv_dim"], shape["intermediate"], shape["heads"]
+    hq, layers = shape["heads"] * shape["head_dim"], shape["layers"]
     casts = r != c
     block = t * (2 * ((4 + r) * h + 4) + (5 if casts else 2) * c * h + c * (2 * h + 2 * hkv) + 4 * a + 4 * c * i)
-    block_weights = 2 * (shape["linear_weights"] - shape["vocab"] * h) // shape["layers"] if weight_copies else 0
-    head = t * (16 + (4 + r) * h + 4 + c * h) + 4 + (0 if checkpointing else 2 * seq * shape["head_dim"] * r)
-    copies = 2 * (shape["vocab"] * h if checkpointing else shape["linear_weights"]) if weight_copies else 0
-    blocks = shape["layers"] * (t * r * h if checkpointing else block)
+    block_weights = 2 * (shape["linear_weights"] - shape["vocab"] * h) // layers if weight_copies else 0
+    kept = {"none": block, "full": t * r * h,
+            # torchtitan's per-op policy: the block input, the outputs of q, v, gate and down projections,
+            # attention's output and log-sum-exp
+            "selective_op": t * (r * h + c * (2 * hq + hkv + i + h) + 4 * a)}
+    if mode == "selective_layer":  # every second block checkpointed (torchtitan's default frequency 2)
+        blocks = (layers // 2) * kept["full"] + (layers - layers // 2) * block
+    else:
+        blocks = layers * kept[mode]
+    checkpointed = mode != "none"
+    head = t * (16 + (4 + r) * h + 4 + c * h) + 4 + (0 if checkpointed else 2 * seq * shape["head_dim"] * r)
+    copies = 2 * (shape["vocab"] * h if checkpointed else shape["linear_weights"]) if weight_copies else 0
     out = {"blocks": blocks, "head": head, "log_softmax": 4 * t * shape["vocab"], "weight_copies": copies,
-           "recompute": block + block_weights if checkpointing else 0}
+           "recompute": block + block_weights if checkpointed else 0}
     out["saved"] = blocks + head + out["log_softmax"] + copies
     return out
 
@@ -300,13 +329,14 @@ def _ds_size(zero: dict, key: str, auto: float) -> float:
 
 
 def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
-                  checkpointing: bool, mixed_precision: str) -> dict:
+                  checkpointing: bool | str, mixed_precision: str) -> dict:
     """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
 
     Args:
         strategy: `read_strategy(...)`. shape: `model_shape(...)`. ranks: N (all machines).
         batch, seq: micro batch and block size; accumulation: micro batches per optimizer step.
-        checkpointing: `--gradient_checkpointing`. mixed_precision: "no", "bf16" or "fp16".
+        checkpointing: `--gradient_checkpointing` (True: "full") or a CHECKPOINTING mode.
+        mixed_precision: "no", "bf16" or "fp16".
 
     Returns:
         A dict of ints in bytes: the CATEGORIES on the device, "host" (offloaded states), "total"
@@ -436,3 +466,369 @@ def load_model_config(name: str, vocab_size: int | None):
     if vocab_size:
         config.vocab_size = vocab_size
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Time: step time and tokens/s per rank for each strategy
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_EFFICIENCY = 0.6  # uncalibrated: matmuls at 60% of the dense peak (assumed; torchtitan's rows fit 0.45-0.65)
+MEMORY_EFFICIENCY = 0.8  # share of the datasheet memory bandwidth elementwise kernels reach (assumed)
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default (25 MiB)
+DS_ALLGATHER_BUCKET = 5e8  # DeepSpeed ZeRO-1/2 allgather_bucket_size default (elements)
+
+
+class Device(dict):
+    """One rank's hardware for the time model (a dict with attribute names, SI units).
+
+    Keys: name; peak_flops (dense bf16 FLOP/s); memory_bandwidth (bytes/s of the device memory);
+    intra_node (bus bandwidth inside a node, bytes/s: a float, or a dict by collective "all_reduce",
+    "all_gather", "reduce_scatter"); network (bytes/s of each GPU's NIC between nodes);
+    gpus_per_node; latency (seconds per ring hop of a collective); overlap (collectives run beside compute: True on
+    GPUs, which have copy engines and NCCL's own SMs; False on CPU ranks, whose collectives use the
+    cores that compute); host_bandwidth (bytes/s of host RAM per rank, for offloaded AdamW); pcie
+    (host <-> device bytes/s per rank; 0 when the device is the host); source (where the figures are from).
+    """
+
+    __getattr__ = dict.__getitem__
+
+
+# Peaks: torchtitan torchtitan/tools/utils.py (dense bf16). Memory bandwidth, NVLink and PCIe: NVIDIA's
+# A100 / H100 / H200 datasheets. Bus bandwidths are what nccl-tests would report (its "busbw"), assumed
+# to be 80% of the link's one-way datasheet rate: NVLink 3 300 GB/s -> 240, NVLink 4 450 -> 360,
+# PCIe Gen5 x16 64 -> 51; the network is one NIC per GPU, HDR 200 Gb/s (25 GB/s -> 20) for A100
+# nodes (DGX A100), NDR 400 Gb/s (50 GB/s -> 40) for H100/H200 (DGX H100). Latency: 5 us per ring
+# hop (assumed; 0.6 ms for a collective over 128 ranks).
+GPUS = {
+    "a100": dict(peak_flops=312e12, memory_bandwidth=2.039e12, intra_node=240e9, network=20e9, pcie=25e9),
+    "h100": dict(peak_flops=989e12, memory_bandwidth=3.35e12, intra_node=360e9, network=40e9, pcie=51e9),
+    "h100-nvl": dict(peak_flops=835e12, memory_bandwidth=3.9e12, intra_node=240e9, network=40e9, pcie=51e9),
+    "h100-pcie": dict(peak_flops=756e12, memory_bandwidth=2.0e12, intra_node=51e9, network=40e9, pcie=51e9),
+    "h200": dict(peak_flops=989e12, memory_bandwidth=4.8e12, intra_node=360e9, network=40e9, pcie=51e9),
+}
+# CPU ranks (gloo): no datasheet peak; 1e12 FLOP/s and 20 GB/s of memory per rank are placeholders
+# for calibration (the efficiency fitted against them is a scale, not a share of a real peak). The gloo
+# bus bandwidths and latency are measured on this project's
+# 2-core host, 2 ranks, 32 MiB buffers (benchmarks/results/gloo_cpu2.md): all-reduce 1.15 GB/s,
+# all-gather 0.30, reduce-scatter 0.22; 0.3-0.6 ms for a 4-byte collective (one hop at 2 ranks).
+CPU = dict(peak_flops=1e12, memory_bandwidth=20e9, network=1e9, pcie=0.0, gpus_per_node=1 << 30,
+           intra_node={"all_reduce": 1.15e9, "all_gather": 0.30e9, "reduce_scatter": 0.22e9},
+           latency=0.4e-3, overlap=False, host_bandwidth=10e9)
+
+
+def device_spec(name: str, **overrides) -> Device:
+    """The Device for "a100", "h100", "h100-nvl", "h100-pcie", "h200" or "cpu", with `overrides` (None
+    values ignored) for any key, e.g. intra_node=300e9, network=50e9, gpus_per_node=4.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "cpu":
+        base = {**CPU, "source": "CPU ranks over gloo: bus bandwidths measured (benchmarks/results/gloo_cpu2.md), "
+                                 "peak FLOP/s a placeholder"}
+    elif name in GPUS:
+        base = {"gpus_per_node": 8, "latency": 5e-6, "overlap": True, "host_bandwidth": 20e9, **GPUS[name],
+                "source": f"{name} datasheet"}
+    else:
+        raise ValueError(f"--gpu {name!r}: expected one of {', '.join([*GPUS, 'cpu'])}")
+    changed = {k: v for k, v in overrides.items() if v is not None}
+    if changed:
+        base["source"] += " with " + ", ".join(sorted(changed))
+    return Device(name=name, **{**base, **changed})
+
+
+def detect_device() -> str:
+    """The GPUS key of the first CUDA device by its name ("H100 NVL" -> h100-nvl, "A100" -> a100), "h100"
+    for an unknown GPU, or "cpu" without one."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).upper()
+    for key, words in (("h200", ("H200",)), ("h100-nvl", ("H100 NVL",)), ("h100-pcie", ("H100 PCIE",)),
+                       ("h100", ("H100", "H800")), ("a100", ("A100", "A800"))):
+        if any(w in name for w in words):
+            return key
+    return "h100"
+
+
+def bus_bandwidth(device: Device, op: str, ranks: int) -> float:
+    """Bus bandwidth (bytes/s) of collective `op` over `ranks`: the intra-node figure within one node;
+    across nodes the smaller of it and network x GPUs per node. A ring enters and leaves each node once
+    per channel, and NCCL runs one channel per NIC, so with a NIC per GPU all of a node's NICs carry
+    the ring's inter-node hops in parallel (NCCL's rings; nccl-tests doc/PERFORMANCE.md)."""
+    intra = device.intra_node[op] if isinstance(device.intra_node, dict) else device.intra_node
+    return intra if ranks <= device.gpus_per_node else min(intra, device.network * device.gpus_per_node)
+
+
+def collective_seconds(device: Device, op: str, nbytes: float, ranks: int, count: int = 1) -> float:
+    """Seconds for `count` collectives moving `nbytes` in all (the all-reduced buffer, the gathered
+    output, the reduce-scattered input): count x steps x latency + nbytes x share / bus bandwidth, with
+    share 2(N-1)/N for an all-reduce and (N-1)/N for an all-gather or reduce-scatter, and steps the
+    ring's N-1 hops (2(N-1) for an all-reduce): ring algorithms, as NVIDIA nccl-tests
+    doc/PERFORMANCE.md defines bus bandwidth. 0 for one rank."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    share = (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks
+    return count * share * ranks * device.latency + nbytes * share / bus_bandwidth(device, op, ranks)
+
+
+def compute_work(shape: dict, seq: int, checkpointing: str = "none", compiled: bool = False,
+                 compute_bytes: int = 2) -> dict:
+    """Matmul FLOPs and elementwise memory traffic per token of one training micro batch (forward,
+    backward and recomputation), split forward / backward.
+
+    FLOPs: a Linear of k x n costs 2kn per token forward and 4kn backward (6N in all, the PaLM paper's
+    appendix B count that torchtitan's metrics use), over every Linear weight (the head included, the
+    embedding lookup excluded); causal attention 2·L·a·d·s per token forward (QK^T and AV over half of
+    the s keys on average: PaLM's 12·L·H·Q·T halved, as flash kernels skip the masked blocks), twice
+    that backward. Recomputation adds forward work in the backward pass: "full" every block's
+    Linears and attention; "selective_layer" (torchtitan's every-second-block) half of that;
+    "selective_op" (torchtitan's per-op policy: it keeps the outputs of attention and of every
+    other matmul, so of the q, v, gate and down projections) the k, o and up projections again.
+
+    Memory traffic (bytes per token, bf16, derived for a Llama block): the elementwise kernels eager
+    PyTorch runs read and write whole tensors. Forward per block: 2 RMSNorms in fp32 (casts, square,
+    mean, scale, weight: 36h each), rotary on q and k (20 per element), q/k/v layout copies
+    (4(h + 2h_kv)), 2 residual adds (6h each), SiLU and the gate product (10I): 108h + 28h_kv + 10I;
+    the backward moves about twice that, 3x in all. Compiled (torch.compile of each block), the
+    fused kernels read each input and write each output once: 3 x (16h + 4h_kv + 6I). The loss
+    (fp32 upcast, log-softmax, its backward, the cast back) moves 36V per token either way (torchtitan
+    compiles the blocks, not the loss). Recomputation adds the recomputed blocks' forward traffic.
+    compute_bytes 4 (no mixed precision) doubles the traffic.
+
+    Returns:
+        {"flops_fwd", "flops_bwd", "bytes_fwd", "bytes_bwd"}: floats per token.
+
+    Raises:
+        ValueError: an unknown checkpointing mode.
+    """
+    checkpointing = checkpoint_mode(checkpointing)
+    h, hkv, i, layers, v = shape["hidden"], shape["kv_dim"], shape["intermediate"], shape["layers"], shape["vocab"]
+    hq = shape["heads"] * shape["head_dim"]
+    head = v * h
+    linear = shape["linear_weights"]
+    attention = 2 * layers * hq * seq  # causal, forward
+    block_linear = linear - head
+    recompute_flops = {"none": 0.0, "full": 2 * block_linear + attention,
+                       "selective_layer": block_linear + attention / 2,
+                       "selective_op": 2 * layers * (h * hkv + hq * h + h * i)}[checkpointing]
+    fwd_layer = (16 * h + 4 * hkv + 6 * i) if compiled else (108 * h + 28 * hkv + 10 * i)
+    recompute_share = {"none": 0.0, "full": 1.0, "selective_layer": 0.5, "selective_op": 1.0}[checkpointing]
+    scale = compute_bytes / 2
+    return {"flops_fwd": 2.0 * linear + attention,
+            "flops_bwd": 4.0 * linear + 2 * attention + recompute_flops,
+            "bytes_fwd": scale * (layers * fwd_layer + 12 * v),
+            "bytes_bwd": scale * (layers * fwd_layer * (2 + recompute_share) + 24 * v)}
+
+
+def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch: int, seq: int,
+                  accumulation: int = 1, checkpointing: str = "none", compiled: bool = False,
+                  efficiency: float = 0.5, mixed_precision: str = "bf16") -> dict:
+    """Seconds per optimizer step and tokens/s per rank for one strategy: compute, the communication
+    left exposed, and the optimizer.
+
+    compute = tokens x (FLOPs / (peak x efficiency) + bytes / (memory bandwidth x MEMORY_EFFICIENCY))
+    (`compute_work`), forward a third of the FLOPs. `efficiency` is the one fitted factor (`calibrate`):
+    the share of the datasheet peak the matmuls reach on this stack.
+
+    Communication per micro batch (`collective_seconds`; bytes in the dtypes sent, as `plan_strategy`):
+    - DDP: all-reduce of the fp32 gradients (4Ψ) in 25 MiB buckets during the last micro batch's
+      backward (no_sync before it); the last bucket waits for the end of the backward.
+    - FSDP2 / FSDP1 (FULL_SHARD): all-gather of each unit's bf16 parameters in the forward (the root
+      unit, embeddings, final norm and head, first: exposed) and again in the backward when resharding,
+      reduce-scatter of fp32 gradients (4Ψ) once per step (no_sync), the root's last (exposed).
+    - ZeRO-1/2 (DeepSpeed): gradients reduced every micro batch in reduce_bucket_size buckets during
+      the backward (an all-reduce of 2Ψ, DeepSpeed's use_multi_rank_bucket_allreduce, else a
+      reduce-scatter), the last bucket exposed; after the optimizer the bf16 parameters are all-gathered
+      (2Ψ), not overlapped.
+    - ZeRO-3: bf16 parameters all-gathered module by module (`gathered_modules`, forward and
+      backward), gradients reduce-scattered in reduce_bucket_size buckets; the first module's gather
+      and the last module's gradient reduction exposed (taken as the largest module, the embedding in
+      a Llama, at least one bucket). DeepSpeed's
+      per-module hooks (Python, on the critical path) are not counted: on 2 CPU ranks ZeRO-2 and
+      ZeRO-3 measured 10-15% slower than predicted (tests/test_plan_time.py).
+    Collectives overlap the compute of their phase on a GPU (ZeRO paper §7 and FSDP's prefetching):
+    exposed = max(0, forward comm - forward compute) + max(0, backward comm - backward compute) + the
+    exposed pieces above; on CPU ranks (device.overlap False) every collective is exposed.
+
+    Optimizer: AdamW over the rank's shard (Ψ for DDP, Ψ/N sharded) reads fp32 params, grads, 2 moments
+    and writes params and moments (28 bytes per element) after the grad-norm clip reads the grads (4):
+    32 bytes per element over the memory bandwidth; DeepSpeed then casts its fp32 master to the bf16
+    parameters (6 more). Offloaded (DeepSpeed offload_optimizer, FSDP offload), the AdamW runs on the
+    host (host_bandwidth) after the gradients go down and before the parameters come up over PCIe
+    (4 + 2 bytes per element); offloaded parameters also cross PCIe at each gather.
+
+    Args:
+        strategy: `read_strategy(...)`. shape: `model_shape(...)`. device: `device_spec(...)`.
+        ranks: N. batch, seq: micro batch and block size; accumulation: micro batches per step.
+        checkpointing: one of CHECKPOINTING. compiled: torch.compile of the blocks.
+        efficiency: share of the peak FLOP/s the matmuls reach (0-1]. mixed_precision: "no", "bf16", "fp16".
+
+    Returns:
+        Floats in seconds: "compute", "exposed_comm", "optimizer", "step" (their sum), "comm" (all
+        collectives, hidden or not); "tokens_per_s" (per rank), "collectives" (count per step),
+        "efficiency".
+    """
+    kind, n = strategy["kind"], shape["n_params"]
+    low = 4 if mixed_precision == "no" else 2
+    work = compute_work(shape, seq, checkpointing, compiled, low)
+    tokens = batch * seq
+    flops_rate = device.peak_flops * efficiency
+    mem_rate = device.memory_bandwidth * MEMORY_EFFICIENCY
+    fwd = tokens * (work["flops_fwd"] / flops_rate + work["bytes_fwd"] / mem_rate)
+    bwd = tokens * (work["flops_bwd"] / flops_rate + work["bytes_bwd"] / mem_rate)
+    ranks = 1 if kind == "single" else ranks
+    zero = strategy.get("ds") or {}
+    grad = 4 if kind in ("single", "ddp", "fsdp", "fsdp1") else (strategy.get("comm_bytes") or low)
+
+    def cs(op, nbytes, count=1):
+        return collective_seconds(device, op, nbytes, ranks, count)
+
+    # per micro batch: (forward comm, backward comm, exposed extra); the last micro batch may differ
+    micro, last, step_comm, count = (0.0, 0.0, 0.0), None, 0.0, 0
+    if kind in ("single", "ddp"):
+        buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
+        last = (0.0, cs("all_reduce", 4 * n, buckets), cs("all_reduce", min(4 * n, DDP_BUCKET_BYTES)))
+        count = buckets if ranks > 1 else 0
+    elif kind in ("fsdp", "fsdp1"):
+        units, blocks, root = shape["layers"] + 1, shape["block_params"] * shape["layers"], shape["root_params"]
+        gather_fwd = cs("all_gather", low * blocks, units - 1)
+        gather_bwd = cs("all_gather", low * blocks, units - 1) if strategy.get("reshard", True) else 0.0
+        first = cs("all_gather", low * root)
+        micro = (gather_fwd, gather_bwd, first)
+        last = (gather_fwd, gather_bwd + cs("reduce_scatter", 4 * blocks, units - 1),
+                first + cs("reduce_scatter", 4 * root))
+        count = (2 * units - 1) * accumulation + units if ranks > 1 else 0
+    elif kind in ("zero2", "zero3"):
+        bucket = _ds_size(zero, "reduce_bucket_size", shape["hidden"] ** 2)
+        buckets = max(1, math.ceil(n / bucket))
+        op = "all_reduce" if kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
+        reduce = cs(op, grad * n, buckets)
+        tail = cs(op, grad * min(n, bucket))
+        if kind == "zero2":
+            micro = (0.0, reduce, tail)
+            gathers = max(1, math.ceil(n / DS_ALLGATHER_BUCKET))
+            step_comm = cs("all_gather", low * n, gathers)
+            count = (buckets * accumulation + gathers) if ranks > 1 else 0
+        else:
+            modules = max(1, shape["gathered_modules"])
+            gather = cs("all_gather", low * n, modules)
+            largest = shape["largest_module"]  # gathered first in the forward, its gradients reduced last
+            micro = (gather, gather + reduce, cs("all_gather", low * largest) + cs(op, grad * max(largest, bucket)))
+            count = (2 * modules + buckets) * accumulation if ranks > 1 else 0
+    last = last or micro
+
+    def exposed(comm):
+        f, b, extra = comm
+        return f + b + extra if not device.overlap else max(0.0, f - fwd) + max(0.0, b - bwd) + extra
+
+    exposed_comm = (accumulation - 1) * exposed(micro) + exposed(last) + step_comm
+    total_comm = (accumulation - 1) * sum(micro) + sum(last) + step_comm
+
+    shard = n if kind in ("single", "ddp") else n / ranks
+    opt_bytes = (32 + (6 if kind in ("zero2", "zero3") else 0)) * shard
+    if strategy.get("offload_optimizer"):
+        optimizer = opt_bytes / device.host_bandwidth + (6 * shard / device.pcie if device.pcie else 0.0)
+    else:
+        optimizer = opt_bytes / mem_rate
+    if strategy.get("offload_param") and device.pcie:  # parameters cross PCIe at each forward and backward gather
+        exposed_comm += accumulation * 2 * low * shard / device.pcie
+    compute = accumulation * (fwd + bwd)
+    step = compute + exposed_comm + optimizer
+    return {"compute": compute, "exposed_comm": exposed_comm, "optimizer": optimizer, "step": step,
+            "comm": total_comm, "tokens_per_s": accumulation * tokens / step, "collectives": count,
+            "efficiency": efficiency}
+
+
+def calibrate(measured_tokens_per_s: float, strategy: dict, shape: dict, device: Device, ranks: int, batch: int,
+              seq: int, **kwargs) -> float:
+    """The efficiency at which `time_strategy` predicts `measured_tokens_per_s` (per rank) for this run:
+    bisection (tokens/s rises with the efficiency). kwargs: time_strategy's other arguments.
+
+    Raises:
+        ValueError: the measurement is out of reach (faster than the peak allows, or not positive).
+    """
+    def rate(e):
+        return time_strategy(strategy, shape, device, ranks, batch, seq, efficiency=e, **kwargs)["tokens_per_s"]
+
+    low, high = 1e-6, 1.0
+    if measured_tokens_per_s <= 0 or rate(high) < measured_tokens_per_s or rate(low) > measured_tokens_per_s:
+        raise ValueError(f"{measured_tokens_per_s:,.0f} tokens/s per rank is out of the model's reach on "
+                         f"{device.name} (at 100% of the peak: {rate(high):,.0f}); give --peak_tflops or --gpu")
+    for _ in range(60):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if rate(mid) < measured_tokens_per_s else (low, mid)
+    return (low * high) ** 0.5
+
+
+def read_measurement(path: str | Path) -> list[dict]:
+    """Measured tokens/s to calibrate on, from `benchmarks/compare_strategies.py`'s results (its .md
+    or .json) or from a `recipes/llama.py` output directory (its run_info.json and metrics.jsonl).
+
+    compare_strategies: one row per strategy; its tokens/s (all ranks) divided by the ranks, batch
+    and block from the header line ("N ranks, ..., micro batch B x S tokens"), the model from the
+    header's first word. llama.py: the median per-device `tokens_per_second` of metrics.jsonl after the
+    first 2 steps (compare_strategies' warm-up), batch, block, accumulation, model and checkpointing
+    from run_info.json's args, the strategy from its distributed_type (and deepspeed zero_stage).
+
+    Returns:
+        [{"strategy", "kind", "tokens_per_s" (per rank), "ranks", "batch", "seq", "accumulation",
+        "checkpointing", "compiled", "mixed_precision", "model_config", "source"}].
+
+    Raises:
+        ValueError: no such file, or one the planner cannot read (one line naming it).
+    """
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return [_read_run(path)]
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+            header, rows = data["header"], [(r["strategy"], r["tokens_per_second"]) for r in data["rows"]]
+        else:
+            header = next(line for line in text.splitlines() if "micro batch" in line)
+            rows = [(cells[1].strip(), float(cells[3].replace(",", ""))) for line in text.splitlines()
+                    if len(cells := line.split("|")) > 4 and re.fullmatch(r"\s*[\d,.]+\s*", cells[3])]
+        ranks = int(re.search(r"(\d+) ranks", header).group(1))
+        batch, seq = map(int, re.search(r"micro batch (\d+) x (\d+) tokens", header).groups())
+        precision = next((p for p in ("bf16", "fp16") if f", {p}," in header), "no")
+    except (OSError, ValueError, KeyError, AttributeError, StopIteration) as err:
+        raise ValueError(f"--calibrate {path}: not a compare_strategies result or llama.py run directory "
+                         f"({type(err).__name__}: {' '.join(str(err).split())})") from None
+    if not rows:
+        raise ValueError(f"--calibrate {path}: no strategy rows with tokens/s")
+    kinds = {"ddp": "ddp", "fsdp": "fsdp", "fsdp1": "fsdp1", "single": "single"}
+    return [{"strategy": name, "kind": kinds.get(name, "zero2" if "zero2" in name else "zero3"),
+             "tokens_per_s": rate / ranks, "ranks": ranks, "batch": batch, "seq": seq, "accumulation": 1,
+             "checkpointing": "none", "compiled": False, "mixed_precision": precision,
+             "model_config": header.split()[0], "source": f"{path} ({name})"} for name, rate in rows]
+
+
+def _read_run(run: Path) -> dict:
+    info = json.loads((run / "run_info.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rates = sorted(r["tokens_per_second"] for r in records if "tokens_per_second" in r and r.get("step", 0) > 2)
+    if not rates:
+        raise ValueError(f"{run / 'metrics.jsonl'} has no step after the first 2 with tokens_per_second")
+    args, ds = info["args"], info.get("deepspeed") or {}
+    kind = {"MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "NO": "single"}.get(info["distributed_type"])
+    if info["distributed_type"] == "DEEPSPEED":
+        kind = "zero3" if int(ds.get("zero_stage", 0)) == 3 else "zero2" if int(ds.get("zero_stage", 0)) else "ddp"
+    if kind is None:
+        raise ValueError(f"distributed_type {info['distributed_type']!r}")
+    name = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3"}.get(kind, kind)
+    if kind == "zero3" and ds.get("offload_optimizer_device", "none") != "none":
+        name += "_offload"
+    return {"strategy": name, "kind": kind, "tokens_per_s": rates[len(rates) // 2], "ranks": info["world_size"],
+            "batch": args["per_device_train_batch_size"], "seq": args["block_size"],
+            "accumulation": args.get("gradient_accumulation_steps", 1),
+            "checkpointing": "full" if args.get("gradient_checkpointing") else "none",
+            "compiled": bool(info.get("torch_compile")), "mixed_precision": info["mixed_precision"],
+            "model_config": args.get("model_config") or args.get("model_name_or_path"),
+            "source": f"{run} ({name}, median of {len(rates)} steps)"}
+
+
+if __name__ == "__main__":  # `python common/plan.py ...` is `python tools/plan.py ...`
+    from tools.plan import main
+
+    main()

@@ -23,13 +23,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common import checks, models  # noqa: E402
-from common.plan import (detect_memory, load_model_config, model_shape, parse_memory,  # noqa: E402
-                         plan_strategy, read_strategy)
+from common.plan import (DEFAULT_EFFICIENCY, calibrate, checkpoint_mode, detect_device,  # noqa: E402
+                         detect_memory, device_spec, load_model_config, model_shape, parse_memory, plan_strategy,
+                         read_measurement, read_strategy, time_strategy)
 
 
-def format_table(plans: dict, header: str, device_memory: int, problems: list[str]) -> str:
-    """A markdown table (GB = 1e9 bytes, or MB below 1 GB) per rank, strategies as columns, then the
-    recommendation and the problems (one line each)."""
+def format_table(plans: dict, header: str, device_memory: int, problems: list[str], time_source: str) -> str:
+    """A markdown table (GB = 1e9 bytes, or MB below 1 GB) per rank, strategies as columns, the step time
+    split and tokens/s per rank, where the time model's figures come from, then the recommendation and
+    the problems (one line each)."""
     names = list(plans)
     unit, scale = ("GB", 1e9) if max(plans[s]["total"] for s in names) >= 1e9 else ("MB", 1e6)
     gb = lambda b: f"{b / scale:,.2f}"  # noqa: E731
@@ -46,14 +48,24 @@ def format_table(plans: dict, header: str, device_memory: int, problems: list[st
     lines.append(f"| comm per step and rank ({unit}) | "
                  + " | ".join(gb(plans[s]["comm_per_step"]) for s in names) + " |")
     lines.append("| collectives per step | " + " | ".join(plans[s]["comm_pattern"] for s in names) + " |")
-    lines += ["", recommend(plans, device_memory)]
+    for label, key in (("step time (ms)", "step"), ("- compute", "compute"),
+                       ("- exposed communication", "exposed_comm"), ("- optimizer", "optimizer"),
+                       ("communication, hidden or not", "comm")):
+        lines.append(f"| {label} | " + " | ".join(f"{plans[s]['time'][key] * 1e3:,.1f}" for s in names) + " |")
+    lines.append("| **tokens/s per rank** | "
+                 + " | ".join(f"{plans[s]['time']['tokens_per_s']:,.0f}" for s in names) + " |")
+    lines += ["", f"Time: {time_source}", "", recommend(plans, device_memory)]
     lines += ["", "Problems:" if problems else "Problems: none found"] + [f"- {p}" for p in problems]
     return "\n".join(lines)
 
 
+TIE = 0.05  # predictions closer than this are a tie
+
+
 def recommend(plans: dict, device_memory: int) -> str:
-    """One line: the fitting strategy with the least communication per step (ties: no host offload,
-    which costs time, then the least sharding: single, ddp, zero2, fsdp, zero3)."""
+    """The strategies that fit, fastest first by predicted tokens/s per rank, the first one with why, in
+    two lines. Within TIE of the fastest (about the time model's error against published runs) the
+    simplest wins: no host offload, then the least sharding (single, ddp, zero2, fsdp, fsdp1, zero3)."""
     fitting = [s for s in plans if plans[s]["total"] <= device_memory]
     if len(plans) > 1 and any(plans[s]["ranks"] > 1 for s in plans):  # a single process is no answer for N ranks
         fitting = [s for s in fitting if plans[s]["ranks"] > 1]
@@ -61,16 +73,81 @@ def recommend(plans: dict, device_memory: int) -> str:
         return ("Recommendation: nothing fits; try --gradient_checkpointing, a smaller micro batch, more ranks, "
                 "or an offload config (deepspeed_zero3_offload)")
     order = ("single", "ddp", "zero2", "fsdp", "fsdp1", "zero3")
-    best = min(fitting, key=lambda s: (plans[s]["comm_per_step"], plans[s]["host"] > 0, order.index(plans[s]["kind"])))
-    sent = plans[best]["comm_per_step"]
-    sent = f"{sent / 1e9:.2f} GB" if sent >= 1e9 else f"{sent / 1e6:.2f} MB"
-    return (f"Recommendation: {best} (fits, {sent} sent per rank and step, the "
-            "least among those that fit). Confirm with benchmarks/compare_strategies.py before a long run.")
+    simplest = lambda s: (plans[s]["host"] > 0, order.index(plans[s]["kind"]))  # noqa: E731
+    ranked = sorted(fitting, key=lambda s: (-round(plans[s]["time"]["tokens_per_s"], 6), *simplest(s)))
+    top = plans[ranked[0]]["time"]["tokens_per_s"]
+    best = min((s for s in ranked if plans[s]["time"]["tokens_per_s"] >= (1 - TIE) * top), key=simplest)
+    ranked.remove(best)
+    ranked.insert(0, best)
+    lines = [f"Recommendation: {best} ({why(plans[best], plans, ranked[1:], device_memory)}). "
+             "Confirm with benchmarks/compare_strategies.py before a long run.", "Ranked by predicted tokens/s per "
+             "rank (fitting): " + ", ".join(f"{s} {plans[s]['time']['tokens_per_s']:,.0f}" for s in ranked)]
+    not_fitting = [s for s in plans if s not in fitting and plans[s]["total"] > device_memory]
+    if not_fitting:
+        lines[-1] += "; does not fit: " + ", ".join(not_fitting)
+    return "\n".join(lines)
+
+
+def why(best: dict, plans: dict, others: list[str], device_memory: int) -> str:
+    """One clause: the best plan's tokens/s and share of exposed communication, against the runner-up
+    (and what the runner-up spends its step on)."""
+    t = best["time"]
+    text = (f"fits, {t['tokens_per_s']:,.0f} tokens/s per rank predicted, "
+            f"{t['exposed_comm'] / t['step']:.0%} of the step in exposed communication")
+    if others:
+        o = plans[others[0]]["time"]
+        if o["tokens_per_s"] >= t["tokens_per_s"]:
+            return text + (f"; {others[0]} is predicted {o['tokens_per_s'] / t['tokens_per_s'] - 1:.0%} faster, "
+                           f"within the model's {TIE:.0%}: the simpler strategy wins the tie")
+        text += (f"; {others[0]} is {t['tokens_per_s'] / o['tokens_per_s']:.2f}x slower, "
+                 f"{o['exposed_comm'] / o['step']:.0%} exposed communication, "
+                 f"{o['optimizer'] / o['step']:.0%} optimizer")
+    return text
+
+
+def time_setup(args, gpus_per_node: int | None) -> tuple:
+    """(device, efficiency, source line) for the time model from the flags: the --gpu datasheet figures
+    with the bandwidth flags over them, and the efficiency given, fitted on --calibrate, or the default.
+
+    Raises:
+        ValueError: a bad --gpu, --calibrate file or --calibrate_strategy (one line).
+    """
+    giga = lambda v: None if v is None else v * 1e9  # noqa: E731
+    device = device_spec(args.gpu or detect_device(), peak_flops=None if args.peak_tflops is None
+                         else args.peak_tflops * 1e12, memory_bandwidth=giga(args.memory_bandwidth),
+                         intra_node=giga(args.intra_node_bandwidth), network=giga(args.network_bandwidth),
+                         gpus_per_node=args.gpus_per_node or gpus_per_node)
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency {args.efficiency}: expected a share in (0, 1]")
+        return device, args.efficiency, f"{device.source}; efficiency {args.efficiency:g} (--efficiency)"
+    if not args.calibrate:
+        return device, DEFAULT_EFFICIENCY, (f"{device.source}; efficiency {DEFAULT_EFFICIENCY} assumed, not calibrated "
+                                            "(--calibrate a compare_strategies result or a llama.py run fits it)")
+    rows = read_measurement(args.calibrate)
+    names = [r["strategy"] for r in rows]
+    if args.calibrate_strategy and args.calibrate_strategy not in names:
+        raise ValueError(f"--calibrate_strategy {args.calibrate_strategy!r}: {args.calibrate} has {', '.join(names)}")
+    m = rows[names.index(args.calibrate_strategy)] if args.calibrate_strategy else rows[0]
+    yaml_path = REPO / "accelerate_configs" / f"{m['strategy']}.yaml"
+    strategy = (read_strategy(yaml_path) if yaml_path.is_file() else
+                {"kind": m["kind"], "reshard": True, "ds": {}, "offload_optimizer": False, "offload_param": False,
+                 "comm_bytes": None})
+    shape = model_shape(load_model_config(m["model_config"], args.vocab_size if m["model_config"] ==
+                                          args.model_config else None))
+    efficiency = calibrate(m["tokens_per_s"], strategy, shape, device, m["ranks"], m["batch"], m["seq"],
+                           accumulation=m["accumulation"], checkpointing=m["checkpointing"], compiled=m["compiled"],
+                           mixed_precision=m["mixed_precision"])
+    return device, efficiency, (f"{device.source}; efficiency {efficiency:.3f} calibrated on {m['source']}: "
+                                f"{m['tokens_per_s']:,.0f} tokens/s per rank measured, {m['ranks']} ranks, "
+                                f"{m['model_config']}, {m['batch']} x {m['seq']} tokens")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", action="append", help="accelerate YAML path or name in accelerate_configs/ (repeatable)")
+    p.add_argument("--config", "--config_file", action="append", dest="config",
+                   help="accelerate YAML path or name in accelerate_configs/ (repeatable; --config_file as in "
+                        "accelerate launch)")
     p.add_argument("--all", action="store_true", help="every accelerate_configs/*.yaml")
     p.add_argument("--model_config", default="debug",
                    help=f"preset ({', '.join(models.PRESETS)}) or local HF config dir")
@@ -78,12 +155,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--block_size", type=int, default=256)
-    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="every block (--activation_checkpointing full)")
+    p.add_argument("--activation_checkpointing", choices=["none", "full", "selective_layer", "selective_op"],
+                   default=None, help="selective_layer: every second block; selective_op: torchtitan's per-op policy")
+    p.add_argument("--dynamo_backend", default="no",
+                   help="as accelerate launch: anything but 'no' plans compiled blocks")
     p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="default: the YAML's")
     p.add_argument("--num_processes", type=int, default=None,
                    help="all processes, on all machines (as accelerate launch); default: the YAML's")
     p.add_argument("--num_machines", type=int, default=None)
     p.add_argument("--device_memory", default=None, help="e.g. 80GB; default: detected GPU, else host RAM / ranks")
+    p.add_argument("--gpu", default=None, help="a100, h100, h100-nvl, h100-pcie, h200 or cpu: the datasheet figures "
+                   "the time model starts from; default: the detected GPU, else cpu")
+    p.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 TFLOP/s per device (overrides --gpu)")
+    p.add_argument("--memory_bandwidth", type=float, default=None, help="device memory GB/s (overrides --gpu)")
+    p.add_argument("--intra_node_bandwidth", type=float, default=None,
+                   help="bus bandwidth inside a node, GB/s (nccl-tests busbw; overrides --gpu)")
+    p.add_argument("--network_bandwidth", type=float, default=None, help="GB/s of each GPU's network link")
+    p.add_argument("--gpus_per_node", type=int, default=None)
+    p.add_argument("--efficiency", type=float, default=None,
+                   help=f"share of the peak the matmuls reach; default {DEFAULT_EFFICIENCY}, or fitted by --calibrate")
+    p.add_argument("--calibrate", default=None, help="fit the efficiency on a measurement: compare_strategies.md/.json "
+                   "or a recipes/llama.py --output_dir (run_info.json, metrics.jsonl)")
+    p.add_argument("--calibrate_strategy", default=None, help="which row of --calibrate (default: the first)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     args = p.parse_args(argv)
     import yaml
@@ -108,7 +203,9 @@ def main(argv: list[str] | None = None) -> None:
         if config.model_type != "llama":
             problems.append(f"warning: --model_config {args.model_config}: activations use the Llama block formula "
                             f"({config.model_type} may differ)")
-        plans, memory, source = {}, None, None
+        mode = checkpoint_mode(args.activation_checkpointing or args.gradient_checkpointing)
+        compiled = str(args.dynamo_backend).lower() not in ("no", "none")
+        plans, memory, source, device = {}, None, None, None
         for s, path in zip(strategies, paths):
             machines = args.num_machines or s["num_machines"]
             ranks = args.num_processes or (1 if s["kind"] == "single" else s["num_processes"])  # on all machines
@@ -118,12 +215,16 @@ def main(argv: list[str] | None = None) -> None:
             if memory is None:
                 memory, source = ((parse_memory(args.device_memory), "--device_memory") if args.device_memory
                                   else detect_memory(per_machine))
+                device, efficiency, time_source = time_setup(args, per_machine if machines > 1 else None)
             precision = args.mixed_precision or s["mixed_precision"]
             plans[s["name"]] = plan_strategy(s, shape, 1 if s["kind"] == "single" else ranks,
                                              args.per_device_train_batch_size, args.block_size,
-                                             args.gradient_accumulation_steps, args.gradient_checkpointing, precision)
+                                             args.gradient_accumulation_steps, mode, precision)
             plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision,
                                     kind=s["kind"])
+            plans[s["name"]]["time"] = time_strategy(
+                s, shape, device, ranks, args.per_device_train_batch_size, args.block_size,
+                args.gradient_accumulation_steps, mode, compiled, efficiency, precision)
             if source.startswith("no GPU"):  # the "device" is host RAM: what is offloaded to the host counts too
                 plans[s["name"]]["total"] += plans[s["name"]]["host"]
             # the recipes' start-up checks, on what the planner knows (no training set, no schedule flags);
@@ -133,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             ds, ds_where = checks.deepspeed_settings(yaml_config, root=str(REPO))
             flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "block_size": args.block_size,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                     "gradient_checkpointing": args.gradient_checkpointing}
+                     "gradient_checkpointing": mode != "none"}
             where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
             problems += [str(p) for p in checks.config_problems(
                 yaml_config, where=where, ds=ds, ds_where=ds_where, flags=flags, model_classes=model_classes,
@@ -144,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.format == "json":
         print(json.dumps({"model": args.model_config, "n_params": shape["n_params"], "device_memory": memory,
                           "device_memory_source": source, "plans": plans, "problems": problems,
+                          "time_model": {"device": device, "efficiency": efficiency, "source": time_source},
                           "recommendation": recommend(plans, memory)}, indent=1))
         if any(p.startswith("error:") for p in problems):
             sys.exit(1)
@@ -152,9 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"{args.model_config}: {shape['n_params']:,} parameters (Ψ), vocabulary {shape['vocab']:,}; "
               f"{first['ranks']} ranks, {first['mixed_precision']}, micro batch {args.per_device_train_batch_size} x "
               f"{args.block_size} tokens, accumulation {args.gradient_accumulation_steps}, checkpointing "
-              f"{'on' if args.gradient_checkpointing else 'off'}; device memory {memory / 1e9:.1f} GB per rank "
-              f"({source})")
-    print(format_table(plans, header, memory, problems))
+              f"{mode}{', compiled' if compiled else ''}; device memory {memory / 1e9:.1f} GB per rank ({source})")
+    print(format_table(plans, header, memory, problems, time_source))
     if any(p.startswith("error:") for p in problems):
         sys.exit(1)
 
