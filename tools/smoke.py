@@ -1,0 +1,237 @@
+"""Check a host or a cluster in one command: every strategy trains, agrees with one process, resumes, exports.
+
+    python tools/smoke.py                                  # every accelerate_configs/*.yaml
+    python tools/smoke.py --configs ddp,deepspeed_zero3    # a subset (single, the reference, always runs)
+    python tools/smoke.py --config_file my/zero2.yaml      # a config file of your own (repeatable)
+    python tools/smoke.py --num_processes 8                # ranks per run (default: the GPUs, else 2 CPU ranks)
+    python tools/smoke.py --perf                           # then benchmarks/gpu.sh (1B model, MFU, compile)
+    sbatch --nodes 2 slurm/smoke.sbatch                    # across SLURM nodes (docs/smoke.md)
+
+Each config runs recipes/llama.py as real `accelerate launch` subprocesses (NCCL on GPUs, gloo on
+CPU ranks), debug model, fp32 (`--mixed_precision no`), global batch 2 per rank x ranks, blocks of
+64 tokens: a straight run of --steps steps with a checkpoint half-way, then new processes resuming
+from that checkpoint to the end. Checks, one table row per config:
+  parity  the straight run's loss, grad norm and eval loss against single.yaml (one process, the
+          same global batch) within --rtol, the LR exact (tests/scripts/compare_runs.py);
+  resume  the resumed steps equal the straight run's (relative 1e-6, as tests/test_checkpoint.py);
+  export  final/ reloads with plain transformers to the live model's logits (final_logits.safetensors).
+Also tokens/s (all ranks, median step after the first), peak memory (rank 0: CUDA max allocated, else
+peak RSS) and the wall time of the config's launches. Exit status 0 only if every check passed; a
+failed config prints its first error line and its log. Outputs and logs: --output_dir/<config>/.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "scripts"), str(REPO / "benchmarks")]
+from compare_runs import FP32_RTOL, LR_ATOL, read_steps, worst_gaps  # noqa: E402
+from compare_strategies import median_step_seconds  # noqa: E402
+
+RESUME_RTOL, EXPORT_TOL = 1e-6, 1e-4  # tests/test_checkpoint.py's resume bound, tests/test_llama.py's export one
+FLAGS = ["--block_size", 64, "--logging_steps", 1, "--warmup_steps", 2, "--max_eval_samples", 8,
+         "--report_to", "none", "--sample_tokens", 0, "--save_logits_probe"]
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--configs", help="comma-separated accelerate_configs/<name>.yaml names (default: all)")
+parser.add_argument("--config_file", action="append", default=[], help="a YAML path; may be given more than once")
+parser.add_argument("--num_processes", type=int, help="ranks per machine (default: visible GPUs, else 2)")
+parser.add_argument("--num_machines", type=int, default=1, help="machines per run (one launcher on each)")
+parser.add_argument("--machine_rank", type=int, default=0, help="this machine's rank (without --srun)")
+parser.add_argument("--main_process_ip", default="127.0.0.1", help="machine 0's address")
+parser.add_argument("--main_process_port", type=int, default=29511)
+parser.add_argument("--srun", action="store_true", help="start each multi-machine run on every node with srun")
+parser.add_argument("--steps", type=int, default=4, help="optimizer steps (even; checkpoint at half)")
+parser.add_argument("--rtol", type=float, default=FP32_RTOL, help="parity bound, relative (default: fp32's)")
+parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per launch (start-up included)")
+parser.add_argument("--output_dir", default="runs/smoke")
+parser.add_argument("--perf", action="store_true", help="then run benchmarks/gpu.sh (one GPU)")
+
+
+def fail(message):
+    sys.exit(f"error: {message}")
+
+
+parser.error = fail  # a bad flag: one line, not the usage
+args = parser.parse_args()
+
+
+def config_paths():
+    """{name: YAML path}: single.yaml first (the reference), then the chosen configs."""
+    known = {p.stem: p for p in sorted((REPO / "accelerate_configs").glob("*.yaml"))}
+    names = [n.strip() for n in args.configs.split(",") if n.strip()] if args.configs else \
+        [] if args.config_file else list(known)
+    if unknown := [n for n in names if n not in known]:
+        fail(f"--configs: no accelerate_configs/{unknown[0]}.yaml; known: {','.join(known)}")
+    chosen = {"single": known["single"], **{n: known[n] for n in names}}
+    for path in map(Path, args.config_file):
+        if not path.is_file():
+            fail(f"--config_file {path}: no such file")
+        chosen[path.stem if path.stem not in chosen else str(path)] = path.resolve()
+    return chosen
+
+
+def first_error(log):
+    """The first `error:` line of a log, else its first exception line, else its last line."""
+    lines = [re.sub(r"^(\[rank\d+\]:|\d+:)\s*", "", x).strip() for x in Path(log).read_text(errors="replace")
+             .splitlines() if x.strip()]
+    return next((x for x in lines if x.startswith("error:")), None) or \
+        next((x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b", x)), None) or (lines or ["(empty log)"])[-1]
+
+
+def launch(yaml_path, world, out, *extra):
+    """One `accelerate launch ... recipes/llama.py` into `out` (log: out.log); None, or why it failed."""
+    opts = ["--config_file", yaml_path, "--num_processes", world, "--mixed_precision", "no"]
+    if world > 1 and args.num_machines > 1:  # a node that never joins: a rendezvous error after 60 s
+        opts += ["--num_machines", args.num_machines, "--main_process_ip", args.main_process_ip,
+                 "--main_process_port", args.main_process_port, "--rdzv_conf", "timeout=60", "--max_restarts", 0]
+    opts += [REPO / "recipes" / "llama.py", "--output_dir", out, "--ddp_timeout", 60, *FLAGS, *extra]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if world > 1 and args.num_machines > 1 and args.srun:  # one launcher per node (as slurm/llama.sbatch)
+        cmd = ["srun", f"--nodes={args.num_machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c",
+               'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"', sys.executable]
+    elif world > 1 and args.num_machines > 1:
+        cmd += ["--machine_rank", args.machine_rank]
+    cmd += opts
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = Path(f"{out}.log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            status = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            status = f"ran past --timeout {args.timeout} s"
+        finally:  # torchrun starts each rank in a session of its own: end the whole tree
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)] \
+                    if proc.poll() is None else []:
+                p.kill()
+            proc.wait()
+    return None if status == 0 else f"{first_error(log)} (exit {status}; log: {log})"
+
+
+def reloads(out):
+    """Whether final/ reloads with plain transformers to the logits the live model gave; why not."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    probe = load_file(out / "final_logits.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    with torch.no_grad():
+        gap = (model(input_ids=probe["input_ids"]).logits - probe["logits"]).abs().max().item()
+    return None if gap <= EXPORT_TOL else f"export: reloaded logits off by {gap:.1e} (bound {EXPORT_TOL:.0e})"
+
+
+def resume_gap(resumed, straight, half):
+    """Worst relative gap of the resumed steps (and the LR, absolute) against the straight run."""
+    got = read_steps(resumed)
+    if sorted(got) != list(range(half + 1, args.steps + 1)):
+        raise ValueError(f"resume: steps {sorted(got)} logged, not {half + 1}..{args.steps}")
+    gaps = worst_gaps(resumed, straight)
+    return max(gaps["loss"], gaps["grad_norm"], gaps["eval_loss"] or 0, gaps["lr"])
+
+
+def check(name, yaml_path, world, reference):
+    """Run one config (straight, then resumed); its table row."""
+    out = Path(args.output_dir).resolve() / name.replace("/", "_")
+    for path in [out / "run", out / "resumed"]:
+        shutil.rmtree(path, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    t0, row, problems, half = time.time(), {"config": name, "world": world}, [], args.steps // 2
+    batch = ["--max_steps", args.steps, "--eval_steps", args.steps,
+             "--per_device_train_batch_size", 2 * world_size // world]  # global batch 2 x world_size
+    if (why := launch(yaml_path, world, out / "run", *batch, "--save_steps", half)) is None:
+        why = launch(yaml_path, world, out / "resumed", *batch,
+                     "--resume_from_checkpoint", out / "run" / f"checkpoint-{half}")
+    row["wall_s"] = round(time.time() - t0, 1)
+    if why:
+        return {**row, "status": "FAIL", "problems": [why]}
+    if args.machine_rank > 0 and not args.srun:  # machine 0 holds the metrics and the export
+        return {**row, "status": "PASS", "problems": []}
+    records, summary = read_steps(out / "run"), json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    step_s = median_step_seconds(list(records.values()), 2 * world_size // world * 64, skip=1)
+    row.update(tokens_per_s=round(2 * world_size * 64 / step_s), peak_mb=round(summary["peak_memory_bytes"] / 1e6))
+    if name == "single":
+        row.update(loss_gap=0.0, grad_norm_gap=0.0)  # the reference itself
+    elif reference:
+        gaps = worst_gaps(out / "run", reference)
+        row.update(loss_gap=gaps["loss"], grad_norm_gap=gaps["grad_norm"])
+        over = [k for k in ("loss", "grad_norm", "eval_loss") if (gaps[k] or 0) > args.rtol]
+        problems += [f"parity: {k} gap {gaps[k]:.1e} over --rtol {args.rtol:.0e} vs single" for k in over]
+        problems += [f"parity: LR off by {gaps['lr']:.1e}"] if gaps["lr"] > LR_ATOL else []
+    else:
+        problems.append("parity: no reference (single failed)")
+    try:
+        row["resume_gap"] = resume_gap(out / "resumed", out / "run", half)
+        problems += [f"resume: gap {row['resume_gap']:.1e} over {RESUME_RTOL:.0e}"] * (row["resume_gap"] > RESUME_RTOL)
+        row["export"] = "ok" if not (why := reloads(out / "run")) else "FAIL"
+        problems += [why] if why else []
+    except (OSError, ValueError) as err:
+        problems.append(str(err).splitlines()[0])
+    return {**row, "status": "FAIL" if problems else "PASS", "problems": problems}
+
+
+def table(rows):
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    lines = ["| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s | peak MB "
+             "| wall s |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['world']} | {r['status']} | {fmt(r.get('loss_gap'), '.1e')} "
+                     f"| {fmt(r.get('grad_norm_gap'), '.1e')} | {fmt(r.get('resume_gap'), '.1e')} "
+                     f"| {r.get('export', '-')} | {fmt(r.get('tokens_per_s'), ',')} | {fmt(r.get('peak_mb'), ',')} "
+                     f"| {r['wall_s']} |")
+    return "\n".join(lines + [f"{r['config']}: {p}" for r in rows for p in r["problems"]])
+
+
+def gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return len([x for x in out.splitlines() if x.startswith("GPU ")])
+
+
+configs = config_paths()
+if args.steps < 2 or args.steps % 2:
+    fail(f"--steps {args.steps}: give an even number >= 2 (the checkpoint is at half)")
+if args.num_machines < 1 or not 0 <= args.machine_rank < args.num_machines:
+    fail(f"--machine_rank {args.machine_rank} is not in 0..{args.num_machines - 1}")
+if args.srun and "SLURM_JOB_ID" not in os.environ:
+    fail("--srun needs a SLURM allocation (run it from slurm/smoke.sbatch)")
+if args.num_processes is not None and args.num_processes < 1:
+    fail(f"--num_processes {args.num_processes}: give 1 or more")
+world_size = (args.num_processes or gpus() or 2) * args.num_machines  # accelerate takes the total
+rows, reference, start = [], None, time.time()
+for name, path in configs.items():
+    try:
+        single = yaml.safe_load(path.read_text()).get("distributed_type") == "NO"
+    except (OSError, yaml.YAMLError, AttributeError) as err:
+        rows.append({"config": name, "world": "-", "wall_s": 0, "status": "FAIL", "problems": [f"{path}: {err}"]})
+        continue
+    if single and args.machine_rank > 0 and not args.srun:
+        continue  # one process: machine 0's
+    print(f"[{name}] {args.steps} steps, resume from {args.steps // 2} ...", flush=True)
+    rows.append(check(name, path, 1 if single else world_size, reference))
+    if name == "single" and rows[-1]["status"] == "PASS":
+        reference = Path(args.output_dir).resolve() / "single" / "run"
+text = table(rows)
+print(f"\n{text}\n\n{len(rows)} configs in {time.time() - start:.0f} s; outputs and logs in {args.output_dir}")
+(Path(args.output_dir) / "smoke.md").write_text(text + "\n")
+(Path(args.output_dir) / "smoke.json").write_text(json.dumps(rows, indent=1) + "\n")
+passed = all(r["status"] == "PASS" for r in rows)
+if args.perf and passed:
+    passed = subprocess.run(["bash", REPO / "benchmarks" / "gpu.sh"], timeout=3600).returncode == 0
+sys.exit(0 if passed else 1)
