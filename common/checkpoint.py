@@ -532,16 +532,20 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     return os.path.join(output_dir, "final")
 
 
-def resume_or_start(accelerator, args, run_state: dict, must_match: list[str]) -> tuple[str | None, dict]:
+def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | None = None,
+                    warn_new_schedule: bool = False) -> tuple[Path | None, dict]:
     """Resolve --resume_from_checkpoint, and refuse a checkpoint that would not continue this run exactly.
 
-    Checked before `prepare`, so a refused resume leaves before any wrapped model exists. A fresh
-    run marks its folder (`start_fresh`): an overwritten run's checkpoints are never resumed.
+    Every recipe's resume check. Called before `prepare` (llama.py, ddp_classifier.py), a refused
+    resume leaves before any wrapped model exists. A fresh run marks its folder (`start_fresh`): an
+    overwritten run's checkpoints are never resumed. Loading the state (`load_checkpoint`, after
+    `prepare`) is the recipe's.
 
     Args:
         run_state: what this run is (recorded in its checkpoints): `resume_error` compares
-            `must_match` of its keys with the checkpoint's. A longer `max_steps` is allowed, with
-            a warning: the LR schedule then follows the new length.
+            `must_match` of its keys (None: all of them) with the checkpoint's.
+        warn_new_schedule: a longer `max_steps` than the checkpoint's, which is allowed, prints a
+            warning: the LR schedule then follows the new length.
 
     Returns:
         (the checkpoint's path or None, its recorded state: `resolve_checkpoint`'s, {"step": 0} fresh).
@@ -553,14 +557,19 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str]) -
     if not path:
         start_fresh(accelerator, args.output_dir)
         return None, saved
-    if error := resume_error(path, saved, run_state, must_match):
+    if error := resume_error(path, saved, run_state, list(run_state) if must_match is None else must_match):
         raise Stop(error)
     max_steps = run_state.get("max_steps")
-    if max_steps is not None and saved.get("max_steps", max_steps) != max_steps:  # allowed, but not exact
+    if warn_new_schedule and max_steps is not None and saved.get("max_steps", max_steps) != max_steps:
         accelerator.print(f"warning: {path} was saved by a {saved['max_steps']}-step run, this one has "
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
                           "run only while both are still in warmup")
     return path, saved
+
+
+def resumed_line(path: Path, step: int) -> str:
+    """"resumed from PATH at step N", and which restart this is, if one (`restart_note`)."""
+    return f"resumed from {path} at step {step}" + (f" ({note})" if (note := restart_note()) else "")
 
 
 def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
@@ -588,29 +597,3 @@ def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
     state = {"world_size": accelerator.num_processes, "max_steps": max_steps,
              "distributed_type": strategy_name(accelerator), **data_position, **same_run}
     return state, [*data_position, *same_run]
-
-
-def resume_exactly(accelerator, args, run_state: dict, model, optimizer) -> tuple[Path | None, dict]:
-    """After `prepare`: resume --resume_from_checkpoint only into the same run, or start fresh.
-
-    Every key of `run_state` must match the checkpoint's (`resume_error`; `max_steps` is never
-    compared: a resume may train longer). The checkpoint's model, optimizer, scheduler, scaler and
-    RNG states are loaded (the micro-step count follows the step) and a line says so; a fresh run
-    marks its folder (`start_fresh`): an overwritten run's checkpoints are never resumed.
-
-    Returns:
-        (the checkpoint's path or None, its recorded state: `resolve_checkpoint`'s).
-    """
-    try:
-        path, saved = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
-    except Stop as err:
-        raise Stop(f"cannot resume: {err}") from None
-    if not path:
-        start_fresh(accelerator, args.output_dir)
-        return None, saved
-    if error := resume_error(path, saved, run_state, list(run_state)):
-        raise Stop(error)
-    load_checkpoint(accelerator, path, model, optimizer, optimizer_steps=saved["step"])
-    accelerator.print(f"resumed from {path} at step {saved['step']}"
-                      + (f" ({note})" if (note := restart_note()) else ""))
-    return path, saved

@@ -228,12 +228,6 @@ def main() -> int:
 
     # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so
     # the global batch, seed and passages must be those it was saved with; refused before prepare.
-    try:
-        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir,
-                                                           args.resume_from_checkpoint, accelerator)
-    except Stop as err:
-        raise Stop(f"cannot resume: {err}") from None
-    step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
     strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the layout
     data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
                   "train_passages": len(train_set)}  # what fixes which samples step k trains on
@@ -246,12 +240,9 @@ def main() -> int:
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": accumulation, "world_size": world_size}
     run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
-    if resume_path:
-        if error := checkpoint.resume_error(resume_path, saved, run_state,
-                                            [*data_state, *same_run]):
-            raise Stop(error)
-    else:
-        checkpoint.start_fresh(accelerator, args.output_dir)  # old checkpoints are not resumed
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state,
+                                                    [*data_state, *same_run])
+    step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)

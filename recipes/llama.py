@@ -213,7 +213,8 @@ def main() -> int:
         accelerator, args, model, peak_lr, max_steps, global_batch=global_batch, seed=args.seed,
         block_size=args.block_size, packing=args.packing, train_blocks=len(train_set),
         data_digest=data_digest)
-    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, must_match)
+    resume_path, saved = checkpoint.resume_or_start(  # a longer run: a warning (the cosine LR)
+        accelerator, args, run_state, must_match, warn_new_schedule=True)
     step = saved["step"]
 
     # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
@@ -230,8 +231,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(f"resumed from {resume_path} at step {step}"
-                          + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+        accelerator.print(checkpoint.resumed_line(resume_path, step))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info)
 

@@ -243,22 +243,13 @@ def main() -> int:
                  "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
                  "model_config": models.config_state(config),
                  "max_steps": max_steps}  # (not compared: a resume may train longer)
-    try:
-        resume_path, saved = checkpoint.resolve_checkpoint(args.output_dir,
-                                                           args.resume_from_checkpoint, accelerator)
-    except Stop as err:
-        raise Stop(f"cannot resume: {err}") from None
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state)  # all must match
     step = saved["step"]
     # fp16 bookkeeping the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
     skipped_steps = saved.get("skipped_steps", 0)
     skipped_in_a_row = saved.get("skipped_in_a_row", 0)
-    if resume_path:
-        if error := checkpoint.resume_error(resume_path, saved, run_state, list(run_state)):
-            raise Stop(error)
-        # model, optimizer, scheduler, RNG and the scaler's scale; micro steps follow the step
+    if resume_path:  # model, optimizer, scheduler, RNG and the scaler's scale; micro steps follow
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
-    else:
-        checkpoint.start_fresh(accelerator, args.output_dir)  # old checkpoints are not resumed
     # metrics.jsonl: a resume keeps the lines up to its step, a fresh run starts it empty
     metrics_path = metrics.RunLog(accelerator, args, "mixed_precision",
                                   step if resume_path else None).path

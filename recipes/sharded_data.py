@@ -274,7 +274,10 @@ def main() -> int:
                  "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
                  "max_grad_norm": args.max_grad_norm, **checkpoint.precision_state(accelerator),
                  "max_steps": args.max_steps}  # (never compared: a resume may train longer)
-    resume_path, saved = checkpoint.resume_exactly(accelerator, args, run_state, model, optimizer)
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state)  # all must match
+    if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow the step
+        checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, saved["step"])
+        accelerator.print(checkpoint.resumed_line(resume_path, saved["step"]))
     accelerator.print(f"{accelerator.distributed_type.name} x{world_size} | {args.loader} loader "
                       f"| {len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB "
                       f"corpus | {workers} workers | batch {batch} x {block_size} tokens x "
