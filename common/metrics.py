@@ -447,21 +447,6 @@ def comparison_table(rows: list[dict], config_file: str, model_config: str, bloc
     return "\n".join(lines)
 
 
-def accuracy_table(classes: list[str], labels: torch.Tensor, recall: dict[str, float], accuracy: float,
-                   majority: int, baseline: float) -> str:
-    """recipes/ddp_classifier.py's closing tables, in Markdown: recall per class (with its number of
-    held-out samples), then the accuracy against the majority-class baseline.
-
-    Args:
-        classes: the class names; labels: the held-out labels, int64 [n] (indices into `classes`).
-        recall: class name -> recall; majority: the majority class's index; baseline: its accuracy.
-    """
-    lines = ["", "| genre (held-out passages) | recall |", "|---|---|"]
-    lines += [f"| {g} ({(labels == i).sum().item()}) | {recall[g]:.3f} |" for i, g in enumerate(classes)]
-    return "\n".join([*lines, "", f"| held-out passages | accuracy | majority baseline ({classes[majority]}) |",
-                      "|---|---|---|", f"| {len(labels)} | {accuracy:.3f} | {baseline:.3f} |"])
-
-
 def end_figures(accelerator, model) -> dict:
     """The summary's figures of the finished run: its peak memory (`memory_summary`) and the
     dtypes of the unwrapped model's buffers (rotary inv_freq: fp32 under every strategy)."""
