@@ -77,9 +77,7 @@ def recommend(plans: dict, device_memory: int) -> str:
     ranked = sorted(fitting, key=lambda s: (-round(plans[s]["time"]["tokens_per_s"], 6), *simplest(s)))
     top = plans[ranked[0]]["time"]["tokens_per_s"]
     best = min((s for s in ranked if plans[s]["time"]["tokens_per_s"] >= (1 - TIE) * top), key=simplest)
-    ranked.remove(best)
-    ranked.insert(0, best)
-    lines = [f"Recommendation: {best} ({why(plans[best], plans, ranked[1:], device_memory)}). "
+    lines = [f"Recommendation: {best} ({why(plans[best], plans, [s for s in ranked if s != best])}). "
              "Confirm with benchmarks/compare_strategies.py before a long run.", "Ranked by predicted tokens/s per "
              "rank (fitting): " + ", ".join(f"{s} {plans[s]['time']['tokens_per_s']:,.0f}" for s in ranked)]
     not_fitting = [s for s in plans if s not in fitting and plans[s]["total"] > device_memory]
@@ -88,7 +86,7 @@ def recommend(plans: dict, device_memory: int) -> str:
     return "\n".join(lines)
 
 
-def why(best: dict, plans: dict, others: list[str], device_memory: int) -> str:
+def why(best: dict, plans: dict, others: list[str]) -> str:
     """One clause: the best plan's tokens/s and share of exposed communication, against the runner-up
     (and what the runner-up spends its step on)."""
     t = best["time"]
