@@ -1,5 +1,7 @@
-"""Will it fit? Bytes per rank for each strategy, before you launch: the memory model behind
-`tools/plan.py` (the command line) and the recipes' start-up checks (`common/checks.py`).
+"""Will it fit, and how fast? Bytes per rank and step time for each strategy, before you launch: the
+memory and time models behind `tools/plan.py` (the command line; `python common/plan.py` runs it too)
+and the recipes' start-up checks (`common/checks.py`). The time model (step time split into compute,
+exposed communication and optimizer, tokens/s per rank) is at the end: `time_strategy`.
 
     python tools/plan.py --all --model_config llama-3-8b --block_size 2048 \
         --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB
@@ -67,7 +69,13 @@ Measured with common/memory.SavedTensorBytes: equal to the byte (tests/test_plan
 Logits and loss (transient, at the start of backward): HF's loss upcasts the logits to fp32
 and log-softmaxes them: bf16 logits 2TV + fp32 copy 4TV + log-softmax 4TV in the forward, saved
 log-softmax + its gradient + the logits' gradient (4TV each) in the backward: 12TV at the peak
-(measured 12.3TV with common/memory.PeakTensorBytes on CPU). Eval (no grad, metrics.token_nll):
+(measured 12.3TV with common/memory.PeakTensorBytes on CPU, transformers 5). The factor depends on
+the loss code (`logits_factor`): 16TV reported for transformers 4.4x, whose loss keeps a second fp32
+copy, and 4TV for a compiled loss (the fused kernel keeps the bf16 logits and their gradient); neither
+of those two is measured in this repository. Reserved memory (what out-of-memory is about, and what
+torch.cuda.max_memory_reserved and torchtitan's logs report) exceeds the allocated bytes counted here
+by the allocator's slack: the "reserved" figure adds RESERVED_SLACK (assumed 6%, the middle of the 5-8%
+gap reported for these models). Eval (no grad, metrics.token_nll):
 logits cTV plus at most two fp32 chunks of LOSS_CHUNK_ELEMENTS; not added to training's peak.
 
 Against DeepSpeed's estimators (deepspeed/runtime/zero: stage_1_and_2
@@ -323,13 +331,28 @@ def read_strategy(config_path: Path) -> dict:
     return out
 
 
+RESERVED_SLACK = 0.06  # reserved over allocated: the allocator's slack (assumed, see the module docstring)
+
+
+def logits_factor(compiled_loss: bool = False, transformers_version: str | None = None) -> float:
+    """Bytes per token and vocabulary entry at the loss's peak: 12 with transformers >= 5 (measured),
+    16 before (reported), 4 for a compiled loss (reported); the installed version by default."""
+    if compiled_loss:
+        return 4.0
+    if transformers_version is None:
+        import transformers
+
+        transformers_version = transformers.__version__
+    return 12.0 if int(transformers_version.split(".")[0]) >= 5 else 16.0
+
+
 def _ds_size(zero: dict, key: str, auto: float) -> float:
     value = zero.get(key, "auto")
     return auto if value == "auto" else float(value)
 
 
 def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
-                  checkpointing: bool | str, mixed_precision: str) -> dict:
+                  checkpointing: bool | str, mixed_precision: str, logits_bytes: float | None = None) -> dict:
     """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
 
     Args:
@@ -337,10 +360,12 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         batch, seq: micro batch and block size; accumulation: micro batches per optimizer step.
         checkpointing: `--gradient_checkpointing` (True: "full") or a CHECKPOINTING mode.
         mixed_precision: "no", "bf16" or "fp16".
+        logits_bytes: bytes per token and vocabulary entry at the loss's peak; default `logits_factor()`.
 
     Returns:
         A dict of ints in bytes: the CATEGORIES on the device, "host" (offloaded states), "total"
-        (device), plus "comm_per_step" (ring collectives, bytes sent per rank), "comm_pattern",
+        (device, allocated), "reserved" (total x (1 + RESERVED_SLACK)), plus "comm_per_step" (ring
+        collectives, bytes sent per rank), "comm_pattern",
         and "activations_detail" (`activation_bytes`).
     """
     kind, n, h = strategy["kind"], shape["n_params"], shape["hidden"]
@@ -389,9 +414,11 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
     residual = 4 if kind in ("single", "ddp") else low  # FSDP / DeepSpeed compute on low-precision params
     act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2)
     activations = act["saved"] - act["log_softmax"] + act["recompute"]
-    logits = 12 * batch * seq * shape["vocab"]  # peak at the loss: see the module docstring
+    factor = logits_factor() if logits_bytes is None else logits_bytes
+    logits = int(factor * batch * seq * shape["vocab"])  # peak at the loss: see the module docstring
     out = {**states, "comm_buffers": int(buffers), "activations": activations, "logits_loss": logits}
     out["total"] = sum(out[k] for k in CATEGORIES)
+    out["reserved"] = int(out["total"] * (1 + RESERVED_SLACK))
     out["host"] = host
     eval_tokens = batch * seq
     out["eval_peak"] = (sum(states.values()) + low * eval_tokens * shape["vocab"]

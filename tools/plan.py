@@ -1,13 +1,15 @@
-"""Will it fit? The planner's command line: bytes per rank for each strategy, before you launch.
+"""Will it fit, and how fast? The planner's command line: bytes per rank and tokens/s for each strategy.
 
     python tools/plan.py --all --model_config llama-3-8b --block_size 2048 \
-        --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB
+        --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB --gpu h100
 
 Prints, per rank and for each accelerate config: model states, activations, logits and loss
 buffers, communication buffers, the total against the device memory, the communication per
-optimizer step, a recommendation, and the problems the recipes' start-up checks would report
-(`common/checks.py`). `--format json` gives the same numbers in bytes. The memory model, its
-formulas and sources: `common/plan.py`.
+optimizer step, the step time (compute, exposed communication, optimizer) and tokens/s per rank on
+`--gpu`'s datasheet figures or calibrated on a measurement (`--calibrate`), a recommendation (the
+fastest that fits), and the problems the recipes' start-up checks would report (`common/checks.py`).
+`--format json` gives the same numbers in bytes and seconds. The models, their formulas and sources:
+`common/plan.py`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common import checks, models  # noqa: E402
-from common.plan import (DEFAULT_EFFICIENCY, calibrate, checkpoint_mode, detect_device,  # noqa: E402
-                         detect_memory, device_spec, load_model_config, model_shape, parse_memory, plan_strategy,
-                         read_measurement, read_strategy, time_strategy)
+from common.plan import (DEFAULT_EFFICIENCY, RESERVED_SLACK, calibrate, checkpoint_mode,  # noqa: E402
+                         detect_device, detect_memory, device_spec, load_model_config, logits_factor, model_shape,
+                         parse_memory, plan_strategy, read_measurement, read_strategy, time_strategy)
 
 
 def format_table(plans: dict, header: str, device_memory: int, problems: list[str], time_source: str) -> str:
@@ -37,7 +39,8 @@ def format_table(plans: dict, header: str, device_memory: int, problems: list[st
     gb = lambda b: f"{b / scale:,.2f}"  # noqa: E731
     rows = [("params", "params"), ("grads", "grads"), ("fp32 master", "fp32_master"), ("Adam moments", "adam_moments"),
             ("comm buffers / gathered units", "comm_buffers"), ("activations (saved + recompute)", "activations"),
-            ("logits + loss (peak)", "logits_loss"), ("**total**", "total"), ("offloaded to host", "host")]
+            ("logits + loss (peak)", "logits_loss"), ("**total**", "total"),
+            (f"reserved (total + {RESERVED_SLACK:.0%}, estimate)", "reserved"), ("offloaded to host", "host")]
     lines = [header, "", f"| {unit} per rank | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(gb(plans[s][key]) for s in names) + " |")
@@ -217,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             precision = args.mixed_precision or s["mixed_precision"]
             plans[s["name"]] = plan_strategy(s, shape, 1 if s["kind"] == "single" else ranks,
                                              args.per_device_train_batch_size, args.block_size,
-                                             args.gradient_accumulation_steps, mode, precision)
+                                             args.gradient_accumulation_steps, mode, precision,
+                                             logits_factor(compiled_loss=compiled))
             plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision,
                                     kind=s["kind"])
             plans[s["name"]]["time"] = time_strategy(
