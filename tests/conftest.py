@@ -18,8 +18,8 @@ HOST_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")  # for the GP
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["ACCELERATE_RECIPES_ALLOW_CPU"] = "1"
 
-import accelerate  # only now: nothing may initialise CUDA before the lines above
-import pytest
+import accelerate  # noqa: E402  (only now: nothing may initialise CUDA before the lines above)
+import pytest  # noqa: E402  (kept with the import above, after the environment lines)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = ["single", "ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]

@@ -51,8 +51,10 @@ def test_corpus_smaller_than_one_global_batch(tmp_path, cache_dir, small_corpus)
     (tmp_path / "tiny.txt").write_text(train.read_text()[:2000])  # about 9 blocks of 64 tokens
     proc = launch("single", "recipes/llama.py", "--train_file", tmp_path / "tiny.txt", "--validation_file", valid,
                   "--tokenizer_name_or_path", tok, "--block_size", 64, "--per_device_train_batch_size", 16,
-                  "--output_dir", tmp_path / "out", "--report_to", "none", cache_dir=cache_dir, check=False, timeout=300)
-    fails_with(proc, "blocks of 64 tokens, fewer than one global batch of 16 (= 16 per device x 1 accumulation x 1 ranks)")
+                  "--output_dir", tmp_path / "out", "--report_to", "none", cache_dir=cache_dir, check=False,
+                  timeout=300)
+    fails_with(proc, "blocks of 64 tokens, fewer than one global batch of 16 "
+                     "(= 16 per device x 1 accumulation x 1 ranks)")
 
 
 def test_block_size_above_max_positions(tmp_path, cache_dir):
@@ -67,8 +69,8 @@ def test_block_size_above_max_positions(tmp_path, cache_dir):
     ("--max_stepz", 5, "Some specified arguments are not used by the HfArgumentParser: ['--max_stepz', '5']"),
 ])
 def test_bad_flags(flag, value, message, tmp_path, monkeypatch):
-    # the parser's refusals, before the Accelerator: in this process (test_unknown_flag_is_one_error_line_in_every_recipe
-    # runs the script for real)
+    # the parser's refusals, before the Accelerator: in this process
+    # (test_unknown_flag_is_one_error_line_in_every_recipe runs the script for real)
     message_got = run_in_process(monkeypatch, "recipes/llama.py", flag, value, "--output_dir", tmp_path, *FAST[:-2])
     assert message_got.startswith(f"error: {message}"), message_got
 
@@ -109,7 +111,6 @@ def test_max_grad_norm_must_match_deepspeed_json(tmp_path, cache_dir, monkeypatc
         monkeypatch.setenv(key, value)
     assert run_in_process(monkeypatch, "recipes/ddp_classifier.py", "--max_grad_norm", 0.5, "--output_dir",
                           tmp_path / "classifier").startswith(message)
-
 
 
 def test_an_fsdp_wrap_that_leaves_blocks_unwrapped_is_refused(tmp_path, cache_dir):
@@ -193,10 +194,12 @@ def test_an_integer_flag_without_a_range_does_not_build():
 @pytest.mark.parametrize("recipe", ["llama", "ddp_classifier", "mixed_precision", "gradient_checkpointing",
                                     "sharded_data"])
 def test_unknown_flag_is_one_error_line_in_every_recipe(recipe, tmp_path, monkeypatch, capsys):
-    if recipe != "llama":  # the same parser (common/args.py) in this process; llama.py's run below is the real one
+    # the same parser (common/args.py) in this process; llama.py's run below is the real one
+    if recipe != "llama":
         message = run_in_process(monkeypatch, f"recipes/{recipe}.py", "--max_steps", "3", "--no_such_flag", "1",
                                  "--output_dir", tmp_path / "out")
-        assert message == "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"
+        assert message == ("error: Some specified arguments are not used by the HfArgumentParser: "
+                           "['--no_such_flag', '1']")
         assert "Traceback" not in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
         return
@@ -275,7 +278,8 @@ def test_an_empty_data_file_is_named_last(tmp_path, cache_dir):
                   *FAST, cache_dir=cache_dir, check=False, timeout=300)
     error = f"error: data file is empty: {tmp_path / 'train.jsonl'}"
     assert proc.returncode != 0 and "StopIteration" not in proc.stderr, proc.stderr[-3000:]
-    assert error in proc.stderr.splitlines(), proc.stderr[-3000:]  # the rank's own line (a SIGTERMed peer may not print)
+    # the rank's own line (a SIGTERMed peer may not print)
+    assert error in proc.stderr.splitlines(), proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-3:]
     assert f"  traceback : {error}" in last, last
 

@@ -121,7 +121,8 @@ def test_dynamo_checks(tmp_path):
     [problem] = checks.config_problems(fsdp1, compiles=True)
     assert problem.severity == "error" and "FSDP1" in problem.text
     for allowed in ("fsdp1", "fsdp", "ddp", "single"):  # whole-model compile works under each
-        assert not checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()), compiles=True)
+        assert not checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()),
+                                          compiles=True)
     fsdp2 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp", dynamo_use_regional_compilation=True).read_text())
     assert not checks.config_problems(fsdp2, compiles=True)
     # a recipe that does not keep eager key names (every one but llama.py) refuses any backend

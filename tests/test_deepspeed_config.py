@@ -105,4 +105,3 @@ def test_engines_size_buckets_from_the_model_and_keep_gradients_in_fp32(tmp_path
     assert zero3["buckets"] == [[HIDDEN ** 2, "torch.float32"]]
     assert zero3["prefetch_bucket_size"] == int(0.9 * HIDDEN ** 2)
     assert zero3["param_persistence_threshold"] == 10 * HIDDEN
-

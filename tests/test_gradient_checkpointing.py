@@ -12,9 +12,6 @@ VOCAB, FFN = 4096, 688  # the recipe's vocabulary and the debug preset's MLP wid
 DEPTHS = (1, 2, 4)
 
 
-
-
-
 @pytest.mark.parametrize("flag, value, why", [
     ("save_steps", 2, "it saves no checkpoints"),
     ("resume_from_checkpoint", "latest", "it saves no checkpoints"),

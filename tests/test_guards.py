@@ -18,8 +18,6 @@ FL = ["--block_size", 64, "--report_to", "none", "--eval_steps", 1000, "--loggin
       "--max_eval_samples", 8, "--sample_tokens", 0, "--ddp_timeout", 120]
 
 
-
-
 @pytest.mark.parametrize("config, resumed_split", [
     ("ddp", (1, 4)),  # the reported case: skipping by the saved accumulation shifted every window
     ("fsdp", (4, 1)),

@@ -35,12 +35,6 @@ LOSS_TOLERANCE = 3e-3
 ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
 
 
-
-
-
-
-
-
 # --- the precision choice, with the device capability mocked (the function takes it as input) ----
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Jobs that recover on their own: a killed rank under `--max_restarts`, SIGTERM (preemption) or
 Ctrl-C saving at the next step boundary, a SIGKILLed launcher leaving no workers behind, a node-local
---output_dir refused, a second live job in one --output_dir refused, and `--resume_from_checkpoint auto`. Every resumed run is compared with
-one uninterrupted run (`reference_run`, shared with tests/test_slurm.py)."""
+--output_dir refused, a second live job in one --output_dir refused, and `--resume_from_checkpoint auto`.
+Every resumed run is compared with one uninterrupted run (`reference_run`, shared with
+tests/test_slurm.py)."""
 
 import os
 import re
@@ -18,7 +19,8 @@ import pytest
 from common.args import parse_args
 from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 from common.errors import Stop
-from conftest import REPO, RUN30, corpus_args, finish, launch, launch_command, launch_env, read_metrics, wait_until, workers
+from conftest import (REPO, RUN30, corpus_args, finish, launch, launch_command, launch_env, read_metrics, wait_until,
+                      workers)
 from conftest import start as start_recipe
 from test_multinode import free_port
 
@@ -60,7 +62,8 @@ def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_d
     if config == "ddp":  # torchrun's default shares one rendezvous store between attempts: refused at start-up
         job = start(config, tmp_path / "shared_store", small_corpus, cache_dir, launcher=["--max_restarts", 1])
         assert finish(job) != 0
-        assert "error: --max_restarts with torchrun's shared rendezvous store" in open(f"{tmp_path}/shared_store.log").read()
+        assert ("error: --max_restarts with torchrun's shared rendezvous store"
+                in open(f"{tmp_path}/shared_store.log").read())
     # No resume flag: a restarted worker group resumes as with --resume_from_checkpoint auto.
     job = start(config, out, small_corpus, cache_dir, launcher=["--rdzv_backend", "c10d", "--max_restarts", 1],
                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
@@ -94,7 +97,8 @@ def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, wh
         if when == "at step 14":
             wait_until(lambda: last_step(out) >= 14, job, "step 14")
         else:
-            wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10", poll=0.005)
+            wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10",
+                       poll=0.005)
         job.send_signal(sig)  # to the launcher, as SLURM, Kubernetes or a user (Ctrl-C: SIGINT) would
         signalled_after, signalled_while_saving = last_step(out), saving.exists()
         assert finish(job, timeout=60) != 0  # a preempted run is not a finished one
@@ -165,7 +169,8 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
         proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
                       "--resume_from_checkpoint", "auto", cache_dir=cache_dir, check=False)
         assert proc.returncode != 0
-        assert f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}" in proc.stderr
+        assert (f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}"
+                in proc.stderr)
         assert job.poll() is None  # the first job trains on, alone
         job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
         job.wait()
@@ -195,13 +200,15 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
 # group, stop_on_signal's gloo group), which fail once the launcher is gone and would end the ranks
 # even without die_with_launcher (checked: killed at "precision: no", they stopped in new_group).
 LONG_RUNS = {
-    "recipes/ddp_classifier.py": (["--max_train_samples", 64, "--max_eval_samples", 16, "--per_device_train_batch_size", 8,
-                                   "--max_steps", 10_000, "--logging_steps", 1], "step 2/10000 |"),
+    "recipes/ddp_classifier.py": (["--max_train_samples", 64, "--max_eval_samples", 16,
+                                   "--per_device_train_batch_size", 8, "--max_steps", 10_000, "--logging_steps", 1],
+                                  "step 2/10000 |"),
     "recipes/mixed_precision.py": (["--precision", "no", "--per_device_train_batch_size", 1, "--block_size", 64,
                                     "--max_eval_samples", 2, "--max_steps", 10_000, "--logging_steps", 1],
                                    "step 2 | epoch 0 |"),
-    "recipes/gradient_checkpointing.py": (["--num_layers", 1, "--per_device_train_batch_size", 1, "--block_size", 64,
-                                           "--max_steps", 3, "--timing_rounds", 1000], "L=1 none round 0:"),
+    "recipes/gradient_checkpointing.py": (["--num_layers", 1, "--per_device_train_batch_size", 1,
+                                           "--block_size", 64, "--max_steps", 3, "--timing_rounds", 1000],
+                                          "L=1 none round 0:"),
 }
 
 
@@ -249,18 +256,22 @@ def test_a_node_local_path_is_refused_at_start_up(node_local, tmp_path, cache_di
             flags["--train_file"] = tmp_path / "other.txt"
         cmd = launch_command("ddp", "recipes/llama.py", *corpus_args(small_corpus), *RUN30,
                              *(x for kv in flags.items() for x in kv),  # later flags win
-                             num_processes=2, launcher_args=["--num_machines", 2, "--machine_rank", rank,
-                                                             "--main_process_ip", "127.0.0.1", "--main_process_port", port])
+                             num_processes=2,
+                             launcher_args=["--num_machines", 2, "--machine_rank", rank,
+                                            "--main_process_ip", "127.0.0.1", "--main_process_port", port])
         env = launch_env(cache_dir, {"PYTHONUNBUFFERED": None, "TOKENIZERS_PARALLELISM": None}, device_guard=False)
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
     jobs = [machine(0), machine(1)]
     outputs = [job.communicate(timeout=300)[0] for job in jobs]
     for rank, (job, output) in enumerate(zip(jobs, outputs)):
         assert job.returncode != 0
         if node_local == "--output_dir":
-            want = f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: rank {rank}"
+            want = (f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: "
+                    f"rank {rank}")
         else:
-            want = "error: the data (train and validation text, tokenizer, block size) differs between ranks: rank(s) 1 read"
+            want = ("error: the data (train and validation text, tokenizer, block size) differs between ranks: "
+                    "rank(s) 1 read")
         assert want in output, output[-3000:]
     assert not list(tmp_path.glob("*/checkpoint-10"))
 
@@ -289,7 +300,8 @@ def test_resume_auto_rules(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     out = tmp_path / "run"
     # A fresh directory: `auto` is an ordinary start.
-    assert parse_args(Own, ["--output_dir", str(out), "--resume_from_checkpoint", "auto"]).resume_from_checkpoint == "auto"
+    args = parse_args(Own, ["--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert args.resume_from_checkpoint == "auto"
     # A directory with files but no checkpoint: refused, as a fresh run would be (run_clm.py's rule)...
     out.mkdir()
     (out / "metrics.jsonl").write_text("{}\n")
@@ -298,7 +310,8 @@ def test_resume_auto_rules(tmp_path, monkeypatch):
     # ...unless this is a restart of the same job, which died before its first checkpoint.
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     args = parse_args(Own, ["--output_dir", str(out), "--overwrite_output_dir"])
-    assert (args.resume_from_checkpoint, args.overwrite_output_dir) == ("auto", False)  # never wipes its own checkpoints
+    # never wipes its own checkpoints
+    assert (args.resume_from_checkpoint, args.overwrite_output_dir) == ("auto", False)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     args = parse_args(Own, ["--output_dir", str(out), "--overwrite_output_dir", "--resume_from_checkpoint", "auto"])
     assert (args.resume_from_checkpoint, args.overwrite_output_dir) == (None, True)  # the first attempt overwrites

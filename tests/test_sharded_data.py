@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import data
-from conftest import (REPO, host_reads, launch, launch_command, launch_env, ordinary_step_reads, preempt, run_in_process,
-                      strict_lines)
+from conftest import (REPO, host_reads, launch, launch_command, launch_env, ordinary_step_reads, preempt,
+                      run_in_process, strict_lines)
 from test_parity import FP32_RTOL
 from write_audit import audit_writes, files_under, writes_by_file
 
@@ -35,8 +35,6 @@ def strict_metrics(out):
     """(per-step records, summary records) from metrics.jsonl, refusing NaN/Infinity (not standard JSON)."""
     lines = strict_lines(out / "metrics.jsonl")
     return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
-
-
 
 
 def recipe_functions():
@@ -222,7 +220,8 @@ def measured(tmp_path_factory, cache_dir):
         proc = train("ddp", base / "shards", base / "run", *MEASURED, cache_dir=cache_dir)
         shutil.rmtree(base / "shards")  # 110 MB of parquet for the larger one
         steps, (summary,) = strict_metrics(base / "run")
-        runs[size] = {"manifest": manifest, "out": base / "run", "steps": steps, "summary": summary, "stdout": proc.stdout}
+        runs[size] = {"manifest": manifest, "out": base / "run", "steps": steps, "summary": summary,
+                      "stdout": proc.stdout}
     return runs
 
 
@@ -272,7 +271,6 @@ def test_fp16_on_cpu_ranks_is_real_and_logs_the_loss_scale(tiny, tmp_path, cache
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] < 100 for r in steps)  # unscaled before clipping
 
 
-
 @pytest.mark.parametrize("argv, expected", [
     (["prepare", "--output_dir", "{out}", "--no_such_flag", "1"],
      "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"),
@@ -288,7 +286,8 @@ def test_flags_it_cannot_honour_are_refused(argv, expected, tmp_path, monkeypatc
 
 def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
-    message = run_in_process(monkeypatch, RECIPE, "--data_dir", tmp_path / "shards", "--output_dir", tmp_path, "--max_steps", 3)
+    message = run_in_process(monkeypatch, RECIPE, "--data_dir", tmp_path / "shards", "--output_dir", tmp_path,
+                             "--max_steps", 3)
     assert message.startswith(f"error: --output_dir {tmp_path} already holds files (metrics.jsonl)"), message
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'
@@ -434,8 +433,9 @@ def two_machines(data_dirs, out, *flags, logs, cache_dir, timeout=300):
     logs.mkdir()
     procs = []
     for m, data_dir in enumerate(data_dirs):
-        cmd = launch_command("ddp", RECIPE, "--data_dir", data_dir, "--output_dir", out, "--per_device_train_batch_size",
-                             BATCH, "--ddp_timeout", 60, *flags, num_processes=2, mixed_precision="no",
+        cmd = launch_command("ddp", RECIPE, "--data_dir", data_dir, "--output_dir", out,
+                             "--per_device_train_batch_size", BATCH, "--ddp_timeout", 60, *flags,
+                             num_processes=2, mixed_precision="no",
                              launcher_args=["--num_machines", 2, "--machine_rank", m, "--main_process_ip", "127.0.0.1",
                                             "--main_process_port", port])
         with open(logs / f"machine{m}.log", "w") as log:
