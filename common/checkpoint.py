@@ -164,18 +164,18 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
 
 
 @contextmanager
-def atomic_export(accelerator, output_dir: str, name: str = "final"):
-    """Write an export into `{output_dir}/{name}.tmp`, then move it into place as `{name}/`.
+def atomic_export(accelerator, output_dir: str):
+    """Write an export into `{output_dir}/final.tmp`, then move it into place as `final/`.
 
     Yields the temporary folder (the same path on every rank; call on every rank). After the
-    block, rank 0 fsyncs what it holds and renames it over the previous `{name}/` (moved aside
-    first and then deleted: a folder cannot be renamed over a non-empty one). So `{name}/` is
+    block, rank 0 fsyncs what it holds and renames it over the previous `final/` (moved aside
+    first and then deleted: a folder cannot be renamed over a non-empty one). So `final/` is
     always a whole export, this run's or an earlier one's, never a mix; a crash in between leaves
-    `{name}.tmp` (deleted by the next export) and at worst `{name}.old` beside no `{name}/`. If the
+    `final.tmp` (deleted by the next export) and at worst `final.old` beside no `final/`. If the
     block raises, nothing is moved.
     """
     out = Path(output_dir)
-    tmp, final, old = out / f"{name}.tmp", out / name, out / f"{name}.old"
+    tmp, final, old = out / "final.tmp", out / "final", out / "final.old"
     if accelerator.is_main_process:
         for debris in (tmp, old):
             shutil.rmtree(debris, ignore_errors=True)

@@ -34,21 +34,21 @@ DEFAULT_CACHE_DIR = os.environ.get("ACCELERATE_RECIPES_CACHE", str(Path.home() /
 EOS = "<|endoftext|>"
 
 
-def load_shakespeare(corpus_dir: Path = CORPUS_DIR) -> datasets.Dataset:
+def load_shakespeare() -> datasets.Dataset:
     """The bundled corpus as a `Dataset` with columns `text` (one whole work per row) and `work`.
 
     Raises:
         FileNotFoundError: the corpus directory or one of the files named in `SHA256SUMS` is missing.
         ValueError: a file's SHA-256 does not match `SHA256SUMS` (names the file).
     """
-    sums = Path(corpus_dir) / "SHA256SUMS"
+    sums = CORPUS_DIR / "SHA256SUMS"
     if not sums.is_file():
         raise Stop(f"bundled corpus checksum list not found: {sums}; pass --train_file or "
                                 "--dataset_name, or copy data/shakespeare/ with the recipe")
     texts, works = [], []
     for line in sums.read_text().splitlines():
         digest, name = line.split()
-        path = Path(corpus_dir) / f"{name}.gz"
+        path = CORPUS_DIR / f"{name}.gz"
         if not path.is_file():
             raise Stop(f"bundled corpus file missing: {path}")
         raw = gzip.decompress(path.read_bytes())
@@ -208,16 +208,17 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
 
 
 MIN_TOKENIZER_ENTRIES = 256  # a byte-level BPE starts with 256 bytes; no working tokenizer has fewer
+TOKENIZER_SAMPLE_CHARS = 20_000  # what `tokenizer_error` encodes
 MAX_CHARS_PER_TOKEN = 50  # English BPEs give 3-5 characters per token, byte-level ones never above 1 token per byte
 
 
-def tokenizer_error(tokenizer, source: str, texts: list[str], sample_chars: int = 20_000) -> str | None:
+def tokenizer_error(tokenizer, source: str, texts: list[str]) -> str | None:
     """Why `tokenizer` cannot be the one to train on `texts`, or None when it looks usable.
 
     Catches a tokenizer that loads but does not work: e.g. `AutoTokenizer.from_pretrained` of a
     model directory without tokenizer files, which transformers 5.24 answers with an empty
     tokenizer (one entry, every text encodes to no tokens), so that every row became a lone
-    end-of-text token and the run "learned" fast. Two tests on the first `sample_chars`
+    end-of-text token and the run "learned" fast. Two tests on the first `TOKENIZER_SAMPLE_CHARS`
     characters of `texts`: fewer than `MIN_TOKENIZER_ENTRIES` entries, or fewer than one token
     per `MAX_CHARS_PER_TOKEN` characters.
 
@@ -231,9 +232,9 @@ def tokenizer_error(tokenizer, source: str, texts: list[str], sample_chars: int 
     """
     sample, n = [], 0
     for text in texts:
-        sample.append(text[:sample_chars - n])
+        sample.append(text[:TOKENIZER_SAMPLE_CHARS - n])
         n += len(sample[-1])
-        if n >= sample_chars:
+        if n >= TOKENIZER_SAMPLE_CHARS:
             break
     n_tokens = sum(len(ids) for ids in tokenizer(sample, add_special_tokens=False)["input_ids"])
     if len(tokenizer) < MIN_TOKENIZER_ENTRIES or n_tokens * MAX_CHARS_PER_TOKEN < n:

@@ -239,11 +239,12 @@ def forward_error(model) -> str | None:
     return None
 
 
-def key_summary(keys, limit: int = 6) -> str:
+def key_summary(keys) -> str:
     """State-dict keys in a short line: keys that differ only in a layer number become one entry,
-    e.g. 18 keys of layers 4 and 5 -> "model.layers.{4,5}.* (18 tensors)"; at most `limit` entries."""
+    e.g. 18 keys of layers 4 and 5 -> "model.layers.{4,5}.* (18 tensors)"; at most 6 entries."""
     import re
 
+    limit = 6
     groups: dict[str, list] = {}  # "model.layers" -> [layer numbers, tensor count]; a lone key -> None
     for key in sorted(keys):
         match = re.match(r"^(.*?)\.(\d+)\.", key)

@@ -152,13 +152,12 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
     return "no", f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly"
 
 
-def for_launch(launch_config: dict, hardware: dict, n_params: int = 0) -> dict:
+def for_launch(launch_config: dict, hardware: dict) -> dict:
     """The precision a launch trains in: its mixed_precision, kept where the hardware computes it (`choose_precision`).
 
     Args:
         launch_config: `checks.launch_config_from_env()`: "mixed_precision" and "mixed_precision_forced".
         hardware: `checks.detect_hardware()`: "device_type", "capability".
-        n_params: the model's parameter count, if known (for the large-model fp16 warning).
 
     Returns:
         {"requested", "used", "reason"} for run_info.json; pass "used" to `Accelerator(mixed_precision=...)`.
@@ -168,7 +167,8 @@ def for_launch(launch_config: dict, hardware: dict, n_params: int = 0) -> dict:
     requested = launch_config.get("mixed_precision") or "no"
     if hardware["device_type"] != "cpu":
         return {"requested": requested, "used": requested, "reason": f"{requested} as requested"}
-    used, reason = choose_precision(requested, hardware["device_type"], hardware["capability"], n_params,
+    used, reason = choose_precision(requested, hardware["device_type"], hardware["capability"],
+                                    0,  # before the model: no large-model fp16 warning
                                     forced=launch_config.get("mixed_precision_forced", True))
     if (used != requested or "emulated" in reason) and int(os.environ.get("RANK", 0)) == 0:
         print(f"precision: {reason}", flush=True)
