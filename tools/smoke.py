@@ -36,7 +36,6 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "scripts"), str(REPO / "benchmarks")]
 from compare_runs import FP32_RTOL, LR_ATOL, read_steps, worst_gaps  # noqa: E402
-from compare_strategies import median_step_seconds  # noqa: E402
 
 RESUME_RTOL, EXPORT_TOL = 1e-6, 1e-4  # tests/test_checkpoint.py's resume bound, tests/test_llama.py's export one
 FLAGS = ["--block_size", 64, "--logging_steps", 1, "--warmup_steps", 2, "--max_eval_samples", 8,
@@ -145,6 +144,8 @@ def resume_gap(resumed, straight, half):
 
 def check(name, yaml_path, world, reference):
     """Run one config (straight, then resumed); its table row."""
+    from compare_strategies import median_step_seconds  # (imports torch: not before the flags are checked)
+
     out = Path(args.output_dir).resolve() / name.replace("/", "_")
     for path in [out / "run", out / "resumed"]:
         shutil.rmtree(path, ignore_errors=True)
@@ -197,6 +198,9 @@ def table(rows):
 
 
 def gpus():
+    """GPUs this host shows (CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list)."""
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        return len([x for x in visible.split(",") if x.strip()])
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):

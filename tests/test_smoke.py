@@ -1,0 +1,69 @@
+"""tools/smoke.py, the one-command cluster check, at its quick level on CPU ranks: a small subset passes
+with its table and exit status 0; a broken config makes it exit 1 naming that config; bad flags are one
+line. (Every config: `python tools/smoke.py`, about 3 minutes, docs/smoke.md.)"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+TIMEOUT = 600  # seconds for one smoke run (about 45 s for single + ddp here)
+
+
+def smoke(*argv, out, cache_dir):
+    """Run tools/smoke.py with 2 CPU ranks into `out`; (the CompletedProcess, its rows from smoke.json)."""
+    cmd = [sys.executable, REPO / "tools/smoke.py", "--num_processes", 2, "--output_dir", out, *argv]
+    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    rows = json.loads((out / "smoke.json").read_text()) if (out / "smoke.json").exists() else None
+    return proc, rows
+
+
+def test_quick_level_passes_with_its_table(tmp_path, cache_dir):
+    proc, rows = smoke("--configs", "ddp", out=tmp_path, cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(r["config"], r["world"], r["status"]) for r in rows] == [("single", 1, "PASS"), ("ddp", 2, "PASS")]
+    single, ddp = rows
+    assert single["loss_gap"] == single["grad_norm_gap"] == 0  # the reference itself
+    assert 0 < ddp["loss_gap"] < 5e-6 and ddp["grad_norm_gap"] < 5e-6  # fp32 parity, tests/test_parity.py's bound
+    for r in rows:
+        assert r["resume_gap"] <= 1e-6 and r["export"] == "ok" and not r["problems"], r
+        assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and r["wall_s"] > 0, r
+    # the printed table: a header, then one row per config with the same figures
+    assert "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |" in proc.stdout
+    assert re.search(rf"^\| ddp \| 2 \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
+                     proc.stdout, re.M), proc.stdout
+    assert (tmp_path / "smoke.md").read_text().startswith("| config |")
+    assert (tmp_path / "ddp" / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_broken_config_fails_naming_it(tmp_path, cache_dir):
+    """A copy of deepspeed_zero2.yaml whose DeepSpeed JSON sets a train_batch_size of 64 against the
+    global batch of 4: exit 1, its row FAIL, its first error line and its log path."""
+    ds_json = tmp_path / "zero2.json"
+    ds_json.write_text((REPO / "ds_configs/zero2.json").read_text().replace(
+        '"train_batch_size": "auto"', '"train_batch_size": 64'))
+    broken = tmp_path / "broken_zero2.yaml"
+    broken.write_text((REPO / "accelerate_configs/deepspeed_zero2.yaml").read_text().replace(
+        "ds_configs/zero2.json", str(ds_json)))
+    proc, rows = smoke("--config_file", broken, out=tmp_path / "out", cache_dir=cache_dir)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert [(r["config"], r["status"]) for r in rows] == [("single", "PASS"), ("broken_zero2", "FAIL")]
+    assert re.search(r"^\| broken_zero2 \| 2 \| FAIL \|", proc.stdout, re.M), proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("broken_zero2: "))
+    assert "error: the DeepSpeed JSON" in line and "train_batch_size: 64" in line, line
+    assert str(tmp_path / "out" / "broken_zero2" / "run.log") in line, line
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    for argv, says in [(["--configs", "nope"], "no accelerate_configs/nope.yaml"),
+                       (["--steps", "3"], "--steps 3: give an even number"),
+                       (["--config_file", tmp_path / "absent.yaml"], "no such file"),
+                       (["--steps", "x"], "invalid int value")]:
+        proc = subprocess.run([sys.executable, str(REPO / "tools/smoke.py"), *map(str, argv)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, proc.stderr
