@@ -352,7 +352,8 @@ def _ds_size(zero: dict, key: str, auto: float) -> float:
 
 
 def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
-                  checkpointing: bool | str, mixed_precision: str, logits_bytes: float | None = None) -> dict:
+                  checkpointing: bool | str, mixed_precision: str, logits_bytes: float | None = None,
+                  grads_at_peak: bool = True) -> dict:
     """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
 
     Args:
@@ -361,6 +362,10 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         checkpointing: `--gradient_checkpointing` (True: "full") or a CHECKPOINTING mode.
         mixed_precision: "no", "bf16" or "fp16".
         logits_bytes: bytes per token and vocabulary entry at the loss's peak; default `logits_factor()`.
+        grads_at_peak: False when the gradients are set to None between steps (torch's zero_grad default):
+            then, with one micro batch per step, DDP's and FSDP's gradients (4Ψ, 4Ψ/N) do not exist at the
+            activation peak, and the total is the larger of that peak and the optimizer step's (every
+            gradient, no activations or logits). DeepSpeed keeps its gradient partition allocated.
 
     Returns:
         A dict of ints in bytes: the CATEGORIES on the device, "host" (offloaded states), "total"
@@ -418,6 +423,10 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
     logits = int(factor * batch * seq * shape["vocab"])  # peak at the loss: see the module docstring
     out = {**states, "comm_buffers": int(buffers), "activations": activations, "logits_loss": logits}
     out["total"] = sum(out[k] for k in CATEGORIES)
+    if not grads_at_peak and accumulation == 1 and kind in ("single", "ddp", "fsdp", "fsdp1"):
+        # set to None between steps: no gradients at the activation peak (the start of the backward);
+        # the other peak is the optimizer step, with every gradient and no activations
+        out["total"] = max(out["total"] - states["grads"], out["total"] - activations - logits)
     out["reserved"] = int(out["total"] * (1 + RESERVED_SLACK))
     out["host"] = host
     eval_tokens = batch * seq
