@@ -205,6 +205,12 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
         saved = {"step": 4, "distributed_type": saved_as, "world_size": 2}
         error = resume_error(Path("ckpt"), saved, {"distributed_type": run_as, "world_size": 2, "max_steps": 8}, [])
         assert error and f"a {saved_as} state of 2 rank(s), this run is {run_as} with 2" in error
+    for stage in ("DEEPSPEED_ZERO2", "DEEPSPEED_ZERO3", "FSDP2", "FSDP1"):  # the same strategy, another world size
+        saved = {"step": 4, "distributed_type": stage, "world_size": 2}
+        error = resume_error(Path("ckpt"), saved, {"distributed_type": stage, "world_size": 4, "max_steps": 8}, [])
+        assert error and f"a {stage} state of 2 rank(s), this run is {stage} with 4" in error, (stage, error)
+        assert resume_error(Path("ckpt"), saved, {"distributed_type": stage, "world_size": 2, "max_steps": 8}, []) \
+            is None  # and the same world size resumes
     saved = {"step": 4, "distributed_type": "MULTI_CPU", "world_size": 2}  # a full state: any replicated world size
     assert resume_error(Path("ckpt"), saved, {"distributed_type": "NO", "world_size": 1, "max_steps": 8}, []) is None
 
