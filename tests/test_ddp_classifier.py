@@ -316,3 +316,16 @@ def test_fsdp_trains_like_ddp(launched, resumed):
     assert reloaded.keys() == ddp["weights"].keys()
     assert all(torch.equal(reloaded[k], w) for k, w in ddp["weights"].items())
     assert len(AutoTokenizer.from_pretrained(final)) == model.config.vocab_size
+
+
+def test_a_longer_resume_warns_that_the_schedule_follows_it(resumed, tmp_path, cache_dir):
+    """--max_steps 6 -> 8 on resume: allowed, but the linear decay now spans 8 steps, so it says so."""
+    out = tmp_path / "run"
+    shutil.copytree(resumed[0]["out"], out)
+    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--max_steps", 8,
+                  "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
+                  mixed_precision="no")
+    assert "was saved by a 6-step run, this one has 8: the LR schedule follows the new length" in proc.stdout
+    lrs = {r["step"]: r["lr"] for r in read_metrics(out)[0] if "lr" in r}
+    # step 4 uses the LR the checkpoint's optimizer holds; the scheduler's next steps follow 8 steps
+    assert [lrs[k] for k in (5, 6, 7, 8)] == pytest.approx([1e-3 * (8 - k + 1) / 8 for k in (5, 6, 7, 8)], rel=1e-12)
