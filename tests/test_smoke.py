@@ -1,14 +1,20 @@
 """tools/smoke.py, the one-command cluster check, at its quick level on CPU ranks: a small subset passes
 with its table and exit status 0; a broken config makes it exit 1 naming that config; bad flags are one
-line. (Every config: `python tools/smoke.py`, about 3 minutes, docs/smoke.md.)"""
+line; slurm/smoke.sbatch passes on the local 2-node cluster (slurm/local_cluster.sh). (Every config:
+`python tools/smoke.py`, about 3 minutes, docs/smoke.md.)"""
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import REPO
+from test_slurm import log_text, wait_ended
 
 TIMEOUT = 600  # seconds for one smoke run (about 45 s for single + ddp here)
 
@@ -67,3 +73,25 @@ def test_bad_flags_are_one_line(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch on PATH: run `bash slurm/local_cluster.sh` "
+                                                         "(as root) for a local SLURM")
+def test_slurm_job_checks_across_two_nodes(tmp_path, cache_dir):
+    """sbatch --nodes 2 slurm/smoke.sbatch --configs ddp: the job completes with exit 0, and ddp's runs
+    had one launcher on each node (srun --label: node 1's lines start with "1: ")."""
+    log, out = tmp_path / "job.log", tmp_path / "out"
+    env = {**os.environ, "PROCS_PER_NODE": "1", "ACCELERATE_RECIPES_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    cmd = ["sbatch", "--parsable", "--nodes", "2", "--job-name", "test-smoke", "--output", str(log),
+           str(REPO / "slurm/smoke.sbatch"), "--configs", "ddp", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    info = wait_ended(proc.stdout.strip().split(";")[0], log, timeout=TIMEOUT)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log_text(log)[-4000:]
+    assert "on 2 node(s)" in log_text(log) and re.search(r"^\| ddp \| 2 \| PASS \|", log_text(log), re.M)
+    rows = json.loads((out / "smoke.json").read_text())
+    assert [(r["config"], r["world"], r["status"]) for r in rows] == [("single", 1, "PASS"), ("ddp", 2, "PASS")]
+    for run in ("run", "resumed"):
+        lines = (out / "ddp" / f"{run}.log").read_text().splitlines()
+        assert any(x.startswith("0: ") for x in lines) and any(x.startswith("1: ") for x in lines), run

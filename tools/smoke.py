@@ -97,8 +97,9 @@ def launch(yaml_path, world, out, *extra):
     opts += [REPO / "recipes" / "llama.py", "--output_dir", out, "--ddp_timeout", 60, *FLAGS, *extra]
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if world > 1 and args.num_machines > 1 and args.srun:  # one launcher per node (as slurm/llama.sbatch)
-        cmd = ["srun", f"--nodes={args.num_machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c",
-               'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"', sys.executable]
+        cmd = ["srun", f"--nodes={args.num_machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
+               "bash", "-c", 'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"',
+               sys.executable]
     elif world > 1 and args.num_machines > 1:
         cmd += ["--machine_rank", args.machine_rank]
     cmd += opts
