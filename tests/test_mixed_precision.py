@@ -25,11 +25,16 @@ from common.workarounds import drop_fp32_output_copy, install_cpu_grad_scaler  #
 
 RECIPE = "recipes/mixed_precision.py"
 SMALL, LARGE = 4_212_992, 1_235_814_400  # the debug preset; Llama-3.2-1B
-# fp32 and bf16 train the same model on the same batches; after 4 steps of 1 x 64 tokens per rank
-# their losses differed by at most 2.5e-4 nats/token in our runs (bf16 rounding; train 2e-6 ddp,
-# 7e-5 fsdp; eval 2.3e-4 ddp, 2.5e-4 fsdp). About 10x that: tight enough that FSDP2 rounding its
-# output loss to bf16 (steps of 0.03 at a loss of 8) fails, far below the ~0.5 nats/token learned.
-LOSS_TOLERANCE = 3e-3
+# fp32 and bf16 train the same model on the same batches: |fp32 - bf16| of the summary losses after
+# 4 steps of 1 x 64 tokens per rank, nats/token, measured on a 2-core AVX-512 CPU with native bf16
+# and again with its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2: bf16 emulated,
+# an AVX2 host's figures): DDP train 5.6e-5 / 2.4e-6, eval 2.3e-5 / 2.3e-4; FSDP2 train 4.6e-4 /
+# 6.6e-5, eval 3.5e-4 / 2.5e-4. About 10x the worse of the two, per strategy and key: far below
+# the ~0.5 nats/token learned.
+LOSS_TOLERANCE = {"ddp": {"train_loss": 6e-4, "eval_loss": 2.5e-3}, "fsdp": {"train_loss": 5e-3, "eval_loss": 3.5e-3}}
+# FSDP2's bf16 run against DDP's, same measurements: per logged step, relative, loss 6.5e-5 / 9.2e-6
+# and grad norm 1.6e-3 / 2.7e-3; the summary eval loss 3.3e-4 / 2.3e-5 nats/token. About 10x.
+BF16_FSDP_VS_DDP = {"loss": 7e-4, "grad_norm": 3e-2, "eval_loss": 3.5e-3}
 # The debug preset's AdamW groups: 29 matrices (embedding, tied to the LM head, + 7 per layer) decay,
 # the 9 RMSNorm gains (2 per layer + the final one, 256 each) do not.
 ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
@@ -311,12 +316,17 @@ def test_fp32_and_bf16_losses_agree(config, compared, tmp_path, cache_dir, monke
     assert bf16["world_size"] == 2 and bf16["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP2"}[config]
     for s in (fp32, bf16):
         assert s["steps"] == STEPS and s["train_loss"] < 7.9  # from ln(4096) = 8.3 nats/token
-    assert abs(fp32["train_loss"] - bf16["train_loss"]) < LOSS_TOLERANCE, (fp32, bf16)
-    assert abs(fp32["eval_loss"] - bf16["eval_loss"]) < LOSS_TOLERANCE, (fp32, bf16)
-    if config == "fsdp":  # the same answer under both strategies in bf16 too: FSDP2's bf16 run against DDP's
+    for key in ("train_loss", "eval_loss"):
+        assert abs(fp32[key] - bf16[key]) < LOSS_TOLERANCE[config][key], (key, fp32, bf16)
+    if config == "fsdp":  # the same answer under both strategies in bf16 too: FSDP2's bf16 run against DDP's,
+        # every logged step's loss and grad norm (both runs' metrics.jsonl), and the eval loss
+        ddp_steps, fsdp_steps = strict_lines(out / "bf16" / "metrics.jsonl"), strict_lines(bf16_out / "metrics.jsonl")
+        assert [r["step"] for r in ddp_steps] == [r["step"] for r in fsdp_steps] == [2, 4]
+        for a, b in zip(ddp_steps, fsdp_steps):
+            for key in ("loss", "grad_norm"):
+                assert abs(b[key] - a[key]) / abs(a[key]) < BF16_FSDP_VS_DDP[key], (key, a, b)
         ddp_bf16 = strict_json((out / "bf16" / "summary.json").read_text())
-        for key in ("train_loss", "eval_loss"):  # measured 6.3e-5 (train), 2.3e-5 (eval) nats/token
-            assert abs(ddp_bf16[key] - bf16[key]) < 6e-4, (key, ddp_bf16[key], bf16[key])
+        assert abs(ddp_bf16["eval_loss"] - bf16["eval_loss"]) < BF16_FSDP_VS_DDP["eval_loss"], (ddp_bf16, bf16)
     # fp32 master weights and gradients in both modes (FSDP: half of them on each rank); bf16 only
     # shrinks what is saved for backward
     sharding = {"ddp": 1, "fsdp": 2}[config]
