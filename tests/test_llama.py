@@ -96,6 +96,6 @@ def test_every_config_trains_and_exports(config, short_run):
     probe = load_file(out / "final_logits.safetensors")
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits
-    # bit-equal: measured 0 difference on all 6 configs (and the ZeRO-3 offload run), fp32, 2-core AVX2
+    # bit-equal: measured 0 difference on all 6 configs (and the ZeRO-3 offload run), fp32, 2-core AVX-512
     # CPU: the export holds the live fp32 weights, and the reload runs the same kernels on them
     assert torch.equal(logits, probe["logits"]), (logits - probe["logits"]).abs().max()

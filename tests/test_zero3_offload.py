@@ -46,9 +46,9 @@ def test_offload_trains_exactly_like_zero3(short_run):
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8  # measured: 8.36 -> 6.89 (steps 6-10)
     assert summary and summary[0]["total_tokens"] == STEPS * 4 * 64
     gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps, reference)]
-    # measured 0 at 10 steps of 2 x 64 (CPU Adam vs torch AdamW, fp32, 2-core AVX2 CPU; 6e-8 earlier).
-    # Not bit-equal on purpose: DeepSpeed compiles CPU Adam for the host's vector width (AVX2 here,
-    # AVX-512 elsewhere), which may round otherwise; 1e-5 is about 150 fp32 ulps at a loss of 7.
+    # measured 0 at 10 steps of 2 x 64 (CPU Adam vs torch AdamW, fp32, 2-core AVX-512 CPU; 6e-8 before).
+    # Not bit-equal on purpose: DeepSpeed compiles CPU Adam for the host's vector width (AVX-512 here,
+    # AVX2 elsewhere), which may round otherwise; 1e-5 is about 150 fp32 ulps at a loss of 7.
     assert max(gaps) < 1e-5, gaps
     # measured 0 (the same fp32 value, 6.900647); the same relative bound as the training losses
     assert abs(steps[-1]["eval_loss"] - reference[-1]["eval_loss"]) / reference[-1]["eval_loss"] < 1e-5
