@@ -120,9 +120,10 @@ def run(request, launched):
 
 # DDP vs FSDP2 over these 40 steps, worst relative gap per logged step. fp32: measured 0 (loss) and
 # 1.5e-14 (grad norm); the bound is llama.py's fp32 parity bound (tests/test_parity.py), as another
-# CPU may sum in another order. bf16 (forced, emulated on a 2-core AVX2 CPU): measured 3.1e-3 and
-# 6.0e-2, rounding compounded over 40 steps; about 10x that.
-SHARDED_BF16_RTOL = {"loss": 3e-2, "grad_norm": 0.6}
+# CPU may sum in another order. bf16 (what the configs pick on a CPU with AVX512-BF16; FSDP2 reduces
+# in fp32, workarounds.keep_fp32_reduction): measured 3.8e-4 (loss) and 6.5e-2 (grad norm, rounding
+# compounded over 40 steps) on a 2-core AVX-512 CPU; about 10x and 9x.
+SHARDED_BF16_RTOL = {"loss": 4e-3, "grad_norm": 0.6}
 
 
 def test_ddp_and_fsdp_train_the_same(launched):
