@@ -23,7 +23,10 @@ from compare_runs import worst_gaps  # noqa: E402
 sys.path.insert(0, str(REPO))
 from common import models  # noqa: E402
 
-FP32_RTOL = 5e-6  # fp32 FSDP2 against DDP: measured 0 (loss, eval loss), 1.6e-14 (grad norm); the suite-wide fp32 bound
+# fp32 FSDP2 against DDP, 2 steps, 2-core AVX-512 CPU: loss and eval loss measured 0, and required: two ranks'
+# gradients averaged as (a + b) / 2 round the same in any order, so both strategies hold the same weights bit for
+# bit. Grad norm measured 1.7e-14 (common/grad_norm's fp64 sum over shards, in another order); bound ~10x.
+FP32_RTOL = {"loss": 0.0, "grad_norm": 2e-13, "eval_loss": 0.0}
 FLAGS = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 2, "--warmup_steps", 1,
          "--logging_steps", 1, "--eval_steps", 2, "--max_eval_samples", 4, "--sample_tokens", 0,
          "--report_to", "none", "--ddp_timeout", 120]
@@ -116,7 +119,7 @@ def test_fsdp2_fine_tune_loads_weights_on_rank_0_only(tmp_path, pretrained, smal
     gaps = worst_gaps(fsdp_out, ddp_out)
     assert gaps["steps"] == 2
     for key in ("loss", "grad_norm", "eval_loss"):
-        assert gaps[key] is not None and gaps[key] < FP32_RTOL, f"{key}: worst relative gap {gaps[key]} vs DDP"
+        assert gaps[key] is not None and gaps[key] <= FP32_RTOL[key], f"{key}: worst relative gap {gaps[key]} vs DDP"
 
 
 @pytest.fixture(scope="module")
