@@ -19,18 +19,18 @@ import pytest
 from common.args import parse_args
 from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 from common.errors import Stop
-from conftest import (REPO, RUN30, corpus_args, finish, launch, launch_command, launch_env, read_metrics, wait_until,
-                      workers)
+from conftest import (REPO, RUN30, catches, corpus_args, finish, launch, launch_command, launch_env, read_metrics,
+                      wait_until, workers)
 from conftest import start as start_recipe
 from test_multinode import free_port
 
 
-def start(config, out, corpus, cache_dir, *extra, launcher=(), env=None, log=None):
+def start(config, out, corpus, cache_dir, *extra, launcher=(), env=None, log=None, device_guard=False):
     """`accelerate launch` of llama.py in the background (conftest.start: in its own session, so a test
-    can kill all of it), with the RUN30 flags in fp32, without the device guard; stdout and stderr go
-    to `log` (default out.log)."""
+    can kill all of it), with the RUN30 flags in fp32, without the device guard unless asked (it
+    records each rank's exit status with EXIT_STATUS_DIR); stdout and stderr go to `log` (default out.log)."""
     return start_recipe(config, "recipes/llama.py", "--output_dir", out, *corpus_args(corpus), *RUN30, *extra,
-                        cache_dir=cache_dir, log=log or f"{out}.log", env=env, device_guard=False,
+                        cache_dir=cache_dir, log=log or f"{out}.log", env=env, device_guard=device_guard,
                         mixed_precision="no", launcher_args=launcher)
 
 
@@ -87,8 +87,10 @@ def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_d
 def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, when, sig, tmp_path, cache_dir,
                                                                       small_corpus, reference_run):
     reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
-    out = tmp_path / "run"
-    job = start(config, out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto")
+    out, statuses = tmp_path / "run", tmp_path / "exit"
+    statuses.mkdir()  # each rank's exit status (tests/device_guard), which torchrun does not report
+    job = start(config, out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto",
+                env={"EXIT_STATUS_DIR": str(statuses)}, device_guard=True)
     saving = out / "checkpoint-10.tmp"
     try:
         # both workers, found before the signal, so that the orphan check below has something to check
@@ -101,11 +103,15 @@ def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, wh
                        poll=0.005)
         job.send_signal(sig)  # to the launcher, as SLURM, Kubernetes or a user (Ctrl-C: SIGINT) would
         signalled_after, signalled_while_saving = last_step(out), saving.exists()
-        assert finish(job, timeout=60) != 0  # a preempted run is not a finished one
+        status = finish(job, timeout=60)
         assert not psutil.wait_procs(workers, timeout=10)[1]
     finally:
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
     log = open(f"{out}.log").read()
+    # a preempted run is not a finished one: every rank exits 143 (whatever the signal), the launcher 1
+    # after torchrun's SignalException, as conftest.preempt checks
+    assert status == 1 and "SignalException" in log, (status, log[-3000:])
+    assert {p.name: p.read_text() for p in statuses.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
     preempted = re.search(rf"preempted \({sig.name}\) at step (\d+): saved (\S+);", log)
     assert preempted, log[-3000:]
     step = int(preempted.group(1))
@@ -115,7 +121,7 @@ def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, wh
         assert signalled_while_saving and step == 11
         assert verify_checkpoint(out / "checkpoint-10")["step"] == 10
     assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step
-    assert f"Received {int(sig)} death signal" in log  # the launcher's; the ranks' exit status: the next test
+    assert f"Received {int(sig)} death signal" in log  # the launcher's
     if config == "ddp":  # what would make the resumed run another one is refused, each named (reviewer's finds)
         train = small_corpus[0].read_text()
         (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
@@ -240,6 +246,37 @@ def test_a_sigkilled_launcher_takes_every_recipes_workers_with_it(recipe, tmp_pa
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def test_sigterm_ends_gradient_checkpointing(tmp_path, cache_dir):
+    """docs/multinode.md: gradient_checkpointing.py keeps no checkpoints (a measurement), so SIGTERM to
+    the launcher ends it: torchrun passes the signal on, no rank catches it, every rank is gone and the
+    launcher exits 1 (torchrun's SignalException)."""
+    recipe = "recipes/gradient_checkpointing.py"
+    args, ready = LONG_RUNS[recipe]
+    log = tmp_path / "run.log"
+    job = start_recipe("ddp", recipe, "--output_dir", tmp_path / "run", "--ddp_timeout", 60, *args, cache_dir=cache_dir,
+                       log=log, num_processes=2, mixed_precision="no")
+    ranks = {}
+    try:
+        wait_until(lambda: ready in log.read_text(), job, repr(ready), timeout=120)
+        ranks = workers(job, recipe)
+        assert sorted(ranks) == [0, 1]
+        assert not any(catches(p, signal.SIGTERM) for p in ranks.values())  # no stop_on_signal handler
+        t0 = time.time()
+        job.send_signal(signal.SIGTERM)  # the launcher only, as SLURM or Kubernetes would
+        status = finish(job, timeout=60)
+        alive = psutil.wait_procs(list(ranks.values()), timeout=10)[1]
+        assert not alive, f"ranks still running 10 s after SIGTERM: {[p.pid for p in alive]}"
+        print(f"{recipe}: launcher and ranks gone {time.time() - t0:.2f} s after SIGTERM")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+        for p in ranks.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    assert status == 1 and "SignalException" in log.read_text(), (status, log.read_text()[-3000:])
 
 
 @pytest.mark.parametrize("node_local", ["--output_dir", "--train_file"])
