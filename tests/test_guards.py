@@ -36,7 +36,9 @@ def test_resume_with_another_split_of_the_global_batch(config, resumed_split, tm
     want = {r["step"]: r for r in read_metrics(straight)[0]}
     got = read_metrics(resumed)[0]
     assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
-    for r in got:  # before the fix: 0.97% in loss, 55% in grad norm
+    # before the fix: 0.97% in loss, 55% in grad norm; now measured 7.9e-8 (another micro-batch split sums the
+    # accumulated gradients in another order: ~1 fp32 ulp); 1e-6 is ~13x that
+    for r in got:
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)
     if config == "ddp":  # a changed LR is refused (the optimizer state would silently bring back the saved

@@ -24,7 +24,7 @@ from common.precision import cpu_native_dtypes  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
 STEPS, WARMUP, LR = 10, 3, 3e-3  # conftest.SHORT
-# Per key, about 10x the worst gap measured on a 2-core AVX2 CPU over the 5 strategies, without and
+# Per key, about 10x the worst gap measured on a 2-core AVX-512 CPU over the 5 strategies, without and
 # with accumulation (2026-12, torch 2.13): loss 1.6e-7 (1.2e-7 without accumulation: 2 fp32 ulps at
 # 7.6), grad norm 3.5e-7 (ZeRO-3, accumulation; 6.8e-8 without, ZeRO-2), so that a norm off by
 # 3.4e-5 (torch's serial fp32 vector_norm, the reason for common/grad_norm.py) fails 8x over.
