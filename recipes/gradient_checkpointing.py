@@ -274,7 +274,7 @@ def main() -> int:
         for rnd in range(args.timing_rounds):
             for variant in (variants if rnd % 2 == 0 else variants[::-1]):
                 model, optimizer = build(accelerator, args, tokenizer, num_layers, variant)
-                guard = precision.NonFiniteGuard(accelerator, model)  # inf/NaN: stop, not measure
+                nonfinite = precision.NonFiniteGuard(accelerator, model)  # inf/NaN: stop
                 run = runs[variant]
                 saved = run["saved"]  # what the blocks save (whatever wraps them) vs the rest
                 saved.tag = "rest"
@@ -311,14 +311,14 @@ def main() -> int:
                             optimizer.step()  # no-op until the window's last micro batch
                             optimizer.zero_grad()
                         step_loss += loss.detach() / accumulation
-                    guard.record(step + 1, step_loss, norm)
+                    nonfinite.record(step + 1, step_loss, norm)
                     if device.type == "cuda":
                         torch.cuda.synchronize()  # time the step's kernels, not their launch
                     if step > 0 and not cpu_metered:
                         run["times"].append(time.perf_counter() - t0)
                     if rnd == 0:  # later rounds repeat the same steps from the same seed
                         run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
-                if problem := guard.problem():
+                if problem := nonfinite.problem():
                     raise Stop(f"L={num_layers} {variant} round {rnd}: {problem}")
                 accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
                                   f"{saved.bytes / MIB:.2f} MiB, fastest step "

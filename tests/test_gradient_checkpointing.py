@@ -60,6 +60,7 @@ def test_checkpointing_changes_memory_not_gradients(config, tmp_path, cache_dir)
                       parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert info["args"]["gradient_accumulation_steps"] == accumulation and info["args"]["weight_decay"] == 0.01
     assert info["world_size"] == 2 and info["mixed_precision"] == "no"
+    assert info["precision"]["requested"] == "no" and info["precision"]["used"] == "no"  # the launch's, recorded
     assert info["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}[config]
     variants = ["none", "hf", "manual"] + (["fsdp"] if config == "fsdp" else [])
     rows = {(r["num_layers"], r["variant"]): r for r in info["results"]}
