@@ -49,6 +49,7 @@ parser.add_argument("--num_machines", type=int, default=1, help="machines per ru
 parser.add_argument("--machine_rank", type=int, default=0, help="this machine's rank (without --srun)")
 parser.add_argument("--main_process_ip", default="127.0.0.1", help="machine 0's address")
 parser.add_argument("--main_process_port", type=int, default=29511)
+parser.add_argument("--rdzv_timeout", type=int, default=60, help="seconds the machines wait for each other")
 parser.add_argument("--srun", action="store_true", help="start each multi-machine run on every node with srun")
 parser.add_argument("--steps", type=int, default=4, help="optimizer steps (even; checkpoint at half)")
 parser.add_argument("--rtol", type=float, default=FP32_RTOL, help="parity bound, relative (default: fp32's)")
@@ -85,15 +86,16 @@ def first_error(log):
     lines = [re.sub(r"^(\[rank\d+\]:|\d+:)\s*", "", x).strip() for x in Path(log).read_text(errors="replace")
              .splitlines() if x.strip()]
     return next((x for x in lines if x.startswith("error:")), None) or \
-        next((x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b", x)), None) or (lines or ["(empty log)"])[-1]
+        next((x for x in lines if re.match(r"^[\w.]*(Error|Exception): ", x)), None) or (lines or ["(empty log)"])[-1]
 
 
 def launch(yaml_path, world, out, *extra):
     """One `accelerate launch ... recipes/llama.py` into `out` (log: out.log); None, or why it failed."""
     opts = ["--config_file", yaml_path, "--num_processes", world, "--mixed_precision", "no"]
-    if world > 1 and args.num_machines > 1:  # a node that never joins: a rendezvous error after 60 s
+    if world > 1 and args.num_machines > 1:  # a node that never joins: a rendezvous error, not a hang
         opts += ["--num_machines", args.num_machines, "--main_process_ip", args.main_process_ip,
-                 "--main_process_port", args.main_process_port, "--rdzv_conf", "timeout=60", "--max_restarts", 0]
+                 "--main_process_port", args.main_process_port, "--rdzv_conf", f"timeout={args.rdzv_timeout}",
+                 "--max_restarts", 0]
     opts += [REPO / "recipes" / "llama.py", "--output_dir", out, "--ddp_timeout", 60, *FLAGS, *extra]
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if world > 1 and args.num_machines > 1 and args.srun:  # one launcher per node (as slurm/llama.sbatch)
@@ -143,8 +145,8 @@ def resume_gap(resumed, straight, half):
     return max(gaps["loss"], gaps["grad_norm"], gaps["eval_loss"] or 0, gaps["lr"])
 
 
-def check(name, yaml_path, world, reference):
-    """Run one config (straight, then resumed); its table row."""
+def check(name, yaml_path, world):
+    """Run one config (straight, then resumed); its table row, the parity with one process still to come."""
     from compare_strategies import median_step_seconds  # (imports torch: not before the flags are checked)
 
     out = Path(args.output_dir).resolve() / name.replace("/", "_")
@@ -159,22 +161,13 @@ def check(name, yaml_path, world, reference):
                      "--resume_from_checkpoint", out / "run" / f"checkpoint-{half}")
     row["wall_s"] = round(time.time() - t0, 1)
     if why:
-        return {**row, "status": "FAIL", "problems": [why]}
+        return {**row, "problems": [why]}
     if args.machine_rank > 0 and not args.srun:  # machine 0 holds the metrics and the export
-        return {**row, "status": "PASS", "problems": []}
+        return {**row, "problems": []}
     records, summary = read_steps(out / "run"), json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     step_s = median_step_seconds(list(records.values()), 2 * world_size // world * 64, skip=1)
     row.update(tokens_per_s=round(2 * world_size * 64 / step_s), peak_mb=round(summary["peak_memory_bytes"] / 1e6))
-    if name == "single":
-        row.update(loss_gap=0.0, grad_norm_gap=0.0)  # the reference itself
-    elif reference:
-        gaps = worst_gaps(out / "run", reference)
-        row.update(loss_gap=gaps["loss"], grad_norm_gap=gaps["grad_norm"])
-        over = [k for k in ("loss", "grad_norm", "eval_loss") if (gaps[k] or 0) > args.rtol]
-        problems += [f"parity: {k} gap {gaps[k]:.1e} over --rtol {args.rtol:.0e} vs single" for k in over]
-        problems += [f"parity: LR off by {gaps['lr']:.1e}"] if gaps["lr"] > LR_ATOL else []
-    else:
-        problems.append("parity: no reference (single failed)")
+    row["dir"] = str(out / "run")  # compared with the reference once it has run
     try:
         row["resume_gap"] = resume_gap(out / "resumed", out / "run", half)
         problems += [f"resume: gap {row['resume_gap']:.1e} over {RESUME_RTOL:.0e}"] * (row["resume_gap"] > RESUME_RTOL)
@@ -182,7 +175,21 @@ def check(name, yaml_path, world, reference):
         problems += [why] if why else []
     except (OSError, ValueError) as err:
         problems.append(str(err).splitlines()[0])
-    return {**row, "status": "FAIL" if problems else "PASS", "problems": problems}
+    return {**row, "problems": problems}
+
+
+def parity(row, reference):
+    """Add the loss and grad-norm gaps against the reference run to `row`, and their problems."""
+    if row["config"] == "single":
+        row.update(loss_gap=0.0, grad_norm_gap=0.0)  # the reference itself
+    elif reference and row.get("dir"):
+        gaps = worst_gaps(row["dir"], reference)
+        row.update(loss_gap=gaps["loss"], grad_norm_gap=gaps["grad_norm"])
+        over = [k for k in ("loss", "grad_norm", "eval_loss") if (gaps[k] or 0) > args.rtol]
+        row["problems"] += [f"parity: {k} gap {gaps[k]:.1e} over --rtol {args.rtol:.0e} vs single" for k in over]
+        row["problems"] += [f"parity: LR off by {gaps['lr']:.1e}"] if gaps["lr"] > LR_ATOL else []
+    elif row.get("dir"):
+        row["problems"].append("parity: no reference (single failed)")
 
 
 def table(rows):
@@ -219,19 +226,23 @@ if args.srun and "SLURM_JOB_ID" not in os.environ:
 if args.num_processes is not None and args.num_processes < 1:
     fail(f"--num_processes {args.num_processes}: give 1 or more")
 world_size = (args.num_processes or gpus() or 2) * args.num_machines  # accelerate takes the total
-rows, reference, start = [], None, time.time()
-for name, path in configs.items():
+rows, start = [], time.time()
+for name in [*list(configs)[1:], "single"]:  # the reference last: the other machines do not wait for it
+    path = configs[name]
     try:
         single = yaml.safe_load(path.read_text()).get("distributed_type") == "NO"
     except (OSError, yaml.YAMLError, AttributeError) as err:
-        rows.append({"config": name, "world": "-", "wall_s": 0, "status": "FAIL", "problems": [f"{path}: {err}"]})
+        rows.append({"config": name, "world": "-", "wall_s": 0, "problems": [f"{path}: {err}"]})
         continue
     if single and args.machine_rank > 0 and not args.srun:
         continue  # one process: machine 0's
     print(f"[{name}] {args.steps} steps, resume from {args.steps // 2} ...", flush=True)
-    rows.append(check(name, path, 1 if single else world_size, reference))
-    if name == "single" and rows[-1]["status"] == "PASS":
-        reference = Path(args.output_dir).resolve() / "single" / "run"
+    rows.append(check(name, path, 1 if single else world_size))
+rows = rows[-1:] + rows[:-1] if rows and rows[-1]["config"] == "single" else rows
+reference = rows[0]["dir"] if rows and rows[0]["config"] == "single" and not rows[0]["problems"] else None
+for row in rows:
+    parity(row, reference)
+    row["status"] = "FAIL" if row["problems"] else "PASS"
 text = table(rows)
 print(f"\n{text}\n\n{len(rows)} configs in {time.time() - start:.0f} s; outputs and logs in {args.output_dir}")
 (Path(args.output_dir) / "smoke.md").write_text(text + "\n")
