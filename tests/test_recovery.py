@@ -85,7 +85,8 @@ def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_d
     print(f"{config}: killed at {killed_at:.0f}, resumed from step {resumed.group(2)}")
 
 
-@pytest.mark.parametrize("config, when, sig", [("ddp", "at step 14", signal.SIGTERM),
+# SIGTERM through the launcher: conftest.preempt, in the other recipes' tests; SIGHUP (a closed terminal) here
+@pytest.mark.parametrize("config, when, sig", [("ddp", "at step 14", signal.SIGHUP),
                                                ("fsdp", "during the save of checkpoint-10", signal.SIGINT)])
 def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, when, sig, tmp_path, cache_dir,
                                                                       small_corpus, reference_run):
