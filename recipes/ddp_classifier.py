@@ -16,6 +16,7 @@ once) against the majority baseline; one writer (rank 0), also for the gathered 
 
 Outputs in --output_dir: metrics.jsonl, checkpoint-N/, final/ (HF format, safetensors) and, with
 --record_sample_ids, sample_ids/rank{r}.json (written by rank r). More: docs/ddp_classifier.md.
+To change the data, model, loss or export, find the `# ADAPT:` markers.
 """
 
 import math
@@ -150,7 +151,7 @@ def main() -> int:
         accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ["BertLayer"]
 
     # ---------------------------------------------------------------------------------------------
-    # Data: passages of block_size tokens; each work's tail is held out.
+    # ADAPT: data. Passages of block_size tokens; each work's tail is held out.
     # ---------------------------------------------------------------------------------------------
     # Each node's first rank builds the tokenizer cache (home directories are often node-local).
     with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
@@ -208,7 +209,7 @@ def main() -> int:
     # <<< shared
 
     # ---------------------------------------------------------------------------------------------
-    # Model: a small BERT encoder; its classification head reads the final state at [CLS].
+    # ADAPT: model. A small BERT encoder; its classification head reads the final state at [CLS].
     # ---------------------------------------------------------------------------------------------
     config = BertConfig(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size,
@@ -284,7 +285,7 @@ def main() -> int:
                     # Every passage is labelled, all micro batches are full: the plain mean per
                     # micro batch, averaged over the window (backward divides by accumulation) and
                     # over the ranks (the all-reduce), is the mean over the global batch.
-                    loss = F.cross_entropy(logits.float(), batch["labels"])
+                    loss = F.cross_entropy(logits.float(), batch["labels"])  # ADAPT: loss
                     window_loss += loss.detach() / accumulation
                     accelerator.backward(loss)
                     # >>> shared: step
@@ -352,7 +353,7 @@ def main() -> int:
     seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
 
     # ---------------------------------------------------------------------------------------------
-    # Evaluation table and export (gathering the weights is a collective; rank 0 alone writes).
+    # Evaluation table; ADAPT: export (gathering the weights is a collective; rank 0 alone writes).
     # ---------------------------------------------------------------------------------------------
     if accuracy is None:  # resumed from the last step: nothing trained, evaluate what was loaded
         preds, labels = evaluate(model, eval_loader, accelerator)

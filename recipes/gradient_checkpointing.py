@@ -39,7 +39,7 @@ allocator statistics: common/memory.py's PeakTensorBytes (the profiler's allocat
 The rule of thumb (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"):
 checkpointing every block stores L block inputs instead of L blocks' activations, cutting
 activation memory about L-fold, for one extra forward pass, about +33% compute (a backward
-costs about two forwards). The table states the measured figures next to it.
+costs about two forwards); the table states the measured figures next to it.
 
 Flags: the core `transformers.TrainingArguments` flags (common/args.py) where a measurement has a
 use for them; a step is --gradient_accumulation_steps micro batches (step 1's first is the one
@@ -48,8 +48,8 @@ measured), --max_steps counts steps per variant, depth and round (the first unti
 schedule, so --warmup_steps, --num_train_epochs, --logging_steps, --save_steps,
 --resume_from_checkpoint and --report_to are refused with an error rather than ignored.
 
-Outputs in --output_dir: results.json (every measured figure; standard JSON, a non-finite number
-is written as null and named in the row's "nonfinite" list) and table.md.
+Outputs in --output_dir: results.json (every figure; standard JSON: a non-finite number is null,
+named in the row's "nonfinite" list) and table.md. `# ADAPT:` marks the data, model and loss.
 """
 
 import functools
@@ -242,7 +242,7 @@ def main() -> int:
     device = accelerator.device
 
     # ---------------------------------------------------------------------------------------------
-    # Data: the first max_steps windows of the seeded epoch, reused by every variant and depth.
+    # ADAPT: data. The first max_steps windows of the seeded epoch, for every variant and depth.
     # Each node's first rank builds the cache (home directories are often node-local).
     # ---------------------------------------------------------------------------------------------
     with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
@@ -262,7 +262,7 @@ def main() -> int:
     windows = [micro_batches[i:i + accumulation] for i in range(0, wanted, accumulation)]
 
     # ---------------------------------------------------------------------------------------------
-    # Models: one per variant, the same seeded weights; the variant decides what is checkpointed.
+    # ADAPT: model. One per variant, the same seeded weights; the variant picks what is recomputed.
     # ---------------------------------------------------------------------------------------------
     results = []
     for num_layers in depths:
@@ -301,7 +301,7 @@ def main() -> int:
                         with accelerator.accumulate(model):  # backward divides the loss by steps
                             with forward_backward_peak(run, meter_peak, device):
                                 with saved if rnd == step == micro == 0 else nullcontext():
-                                    loss = model(**batch).loss
+                                    loss = model(**batch).loss  # ADAPT: loss
                                 accelerator.backward(loss)
                             if accelerator.sync_gradients:
                                 if rnd == 0 and step == 0:  # reduced, not yet clipped

@@ -19,6 +19,7 @@ stop with an error naming it, before any checkpoint.
 
 Outputs in --output_dir: metrics.jsonl, summary.json (a row of the table), checkpoint-N/; with
 --compare, one folder per precision and comparison.md. More: docs/mixed_precision.md.
+To change the data, model or loss, find the `# ADAPT:` markers.
 """
 
 import json
@@ -182,8 +183,8 @@ def main() -> int:
         if config_mp and config_mp != mode else ""))
 
     # ---------------------------------------------------------------------------------------------
-    # Data: the bundled corpus, packed; the seeded sampler gives every mode the same batches. Each
-    # node's first rank builds the cache (home directories are often node-local), then the others.
+    # ADAPT: data. The bundled corpus, packed; the seeded sampler gives every mode the same batches.
+    # Each node's first rank builds the cache first (home directories are often node-local).
     # ---------------------------------------------------------------------------------------------
     with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
         raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
@@ -212,7 +213,7 @@ def main() -> int:
     # <<< shared
 
     # ---------------------------------------------------------------------------------------------
-    # Model: fp32 master weights in every mode; the precision only changes the compute.
+    # ADAPT: model. fp32 master weights in every mode; the precision only changes the compute.
     # ---------------------------------------------------------------------------------------------
     eos = tokenizer.eos_token_id
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=eos,
@@ -283,7 +284,7 @@ def main() -> int:
             measure = not sizes
             with accelerator.accumulate(model):
                 with SavedTensorBytes() if measure else nullcontext() as saved:
-                    loss = model(**batch).loss
+                    loss = model(**batch).loss  # ADAPT: loss
                 accelerator.backward(loss)  # under fp16: backward of loss x scale
                 window_loss += loss.detach()
                 window_batches += 1

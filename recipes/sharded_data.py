@@ -17,6 +17,7 @@ its own length) and prints, per rank, the loader's tokens/s alone against a step
 memory of the rank and its workers. --save_steps, --resume_from_checkpoint: as in llama.py.
 Outputs: metrics.jsonl (steps, then a summary with the table), checkpoint-N/, sample_ids/.
 Depth (shards, resume, the `datasets` route, measurements): docs/sharded_data.md.
+To change the data, model or loss, find the `# ADAPT:` markers.
 """
 
 import hashlib
@@ -194,7 +195,7 @@ def main() -> int:
     accumulation = args.gradient_accumulation_steps
 
     # -----------------------------------------------------------------------------------------
-    # Data: this rank's shards only, through a DataLoader that overlaps reading with compute.
+    # ADAPT: data. This rank's shards only, through a DataLoader that overlaps reading with compute.
     # -----------------------------------------------------------------------------------------
     # Each rank checks its own shards (the datasets route re-deals every file each epoch: all),
     # then all compare: one rank's bad shard, or a node whose manifest differs, stops every rank.
@@ -238,7 +239,7 @@ def main() -> int:
             epoch, done = epoch + 1, 0
 
     # -----------------------------------------------------------------------------------------
-    # Model, and accelerator.prepare for the model, optimizer and LR schedule (not the loader).
+    # ADAPT: model. Then accelerator.prepare: model, optimizer and LR schedule (not the loader).
     # -----------------------------------------------------------------------------------------
     config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
     if block_size > config.max_position_embeddings:
@@ -317,7 +318,7 @@ def main() -> int:
             epoch, done, b = next(batches)
             wait_s += time.perf_counter() - t0
             with accelerator.accumulate(model):  # backward divides the loss by the accumulation
-                loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+                loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss  # ADAPT: loss
                 accelerator.backward(loss)  # under fp16: backward of loss x scale
                 # >>> shared: step
                 if accelerator.sync_gradients:  # the window's last micro batch

@@ -2,6 +2,7 @@
 lesson and nothing else. A shared block sits between `# >>> shared: NAME` and `# <<< shared`; its
 copies are compared after removing their common indentation."""
 
+import re
 import textwrap
 
 import pytest
@@ -68,3 +69,16 @@ def test_the_main_recipe_fits_100_columns_and_marks_what_to_adapt():
     assert "sys.exit" not in text  # one way out: common/errors.run
     for part in ("data", "model", "loss", "export"):  # named in the docstring, found by a marker
         assert text.count(f"# ADAPT: {part}") == 1, part
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES))
+def test_every_recipe_keeps_its_budget_and_marks_what_to_adapt(recipe):
+    """At most 400 lines (llama.py 350), 100 columns, one sys.exit; its docstring names the
+    `# ADAPT:` markers, and each of data, model and loss has exactly one."""
+    text = (REPO / "recipes" / recipe).read_text()
+    lines = text.splitlines()
+    assert len(lines) <= (350 if recipe == "llama.py" else 400)
+    assert max(map(len, lines)) <= 100 and text.count("sys.exit") <= 1
+    assert "`# ADAPT:`" in text.split('"""')[1]
+    for part in ("data", "model", "loss"):
+        assert len(re.findall(rf"# ADAPT: {part}\b", text)) == 1, part
