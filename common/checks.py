@@ -329,11 +329,12 @@ def _precision_problems(mixed_precision: str, hardware: dict) -> list[Problem]:
         return [Problem("error", f"mixed_precision bf16 (accelerate config or --mixed_precision): this GPU ({cc}) has "
                                  "no bf16 arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate "
                                  "it, several times slower. Launch with --mixed_precision fp16 (loss-scaled) or "
-                                 "--mixed_precision no")]
+                                 "--mixed_precision no (recipes/mixed_precision.py: --precision fp16 or no)")]
     if mixed_precision == "fp16" and tuple(capability) >= (8, 0):
         return [Problem("warning", f"mixed_precision fp16 on a GPU with bf16 ({cc}): fp16 needs loss scaling and can "
-                                   "still overflow; bf16 keeps fp32's range at the same speed. Launch with "
-                                   "--mixed_precision bf16 unless you must match an fp16 reference")]
+                                   "still overflow; bf16 keeps fp32's range at the same speed. Use bf16 unless you "
+                                   "must match an fp16 reference (--mixed_precision bf16 on the launch line; "
+                                   "recipes/mixed_precision.py: --precision bf16)")]
     return []
 
 

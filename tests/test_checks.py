@@ -94,13 +94,14 @@ def test_precision_against_the_hardware(tmp_path):
     assert lines(checks.config_problems(config, hardware=v100)) == [
         "error: mixed_precision bf16 (accelerate config or --mixed_precision): this GPU (compute capability 7.0) has "
         "no bf16 arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate it, several times slower. "
-        "Launch with --mixed_precision fp16 (loss-scaled) or --mixed_precision no"]
+        "Launch with --mixed_precision fp16 (loss-scaled) or --mixed_precision no (recipes/mixed_precision.py: "
+        "--precision fp16 or no)"]
     h100 = {"device_type": "cuda", "capability": (9, 0), "gpus": 2}
     assert checks.config_problems(config, hardware=h100) == []
     assert lines(checks.config_problems(config, hardware=h100, flags={"mixed_precision": "fp16"})) == [
         "warning: mixed_precision fp16 on a GPU with bf16 (compute capability 9.0): fp16 needs loss scaling and can "
-        "still overflow; bf16 keeps fp32's range at the same speed. Launch with --mixed_precision bf16 unless you "
-        "must match an fp16 reference"]
+        "still overflow; bf16 keeps fp32's range at the same speed. Use bf16 unless you must match an fp16 "
+        "reference (--mixed_precision bf16 on the launch line; recipes/mixed_precision.py: --precision bf16)"]
     assert checks.config_problems(config, hardware={**v100, "capability": (7, 5)}, flags={"mixed_precision": "fp16"}) \
         == []
     assert checks.config_problems(config, hardware=CPU) == []
