@@ -214,7 +214,9 @@ def test_injected_inf_gradient_skips_the_step_and_halves_the_scale(fresh_acceler
     norm = clip_grad_norm_(accelerator, model, 1e9)  # what the recipes call
     torch.nn.functional.mse_loss(reference(x), y).backward()
     true_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-    assert float(norm) == pytest.approx(true_norm.item(), rel=1e-2)  # unscaled before the clip
+    # unscaled before the clip: a norm still scaled would be 65536x; 1e-2 covers the fp16 model's
+    # rounding against the fp32 reference (a reason, not a measured figure)
+    assert float(norm) == pytest.approx(true_norm.item(), rel=1e-2)
     optimizer.step()
     optimizer.zero_grad()
     assert not accelerator.optimizer_step_was_skipped

@@ -52,6 +52,8 @@ def test_token_weighted_accumulation(files, reference, config, per_device, accum
     assert lengths[0] < 20 and lengths[1] > 90  # very unequal, both shorter than the 128-token block (padding)
     ref_steps = reference
     steps = run(root, tmp_path, cache_dir, config, per_device, accum)
+    # fp32; the split regroups the token sums (rounding only); the fault this guards, a mean of per-micro-batch
+    # means, weights these very unequal lengths differently: 1e-5 is a reason-based bound, not a measured one
     for r, q in zip(steps, ref_steps):
         assert r["loss"] == pytest.approx(q["loss"], rel=1e-5), (config, r["step"])
         assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (config, r["step"])
