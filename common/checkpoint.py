@@ -296,6 +296,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
     """
     applied = workarounds.fill_fsdp1_optimizer_state(accelerator, model, optimizer)
     accelerator.load_state(str(path))
+    applied += workarounds.relink_offload_lr_scheduler(accelerator)
     return applied + workarounds.micro_steps_from_optimizer_steps(accelerator, optimizer_steps)
 
 
@@ -557,10 +558,6 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | 
     if not path:
         start_fresh(accelerator, args.output_dir)
         return None, saved
-    if offloaded := zero_offload(accelerator):
-        raise Stop(f"cannot resume from {path} under ZeRO-Offload ({offloaded} on the CPU): with DeepSpeed "
-                   "0.19.8 the resumed run's second optimizer step already differs from an uninterrupted run's "
-                   "(tools/smoke.py's resume check); start a fresh run, or train without offload")
     if error := resume_error(path, saved, run_state, list(run_state) if must_match is None else must_match):
         raise Stop(error)
     max_steps = run_state.get("max_steps")
@@ -569,17 +566,6 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | 
                           f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
                           "run only while both are still in warmup")
     return path, saved
-
-
-def zero_offload(accelerator) -> str | None:
-    """What the DeepSpeed config offloads ("optimizer state", "parameters", both joined), or None.
-
-    Read from the plugin's config, so it works before `prepare`."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    zero = plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {}
-    kinds = [name for name, key in (("optimizer state", "offload_optimizer"), ("parameters", "offload_param"))
-             if str((zero.get(key) or {}).get("device", "none")).lower() not in ("none", "")]
-    return " and ".join(kinds) or None
 
 
 def resumed_line(path: Path, step: int) -> str:

@@ -31,6 +31,8 @@ the state dict instead (it runs at export, after run_info.json is written).
 |                            |                  | stay zero                    |                       |
 | micro_steps_from_          | Accelerate 1.15  | another batch split closes   | restores              |
 |   optimizer_steps          |                  | windows early on resume      | accelerator.step      |
+| relink_offload_lr_         | Accelerate 1.15, | ZeRO-Offload resume: CPU Adam| load_state_dict makes |
+|   scheduler                | torch 2.13       | keeps the checkpoint's LR    | new group dicts       |
 | fsdp1_cpu_state_dict       | torch 2.13       | FSDP1 export on CPU: SIGSEGV | torch 2.13; offloads  |
 | trim_malloc_heap           | glibc            | RSS counts freed heap pages  | glibc, malloc_trim    |
 
@@ -314,6 +316,33 @@ def micro_steps_from_optimizer_steps(accelerator, optimizer_steps: int) -> list[
     """
     accelerator.step = optimizer_steps * accelerator.gradient_accumulation_steps
     return ["micro_steps_from_optimizer_steps"]
+
+
+def relink_offload_lr_scheduler(accelerator) -> list[str]:
+    """After `load_state` under ZeRO-Offload: the LR scheduler drives DeepSpeed's CPU Adam again.
+
+    With offload_optimizer, Accelerate 1.15 swaps the recipe's AdamW for a DeepSpeedCPUAdam built
+    from the same param-group dicts (`map_pytorch_optim_to_deepspeed`), while the LR scheduler
+    keeps the AdamW: it sets the LR only because the two share those dicts. The checkpoint load
+    (`Optimizer.load_state_dict` of the CPU Adam) replaces its groups with new dicts, so the
+    scheduler then writes the dead AdamW's: the CPU Adam keeps the checkpoint's LR forever (the
+    first resumed step right, later ones wrong; the logged LR, the scheduler's, looks right).
+    Points the scheduler's optimizer back at the CPU Adam's groups. Canary: `load_state` still
+    leaves the scheduler's optimizer and DeepSpeed's base optimizer with different group dicts.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return []
+    applied = []
+    for scheduler in accelerator._schedulers:
+        torch_scheduler = getattr(scheduler, "scheduler", scheduler)
+        held = getattr(torch_scheduler, "optimizer", None)
+        for wrapped in accelerator._optimizers:
+            base = getattr(getattr(wrapped, "optimizer", None), "optimizer", None)  # wrapper -> ZeRO -> base
+            if held is None or base is None or held is base or held.param_groups is base.param_groups:
+                continue
+            held.param_groups = base.param_groups
+            applied = ["relink_offload_lr_scheduler"]
+    return applied
 
 
 def fsdp1_cpu_state_dict(accelerator, model: torch.nn.Module) -> dict | None:

@@ -243,3 +243,19 @@ def test_process_group_returns_what_applied(monkeypatch):
     group, applied = launch.process_group(60)
     assert applied == ["ddp_ranks_on_cpu"] and group.backend == "gloo"
     assert os.environ["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_relink_offload_lr_scheduler():
+    """Accelerate still builds DeepSpeed's CPU Adam on the AdamW's own param-group dicts, and torch's
+    `load_state_dict` still gives an optimizer new group dicts: a scheduler holding the AdamW then
+    sets the LR of groups nobody steps."""
+    from accelerate.utils import deepspeed as accelerate_deepspeed
+
+    source = inspect.getsource(accelerate_deepspeed.map_pytorch_optim_to_deepspeed)
+    assert "optimizer_class(optimizer.param_groups" in source, upstream("relink_offload_lr_scheduler")
+    weight = torch.nn.Parameter(torch.ones(2))
+    adamw = torch.optim.AdamW([weight], lr=1e-3)
+    swapped = torch.optim.AdamW(adamw.param_groups)  # built on the same dicts, as the CPU Adam is
+    assert swapped.param_groups[0] is adamw.param_groups[0]
+    swapped.load_state_dict(swapped.state_dict())
+    assert swapped.param_groups[0] is not adamw.param_groups[0], upstream("relink_offload_lr_scheduler")
