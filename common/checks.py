@@ -424,8 +424,16 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
                                       bool(flags.get("gradient_checkpointing")), mixed_precision)
              for name, s in strategies.items()}
     this = plans.pop("ZeRO-3")
+    device = plan.device_spec(plan.detect_device())  # tools/plan.py's time model, uncalibrated
+
+    def tokens_per_s(name):
+        return plan.time_strategy(strategies[name], shape, device, ranks, flags["per_device_train_batch_size"],
+                                  flags["block_size"], flags.get("gradient_accumulation_steps", 1),
+                                  plan.checkpoint_mode(bool(flags.get("gradient_checkpointing"))),
+                                  mixed_precision=mixed_precision)["tokens_per_s"]
     better = [f"{name} fits ({_size(p['total'])} of {_size(device_memory)} per rank) sending "
-              f"{_size(p['comm_per_step'])}" for name, p in plans.items()
+              f"{_size(p['comm_per_step'])}, predicted at {tokens_per_s(name) / tokens_per_s('ZeRO-3'):.2f}x "
+              f"ZeRO-3's tokens/s on {device.name}" for name, p in plans.items()
               if p["total"] <= device_memory and p["comm_per_step"] < this["comm_per_step"]]
     if not better:
         return None
