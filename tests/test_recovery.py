@@ -4,6 +4,7 @@ Ctrl-C saving at the next step boundary, a SIGKILLed launcher leaving no workers
 Every resumed run is compared with one uninterrupted run (`reference_run`, shared with
 tests/test_slurm.py)."""
 
+import contextlib
 import os
 import re
 import signal
@@ -228,6 +229,19 @@ def test_a_sigkilled_launcher_takes_every_recipes_workers_with_it(recipe, tmp_pa
     tests/test_sharded_data.py): the kernel SIGKILLs each rank when its launcher dies (die_with_launcher).
     Measured: gone 1.2-1.9 s after the launcher (a killed rank counts until PID 1 reaps it); without
     die_with_launcher, all three recipes' ranks still ran 30 s later."""
+    with training(recipe, tmp_path, cache_dir) as (job, ranks, _):
+        job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
+        job.wait()
+        t0 = time.time()
+        alive = psutil.wait_procs(list(ranks.values()), timeout=10)[1]
+        assert not alive, f"workers still running 10 s after their launcher died: {[p.pid for p in alive]}"
+        print(f"{recipe}: workers gone {time.time() - t0:.2f} s after the launcher")
+
+
+@contextlib.contextmanager
+def training(recipe, tmp_path, cache_dir):
+    """A 2-rank DDP launch of one of LONG_RUNS, once it trains: yields (launcher, {rank: process}, log).
+    On the way out nothing is left running: the launcher's group and every rank are SIGKILLed."""
     args, ready = LONG_RUNS[recipe]
     log = tmp_path / "run.log"
     job = start_recipe("ddp", recipe, "--output_dir", tmp_path / "run", "--ddp_timeout", 60, *args, cache_dir=cache_dir,
@@ -235,14 +249,9 @@ def test_a_sigkilled_launcher_takes_every_recipes_workers_with_it(recipe, tmp_pa
     ranks = {}
     try:
         wait_until(lambda: ready in log.read_text(), job, repr(ready), timeout=120)
-        ranks = workers(job, recipe)
+        ranks.update(workers(job, recipe))
         assert sorted(ranks) == [0, 1]
-        job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
-        job.wait()
-        t0 = time.time()
-        alive = psutil.wait_procs(list(ranks.values()), timeout=10)[1]
-        assert not alive, f"workers still running 10 s after their launcher died: {[p.pid for p in alive]}"
-        print(f"{recipe}: workers gone {time.time() - t0:.2f} s after the launcher")
+        yield job, ranks, log
     finally:
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
         for p in ranks.values():  # none left after a pass; after a failure, no orphans
@@ -257,15 +266,7 @@ def test_sigterm_ends_gradient_checkpointing(tmp_path, cache_dir):
     the launcher ends it: torchrun passes the signal on, no rank catches it, every rank is gone and the
     launcher exits 1 (torchrun's SignalException)."""
     recipe = "recipes/gradient_checkpointing.py"
-    args, ready = LONG_RUNS[recipe]
-    log = tmp_path / "run.log"
-    job = start_recipe("ddp", recipe, "--output_dir", tmp_path / "run", "--ddp_timeout", 60, *args, cache_dir=cache_dir,
-                       log=log, num_processes=2, mixed_precision="no")
-    ranks = {}
-    try:
-        wait_until(lambda: ready in log.read_text(), job, repr(ready), timeout=120)
-        ranks = workers(job, recipe)
-        assert sorted(ranks) == [0, 1]
+    with training(recipe, tmp_path, cache_dir) as (job, ranks, log):
         assert not any(catches(p, signal.SIGTERM) for p in ranks.values())  # no stop_on_signal handler
         t0 = time.time()
         job.send_signal(signal.SIGTERM)  # the launcher only, as SLURM or Kubernetes would
@@ -273,13 +274,6 @@ def test_sigterm_ends_gradient_checkpointing(tmp_path, cache_dir):
         alive = psutil.wait_procs(list(ranks.values()), timeout=10)[1]
         assert not alive, f"ranks still running 10 s after SIGTERM: {[p.pid for p in alive]}"
         print(f"{recipe}: launcher and ranks gone {time.time() - t0:.2f} s after SIGTERM")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-        for p in ranks.values():
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
     assert status == 1 and "SignalException" in log.read_text(), (status, log.read_text()[-3000:])
 
 
