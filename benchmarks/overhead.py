@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --configs single ddp --steps 40 --repeats 5
     python benchmarks/overhead.py --recipe recipes/llama.py /tmp/llama_variant.py   # attribute a cost
     python benchmarks/overhead.py --wait_quiet 10 --out benchmarks/results/overhead_cpu2.md
+    python benchmarks/overhead.py --op_counts --fp32     # ops per step, bare vs recipe: not timing noise
 
 Both sides train the same model (the `debug` Llama preset, common/models.py), on the same
 blocks (the bundled corpus packed into 256-token blocks by common/data.py, as the recipe builds
@@ -73,6 +74,26 @@ if os.environ.get("OVERHEAD_STEP_TIMES"):
             _stamps.append((time.perf_counter(), time.process_time()))
 
     register_optimizer_step_post_hook(_stamp)
+
+if os.environ.get("OVERHEAD_OP_COUNTS"):  # --op_counts: the ops of optimizer steps 3 to 6
+    import json, torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    _prof = {"steps": 0}
+
+    def _count(optimizer, args, kwargs):
+        if not isinstance(optimizer, torch.optim.AdamW):
+            return
+        _prof["steps"] += 1
+        if _prof["steps"] == 2:
+            _prof["p"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            _prof["p"].__enter__()
+        elif _prof["steps"] == 6:
+            _prof["p"].__exit__(None, None, None)
+            counts = {e.key: e.count / 4 for e in _prof["p"].key_averages() if e.key.startswith("aten::")}
+            with open(os.environ["OVERHEAD_OP_COUNTS"], "w") as f:
+                json.dump(counts, f)
+
+    register_optimizer_step_post_hook(_count)
 
     @atexit.register
     def _write_stamps():
@@ -299,6 +320,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def op_counts(args) -> str:
+    """--op_counts: aten calls per optimizer step (mean of steps 3-6) of the bare single-process
+    loop and of each `--recipe` under single.yaml, one thread each; a markdown table of the
+    totals and of every op whose count differs."""
+    counts = {}
+    with tempfile.TemporaryDirectory(prefix="overhead_ops_") as tmp:
+        work, timer_dir = Path(tmp), Path(tmp) / "step_timer"
+        timer_dir.mkdir()
+        (timer_dir / "sitecustomize.py").write_text(STEP_TIMER)
+        for kind, script in [("bare", None)] + [("recipe", r) for r in args.recipe]:
+            out = work / f"{kind}_{len(counts)}.json"
+            os.environ["OVERHEAD_OP_COUNTS"] = str(out)
+            run_once(kind, "single", 8, 1, work, timer_dir, f"ops_{len(counts)}", Path(script or "-"),
+                     args.recipe_args.split(), args.fp32)
+            counts["bare" if script is None else Path(script).name] = json.loads(out.read_text())
+        del os.environ["OVERHEAD_OP_COUNTS"]
+    names, ops = list(counts), sorted({op for c in counts.values() for op in c})
+    differ = [op for op in ops if len({c.get(op, 0) for c in counts.values()}) > 1]
+    lines = ["| aten op | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
+             "| all | " + " | ".join(f"{sum(c.values()):,.0f}" for c in counts.values()) + " |"]
+    lines += [f"| {op} | " + " | ".join(f"{c.get(op, 0):g}" for c in counts.values()) + " |" for op in differ]
+    return "\n".join(lines)
+
+
 def _reference(config: str) -> str:
     """The bare run a config is compared with: the plain loop for one process, DDP for several."""
     return "single" if CONFIGS[config] == 1 else "ddp"
@@ -327,6 +372,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fp32", action="store_true",
                         help="both sides in fp32 (the recipe launched with --mixed_precision no): what a CPU without "
                              "native bf16 trains in, measured on any CPU")
+    parser.add_argument("--op_counts", action="store_true",
+                        help="instead of timing: count the aten ops of 4 optimizer steps, bare single against "
+                             "the recipe, one process (torch.profiler): cost that is not noise")
     parser.add_argument("--bare_steps", type=int, default=None, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(argv)
     if args.bare_steps is None and not (1 <= args.warmup < args.steps - 1):
@@ -343,6 +391,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.bare_steps is not None:
         bare_loop(args.bare_steps, args.fp32)
+        return
+    if args.op_counts:
+        print(op_counts(args))
         return
     cores = args.cores or os.cpu_count()
     threads = {c: max(1, cores // n) for c, n in CONFIGS.items()}
