@@ -1,0 +1,83 @@
+"""HSDP (accelerate_configs/hsdp.yaml: FSDP2 on a dp_replicate 2 x dp_shard 2 mesh), 4 gloo ranks in
+fp32, on conftest.SHORT's 10 steps of global batch 4 (1 per device here): one launch, saving
+checkpoint-6, serves the parity test against the single-process reference of tests/test_parity.py
+(the session's `short_run("single")`), the export test and the resume test's reference; the
+resumed run and a 2-machine loopback launch (2 processes each) are the two other launches."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from common.checkpoint import verify_checkpoint
+from conftest import SHORT, launch, read_metrics, strict_json
+from test_checkpoint import RESUME_RTOL
+from test_multinode import launch_two_machines
+from test_parity import FP32_RTOL, KEYS, worst_gaps
+
+SAVE = 6  # a logging step of SHORT (every 2nd), mid-run
+FLAGS = ["--per_device_train_batch_size", 1, *SHORT, "--save_steps", SAVE]
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("hsdp") / "run"
+    launch("hsdp", "recipes/llama.py", "--output_dir", out, *FLAGS, cache_dir=cache_dir, mixed_precision="no")
+    return out
+
+
+def steps_of(out):
+    return {r["step"]: r for r in read_metrics(out)[0]}
+
+
+def test_hsdp_matches_one_process(hsdp, short_run):
+    info = strict_json((hsdp / "run_info.json").read_text())
+    assert (info["distributed_type"], info["world_size"], info["global_batch"]) == ("FSDP", 4, 4)
+    assert info["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    # Each rank holds half the parameter elements (sharded over dp_shard 2), not a quarter.
+    for n in info["local_param_elements"]:
+        assert abs(n / info["n_params"] - 0.5) < 0.02, (n, info["n_params"])
+    reference, _ = short_run("single")
+    gaps = worst_gaps(hsdp, reference)
+    assert gaps["steps"] == 5 and gaps["lr"] == 0, gaps
+    for key in KEYS:
+        assert gaps[key] < FP32_RTOL[key], f"HSDP 2x2 {key}: worst relative gap {gaps[key]:.2e} vs one process"
+
+
+def test_hsdp_export_reloads_to_the_live_logits(hsdp):
+    model = AutoModelForCausalLM.from_pretrained(hsdp / "final", dtype=torch.float32).eval()
+    probe = load_file(hsdp / "final_logits.safetensors")
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+    assert torch.equal(logits, probe["logits"]), (logits - probe["logits"]).abs().max()
+
+
+def test_hsdp_resumes_exactly(hsdp, tmp_path, cache_dir):
+    marker = verify_checkpoint(hsdp / f"checkpoint-{SAVE}")
+    assert (marker["world_size"], marker["distributed_type"]) == (4, "FSDP2 (dp_replicate 2 x dp_shard 2)")
+    resumed = tmp_path / "resumed"
+    launch("hsdp", "recipes/llama.py", "--output_dir", resumed, *FLAGS, "--resume_from_checkpoint",
+           hsdp / f"checkpoint-{SAVE}", cache_dir=cache_dir, mixed_precision="no")
+    want, got = steps_of(hsdp), steps_of(resumed)
+    assert sorted(got) == [8, 10]
+    for s, r in got.items():
+        for key in ("loss", "grad_norm", "lr"):
+            assert r[key] == pytest.approx(want[s][key], rel=RESUME_RTOL, abs=1e-12), (s, key)
+    assert got[10]["eval_loss"] == pytest.approx(want[10]["eval_loss"], rel=RESUME_RTOL)
+
+
+def test_hsdp_on_two_machines_matches_one(hsdp, tmp_path, cache_dir):
+    """2 machines x 2 processes over loopback: each machine's 2 ranks are one dp_shard group, the
+    machines the 2 replicas; the same mesh as 1 machine x 4, so the same steps."""
+    out = tmp_path / "run"
+    launch_two_machines("hsdp", out, *FLAGS, cache_dir=cache_dir, logs=tmp_path / "logs", num_processes=4)
+    info = json.loads((out / "run_info.json").read_text())
+    assert (info["world_size"], info["mesh"]) == (4, {"dp_replicate": 2, "dp_shard": 2})
+    want, got = steps_of(hsdp), steps_of(out)
+    assert sorted(got) == sorted(want) == [2, 4, 6, 8, 10]
+    for s, r in got.items():
+        for key in ("loss", "grad_norm", "lr"):
+            assert r[key] == pytest.approx(want[s][key], rel=1e-6, abs=1e-12), (s, key)
+    assert got[10]["eval_loss"] == pytest.approx(want[10]["eval_loss"], rel=1e-6)
