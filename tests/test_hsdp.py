@@ -1,8 +1,9 @@
 """HSDP (accelerate_configs/hsdp.yaml: FSDP2 on a dp_replicate 2 x dp_shard 2 mesh), 4 gloo ranks in
 fp32, on conftest.SHORT's 10 steps of global batch 4 (1 per device here): one launch, saving
-checkpoint-6, serves the parity test against the single-process reference of tests/test_parity.py
-(the session's `short_run("single")`), the export test and the resume test's reference; the
-resumed run and a 2-machine loopback launch (2 processes each) are the two other launches."""
+checkpoint-5 and checkpoint-10, serves the parity test against the single-process reference of
+tests/test_parity.py (the session's `short_run("single")`), the export and offline-consolidation test
+and the resume test's reference; the resumed run and a 2-machine loopback launch (2 processes each)
+are the two other launches."""
 
 import json
 
@@ -16,8 +17,9 @@ from conftest import SHORT, launch, read_metrics, strict_json
 from test_checkpoint import RESUME_RTOL
 from test_multinode import launch_two_machines
 from test_parity import FP32_RTOL, KEYS, worst_gaps
+from tools.consolidate import consolidated_state_dict
 
-SAVE = 6  # a logging step of SHORT (every 2nd), mid-run
+SAVE = 5  # mid-run; the resumed run logs steps 6, 8 and 10 (SHORT logs every 2nd)
 FLAGS = ["--per_device_train_batch_size", 1, *SHORT, "--save_steps", SAVE]
 
 
@@ -47,6 +49,13 @@ def test_hsdp_matches_one_process(hsdp, short_run):
 
 
 def test_hsdp_export_reloads_to_the_live_logits(hsdp):
+    """The export reloads to the live (sharded) model's logits, and tools/consolidate.py turns the
+    last sharded checkpoint into the same weights, offline (measured: both bit-equal)."""
+    exported = load_file(hsdp / "final" / "model.safetensors")
+    consolidated = consolidated_state_dict(hsdp / "checkpoint-10")
+    consolidated.pop("lm_head.weight", None)  # tied to the embedding: the export stores it once
+    assert sorted(consolidated) == sorted(exported)
+    assert all(torch.equal(consolidated[k], exported[k]) for k in exported)
     model = AutoModelForCausalLM.from_pretrained(hsdp / "final", dtype=torch.float32).eval()
     probe = load_file(hsdp / "final_logits.safetensors")
     with torch.no_grad():
@@ -61,7 +70,7 @@ def test_hsdp_resumes_exactly(hsdp, tmp_path, cache_dir):
     launch("hsdp", "recipes/llama.py", "--output_dir", resumed, *FLAGS, "--resume_from_checkpoint",
            hsdp / f"checkpoint-{SAVE}", cache_dir=cache_dir, mixed_precision="no")
     want, got = steps_of(hsdp), steps_of(resumed)
-    assert sorted(got) == [8, 10]
+    assert sorted(got) == [6, 8, 10]
     for s, r in got.items():
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[s][key], rel=RESUME_RTOL, abs=1e-12), (s, key)
