@@ -375,9 +375,11 @@ def _mesh_problems(mesh: dict, where: str, ranks: int, per_machine: int) -> list
     """A `parallelism_config` (HSDP: dp_replicate x dp_shard) that Accelerate would refuse with a traceback,
     that the recipes cannot train, or whose shard groups span machines."""
     sizes = {dim: int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in MESH_DIMS}
-    shown = " x ".join(f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items() if n > 1 or dim[:2] == "dp")
+    shown = " x ".join(f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
+                       if n > 1 or dim.startswith("dp"))
     out = []
-    if other := [f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items() if dim[:2] not in "dp" and n > 1]:
+    if other := [f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
+                 if not dim.startswith("dp") and n > 1]:
         out.append(Problem("error", f"{', '.join(other)} in {where}: the recipes shard the data-parallel "
                                     "dimensions only (HSDP: dp_replicate x dp_shard); tensor, context and sequence "
                                     "parallel need the model built sharded by transformers (tp_plan) and the batch "
