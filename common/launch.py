@@ -248,7 +248,7 @@ def mesh_layout(accelerator: Accelerator) -> dict | None:
     """The device mesh of a 2-D (or more) layout, from the accelerate config's `parallelism_config`:
     {"dp_replicate": 2, "dp_shard": 2} for HSDP (accelerate_configs/hsdp.yaml), with "tp" for tensor
     parallel. None for a 1-D run (DDP, FSDP over all ranks, DeepSpeed), as if it had no mesh."""
-    config = accelerator.parallelism_config
+    config = getattr(accelerator, "parallelism_config", None)
     if config is None:
         return None
     dims = {name: config._sizes[name] for name in config.active_mesh_dims}

@@ -6,13 +6,14 @@ and the resume test's reference; the resumed run and a 2-machine loopback launch
 are the two other launches."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.checkpoint import verify_checkpoint
+from common.checkpoint import resume_error, strategy_name, verify_checkpoint
 from conftest import SHORT, launch, read_metrics, strict_json
 from test_checkpoint import RESUME_RTOL
 from test_multinode import launch_two_machines
@@ -78,6 +79,27 @@ def test_hsdp_resumes_exactly(hsdp, tmp_path, cache_dir):
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[s][key], rel=RESUME_RTOL, abs=1e-12), (s, key)
     assert got[10]["eval_loss"] == pytest.approx(want[10]["eval_loss"], rel=RESUME_RTOL)
+
+
+def test_an_hsdp_state_resumes_only_on_its_own_mesh():
+    """The checkpoint records the mesh with the strategy, so FSDP2 over all 4 ranks, or another HSDP
+    layout, refuses an HSDP 2 x 2 state at start-up instead of loading it onto other shards."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from test_checkpoint import fake_accelerator
+
+    def name(**sizes):
+        accelerator = fake_accelerator("FSDP")
+        accelerator.parallelism_config = ParallelismConfig(**sizes) if sizes else None
+        return strategy_name(accelerator)
+    hsdp = name(dp_replicate_size=2, dp_shard_size=2)
+    assert hsdp == "FSDP2 (dp_replicate 2 x dp_shard 2)"
+    assert name() == name(dp_shard_size=4) == "FSDP2"  # FSDP over all ranks: one name, with or without a mesh
+    saved = {"step": 5, "distributed_type": hsdp, "world_size": 4}
+    for other in (name(), name(dp_replicate_size=4, dp_shard_size=2)):
+        error = resume_error(Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, [])
+        assert error and f"a {hsdp} state of 4 rank(s), this run is {other} with 4" in error, error
+    assert resume_error(Path("ckpt"), saved, {"distributed_type": hsdp, "world_size": 4, "max_steps": 10}, []) is None
 
 
 def test_hsdp_on_two_machines_matches_one(hsdp, tmp_path, cache_dir):
