@@ -36,7 +36,7 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
-from common import models, workarounds
+from common import launch, models, workarounds
 from common.errors import Stop
 
 MARKER = "COMPLETE.json"
@@ -359,7 +359,8 @@ def precision_state(accelerator) -> dict:
 
 def strategy_name(accelerator) -> str:
     """The strategy as a checkpoint records it: Accelerate's distributed type, plus the FSDP version
-    or the ZeRO stage ("FSDP2", "FSDP1", "DEEPSPEED_ZERO3", "MULTI_CPU", ...).
+    or the ZeRO stage ("FSDP2", "FSDP1", "DEEPSPEED_ZERO3", "MULTI_CPU", ...), and a 2-D mesh
+    ("FSDP2 (dp_replicate 2 x dp_shard 2)": HSDP's states are laid out on it).
 
     Accelerate's own name ("FSDP", "DEEPSPEED") is one for FSDP1 and FSDP2, ZeRO-2 and ZeRO-3,
     whose sharded states differ: `resume_error` compares this name, so every recipe records it.
@@ -368,7 +369,9 @@ def strategy_name(accelerator) -> str:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return f"{name}_ZERO{accelerator.state.deepspeed_plugin.zero_stage}"
     if accelerator.distributed_type == DistributedType.FSDP:
-        return name + ("2" if accelerator.is_fsdp2 else "1")
+        mesh = launch.mesh_layout(accelerator)  # HSDP: "FSDP2 (dp_replicate 2 x dp_shard 2)"
+        return name + ("2" if accelerator.is_fsdp2 else "1") + (
+            f" ({' x '.join(f'{dim} {size}' for dim, size in mesh.items())})" if mesh else "")
     return name
 
 

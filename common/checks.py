@@ -35,11 +35,16 @@ one call per stage, prints each warning once and stops with every error line.
 |   is not in the ranks' environment                     |          |   launch drops it for DeepSpeed (1.15)  |
 | regional compilation under FSDP1                       | error    | Accelerate's compile_regions fails in   |
 |                                                        |          |   prepare on FSDP1's wrapped blocks     |
+| `parallelism_config` sizes whose product is not the    | error    | Accelerate raises in its constructor    |
+|   ranks, or dp_shard_size 1                            |          |   (a traceback)                         |
+| `parallelism_config_tp_size` (cp, sp) above 1          | error    | the recipes build the model unsharded   |
+| HSDP shard groups that span machines                   | warning  | all-gathers cross the network           |
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import NamedTuple
 
@@ -77,6 +82,9 @@ def _true(value) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # ParallelismConfig's, in its mesh order
+
+
 def launch_config_from_env(env=os.environ) -> dict:
     """The accelerate config this rank was launched with, in the YAML's keys, from `accelerate launch`'s variables.
 
@@ -88,7 +96,8 @@ def launch_config_from_env(env=os.environ) -> dict:
         fsdp_reshard_after_forward), "deepspeed_config" (deepspeed_config_file, or the YAML's own
         gradient_accumulation_steps / gradient_clipping / zero_stage), "dynamo_config" ({"dynamo_backend":
         "INDUCTOR"} when torch.compile was asked for; under DeepSpeed from `launcher_dynamo_backend`),
-        "dropped_launch_flags" ({"--zero_stage": "3", ...}: DeepSpeed flags of the `accelerate launch` line
+        "parallelism_config" ({"parallelism_config_dp_shard_size": 2, ...}: the mesh of HSDP, tensor
+        parallel), "dropped_launch_flags" ({"--zero_stage": "3", ...}: DeepSpeed flags of the `accelerate launch` line
         of a launch that is not DeepSpeed, which Accelerate drops)}; absent values are left out.
     """
     world = int(env.get("WORLD_SIZE", 1))
@@ -120,6 +129,9 @@ def launch_config_from_env(env=os.environ) -> dict:
                if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") else {})}
     else:
         config["distributed_type"] = "MULTI_GPU" if world > 1 else "NO"
+    if _true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")):  # the YAML's parallelism_config (or its launch flags)
+        config["parallelism_config"] = {f"parallelism_config_{dim}_size": int(env.get(
+            f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", 1)) for dim in MESH_DIMS}
     if config["distributed_type"] != "DEEPSPEED":  # accelerate launch drops its DeepSpeed flags here
         names = {f"--{key}" for key in (*LAUNCH_DS_KEYS, "zero3_init_flag")}
         if dropped := {k: v for k, v in (launcher or {}).items() if k in names}:
@@ -359,6 +371,33 @@ def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes:
     return out
 
 
+def _mesh_problems(mesh: dict, where: str, ranks: int, per_machine: int) -> list[Problem]:
+    """A `parallelism_config` (HSDP: dp_replicate x dp_shard) that Accelerate would refuse with a traceback,
+    that the recipes cannot train, or whose shard groups span machines."""
+    sizes = {dim: int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in MESH_DIMS}
+    shown = " x ".join(f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
+                       if n > 1 or dim.startswith("dp"))
+    out = []
+    if other := [f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
+                 if not dim.startswith("dp") and n > 1]:
+        out.append(Problem("error", f"{', '.join(other)} in {where}: the recipes shard the data-parallel "
+                                    "dimensions only (HSDP: dp_replicate x dp_shard); tensor, context and sequence "
+                                    "parallel need the model built sharded by transformers (tp_plan) and the batch "
+                                    "counted over data-parallel ranks only, which they do not do (docs/configs.md)"))
+    elif math.prod(sizes.values()) != ranks:
+        out.append(Problem("error", f"{shown} in {where} = {math.prod(sizes.values())} ranks, but the launch has "
+                                    f"num_processes {ranks}: make the product the number of processes"))
+    elif sizes["dp_shard"] == 1:
+        out.append(Problem("error", f"parallelism_config_dp_shard_size 1 in {where}: FSDP has nothing to shard "
+                                    "across; for replicas alone use accelerate_configs/ddp.yaml"))
+    elif per_machine % sizes["dp_shard"] and sizes["dp_replicate"] > 1:
+        out.append(Problem("warning", f"parallelism_config_dp_shard_size {sizes['dp_shard']} in {where} with "
+                                      f"{per_machine} processes per machine: shard groups span machines, so every "
+                                      "step's all-gathers cross the network, which HSDP is meant to avoid; make "
+                                      "dp_shard_size the processes per machine (or a divisor of it)"))
+    return out
+
+
 def _dynamo_problem(config: dict, where: str, compiles: bool) -> Problem | None:
     """torch.compile that fails (regional compilation under FSDP1: a traceback in prepare) or that would not
     happen under DeepSpeed: accelerate launch (1.15) passes its dynamo settings
@@ -522,6 +561,9 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
         out.append(problem)
     if config.get("distributed_type") == "FSDP":
         out += _fsdp_problems(config.get("fsdp_config") or {}, where, hardware, model_classes)
+    if config.get("parallelism_config"):
+        out += _mesh_problems(config["parallelism_config"], where, ranks,
+                              ranks // max(1, int(config.get("num_machines", 1))))
     batch_flags = ("per_device_train_batch_size", "gradient_accumulation_steps")
     if all(f in flags for f in batch_flags):
         micro, accumulation = (flags[f] for f in batch_flags)

@@ -62,9 +62,10 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
     Raises:
         ValueError: under DeepSpeed, if `max_norm` differs from the JSON's `gradient_clipping`
             (`checks.clipping_problem`, which the recipes also check at start-up).
-        NotImplementedError: for hybrid sharding (FSDP1 HYBRID_SHARD, a 2-D FSDP2 mesh), where a
-            sum over all ranks would count replicated shards more than once. (FSDP1 NO_SHARD
-            holds full gradients on every rank, like DDP: no sum.)
+        NotImplementedError: for FSDP1 HYBRID_SHARD, where a sum over all ranks would count
+            replicated shards more than once. (FSDP1 NO_SHARD holds full gradients on every rank,
+            like DDP: no sum. FSDP2 on a 2-D mesh, HSDP: each gradient's squares are added up over
+            the mesh dims it is sharded on, not over the replicas.)
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
@@ -75,12 +76,16 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
     accelerator.unscale_gradients()  # no-op unless fp16 loss scaling is on
     params = [p for p in model.parameters() if p.grad is not None]
     sum_of_squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    on_mesh = {}  # FSDP2 on a 2-D mesh (HSDP), tensor parallel: (mesh, sharded dims) -> sum of squares
     for p in params:
         grad = p.grad
-        if isinstance(grad, DTensor):  # FSDP2: this rank's shard
-            if grad.device_mesh.ndim != 1 or grad.device_mesh.size() != accelerator.num_processes:
-                raise NotImplementedError("clip_grad_norm_ supports FSDP2 sharded over all ranks (1-D mesh), "
-                                          f"got mesh {grad.device_mesh}")
+        if isinstance(grad, DTensor):  # FSDP2 (and tensor parallel): this rank's shard
+            mesh = grad.device_mesh
+            if not (mesh.ndim == 1 and mesh.size() == accelerator.num_processes):
+                dims = tuple(d for d, placement in enumerate(grad.placements) if placement.is_shard())
+                part = on_mesh.setdefault((mesh, dims), torch.zeros_like(sum_of_squares))
+                part += _sum_of_squares_fp64(grad.to_local()).to(part.device)
+                continue
             grad = grad.to_local()
         sum_of_squares += _sum_of_squares_fp64(grad).to(sum_of_squares.device)
     strategy = getattr(model, "sharding_strategy", None)  # FSDP1 only
@@ -88,8 +93,12 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
         raise NotImplementedError(f"clip_grad_norm_ supports FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, "
                                   f"got {strategy.name}")
     sharded = accelerator.distributed_type == DistributedType.FSDP and getattr(strategy, "name", "") != "NO_SHARD"
-    if sharded:  # each rank holds a disjoint shard: add them up
+    if sharded and not on_mesh:  # each rank holds a disjoint shard: add them up
         sum_of_squares = accelerator.reduce(sum_of_squares, reduction="sum")
+    for (mesh, dims), part in on_mesh.items():  # add up over the sharded mesh dims only: a
+        for dim in dims:  # replicated dim (HSDP's dp_replicate) holds copies, counted once
+            torch.distributed.all_reduce(part, group=mesh.get_group(dim))
+        sum_of_squares += part
     total_norm = sum_of_squares.sqrt()
     # torch's own scaling, grad *= min(1, max_norm / (norm + 1e-6)), with the norm on the gradients'
     # device (a CPU norm would send CUDA gradients down the per-tensor slow path).

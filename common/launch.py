@@ -244,6 +244,17 @@ def check_distributed(accelerator: Accelerator) -> None:
         )
 
 
+def mesh_layout(accelerator: Accelerator) -> dict | None:
+    """The device mesh of a 2-D (or more) layout, from the accelerate config's `parallelism_config`:
+    {"dp_replicate": 2, "dp_shard": 2} for HSDP (accelerate_configs/hsdp.yaml), with "tp" for tensor
+    parallel. None for a 1-D run (DDP, FSDP over all ranks, DeepSpeed), as if it had no mesh."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None:
+        return None
+    dims = {name: config._sizes[name] for name in config.active_mesh_dims}
+    return None if len(dims) < 2 and set(dims) <= {"dp_shard", "dp_replicate"} else dims
+
+
 def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
     """What DeepSpeed really runs with, read from its config after `prepare` (where Accelerate has filled
     the "auto" keys and any launch-line flags): for run_info.json and the start line. None off DeepSpeed.

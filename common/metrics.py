@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from common import launch
+
 # Peak dense bf16 FLOP/s per device. Source: torchtitan `torchtitan/tools/utils.py`
 # (`get_peak_flops`). Order matters: "H100 NVL" must match before "H100".
 PEAK_BF16_FLOPS = [
@@ -346,7 +348,8 @@ def start_line(run_info: dict) -> str:
         offload = ", ".join(f"{part} to {ds[f'offload_{part}_device']}" for part in ("optimizer", "param")
                             if ds[f"offload_{part}_device"] != "none")
         zero = f" | ZeRO-{ds['zero_stage']}" + (f" (offload: {offload})" if offload else "")
-    return (f"{run_info['distributed_type']} x{run_info['world_size']}{zero} | {run_info['mixed_precision']} | "
+    mesh = " (" + " x ".join(f"{dim} {n}" for dim, n in run_info["mesh"].items()) + ")" if run_info.get("mesh") else ""
+    return (f"{run_info['distributed_type']} x{run_info['world_size']}{mesh}{zero} | {run_info['mixed_precision']} | "
             f"{run_info['n_params'] / 1e6:.2f}M params | global batch {run_info['global_batch']} | "
             f"{run_info['max_steps']} steps" + (f" | torch.compile {compiled['backend']}" if compiled else ""))
 
@@ -368,10 +371,11 @@ def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
 
 def run_info(accelerator, model, args, **facts) -> dict:
     """run_info.json: the strategy, world size and precision as Accelerate runs them, `facts`
-    (batch, model, FLOPs, ...), each rank's parameter elements (a collective: call on every
-    rank), torch.compile's settings and every flag."""
+    (batch, model, FLOPs, ...), a 2-D layout's "mesh" (`launch.mesh_layout`), each rank's parameter
+    elements (a collective: call on every rank), torch.compile's settings and every flag."""
     return {"distributed_type": accelerator.distributed_type.value,
             "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            **({"mesh": mesh} if (mesh := launch.mesh_layout(accelerator)) else {}),  # HSDP, tensor parallel
             **facts, "local_param_elements": gathered_parameter_elements(accelerator, model),
             "torch_compile": compile_settings(accelerator), "args": vars(args)}
 

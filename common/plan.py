@@ -20,6 +20,7 @@ dtypes these configs really hold: measured by benchmarks/measure_model_states.py
 |---------------------|-----------------|---------------|-------------|------------------|
 | single / DDP        | 4Ψ fp32         | 4Ψ fp32       | (the params)| 8Ψ               |
 | FSDP2 / FSDP1       | 4Ψ/N fp32 shard | 4Ψ/N fp32     | (the params)| 8Ψ/N             |
+| HSDP (R replicas)   | 4Ψ/S, S = N/R   | 4Ψ/S fp32     | (the params)| 8Ψ/S             |
 | ZeRO-2 (our JSON)   | 2Ψ bf16, whole  | 4Ψ/N fp32 (*) | 4Ψ/N        | 8Ψ/N             |
 | ZeRO-3 (our JSON)   | 2Ψ/N + 2P bf16  | 4Ψ/N fp32 (*) | 4Ψ/N        | 8Ψ/N             |
 
@@ -30,6 +31,12 @@ Sharded figures are those of the fullest rank (each tensor's dim 0 rounded up pe
 With gradient accumulation > 1, FSDP holds the unsharded gradients between micro batches
 (Accelerate's no_sync: FSDP2 `set_requires_gradient_sync(False)` keeps them in the fp32 reduce
 dtype): +4Ψ(1 - 1/N) in the grads row. Not measured here (the measurement runs one micro batch).
+
+HSDP (accelerate_configs/hsdp.yaml) is FSDP2 over S = N/R ranks (one machine's), replicated R times (the
+machines): FSDP's memory and collectives at S ranks, plus an all-reduce of each rank's fp32 gradient
+shard with its R - 1 replicas (2 x Ψ/S x 4 B x (R-1)/R), the only traffic that crosses machines.
+"comm_inter_node" is that all-reduce; for the other strategies, whose rings run over all N ranks machine
+by machine, the 1 in N/machines of each rank's bytes whose hop crosses a machine boundary.
 
 Communication buffers (transient, not measured on CPU): DDP's reducer buckets, a second copy of
 the gradients (4Ψ: Accelerate leaves `gradient_as_bucket_view` off); FSDP: the root unit
@@ -269,7 +276,8 @@ def read_strategy(config_path: Path) -> dict:
 
     Returns {"name", "kind": "single" | "ddp" | "fsdp" | "fsdp1" | "zero2" | "zero3", "mixed_precision",
     "num_processes", "num_machines", "reshard" (FSDP), "offload_optimizer", "offload_param",
-    "grad_accum_bytes", "comm_bytes" (DeepSpeed gradient reduction), "ds" (the zero_optimization dict)}.
+    "grad_accum_bytes", "comm_bytes" (DeepSpeed gradient reduction), "ds" (the zero_optimization dict),
+    "replicas" (HSDP's parallelism_config_dp_replicate_size: FSDP shards over ranks / replicas; 1 otherwise)}.
 
     Raises:
         ValueError: an unreadable file, or a strategy the planner does not know (one line, naming the file).
@@ -286,7 +294,7 @@ def read_strategy(config_path: Path) -> dict:
     out = {"name": config_path.stem, "mixed_precision": str(cfg.get("mixed_precision", "no")),
            "num_processes": int(cfg.get("num_processes", 1)), "num_machines": int(cfg.get("num_machines", 1)),
            "reshard": True, "offload_optimizer": False, "offload_param": False, "grad_accum_bytes": None,
-           "comm_bytes": None, "ds": {}}
+           "comm_bytes": None, "ds": {}, "replicas": 1}
     kind = str(cfg.get("distributed_type", "NO"))
     if kind == "NO":
         out["kind"] = "single"
@@ -303,6 +311,9 @@ def read_strategy(config_path: Path) -> dict:
             out["kind"] = "ddp"  # every rank holds everything, gradients all-reduced: DDP's memory and traffic
         out["reshard"] = reshard is True or str(reshard).upper() in ("TRUE", "FULL_SHARD")
         out["offload_param"] = out["offload_optimizer"] = bool(fsdp.get("fsdp_offload_params", False))
+        mesh = cfg.get("parallelism_config") or {}
+        if out["kind"] == "fsdp" and int(mesh.get("parallelism_config_dp_replicate_size") or 1) > 1:  # HSDP
+            out["replicas"] = int(mesh["parallelism_config_dp_replicate_size"])
     elif kind == "DEEPSPEED":
         ds_yaml = cfg.get("deepspeed_config") or {}
         path = ds_yaml.get("deepspeed_config_file")
@@ -353,7 +364,7 @@ def _ds_size(zero: dict, key: str, auto: float) -> float:
 
 def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
                   checkpointing: bool | str, mixed_precision: str, logits_bytes: float | None = None,
-                  grads_at_peak: bool = True) -> dict:
+                  grads_at_peak: bool = True, machines: int = 1) -> dict:
     """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
 
     Args:
@@ -366,16 +377,18 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
             then, with one micro batch per step, DDP's and FSDP's gradients (4Ψ, 4Ψ/N) do not exist at the
             activation peak, and the total is the larger of that peak and the optimizer step's (every
             gradient, no activations or logits). DeepSpeed keeps its gradient partition allocated.
+        machines: the ranks' machines (nodes), for the share of the communication that crosses the network.
 
     Returns:
         A dict of ints in bytes: the CATEGORIES on the device, "host" (offloaded states), "total"
         (device, allocated), "reserved" (total x (1 + RESERVED_SLACK)), plus "comm_per_step" (ring
-        collectives, bytes sent per rank), "comm_pattern",
+        collectives, bytes sent per rank), "comm_inter_node" (the part of it that crosses machines), "comm_pattern",
         and "activations_detail" (`activation_bytes`).
     """
     kind, n, h = strategy["kind"], shape["n_params"], shape["hidden"]
     low = 4 if mixed_precision == "no" else 2
-    shard = shard_elements(shape, ranks)
+    replicas = strategy.get("replicas", 1)  # HSDP: FSDP shards over ranks / replicas, replicates across
+    shard = shard_elements(shape, ranks // replicas)
     zero = strategy["ds"]
     states = {"params": 4 * n, "grads": 4 * n, "fp32_master": 0, "adam_moments": 8 * n}
     host = 0
@@ -442,15 +455,26 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         # DeepSpeed 0.19.8's ZeRO-1/2 all-reduces the gradients (2Ψ) unless the JSON sets
         # use_multi_rank_bucket_allreduce: false; ZeRO-3 and FSDP reduce-scatter them (Ψ)
         allreduce = kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True)
-        reduce = predicted_comm_bytes("zero2_allreduce" if allreduce else "zero2", n, grad_comm, 0, ranks)
-        gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", n, 0, low, ranks)
+        group = ranks // replicas  # the ranks a parameter is sharded over
+        reduce = predicted_comm_bytes("zero2_allreduce" if allreduce else "zero2", n, grad_comm, 0, group)
+        gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", n, 0, low, group)
         # DeepSpeed reduces every micro batch; FSDP (no_sync) once per step but gathers every micro batch
         reduces = accumulation if kind.startswith("zero") else 1
         gather_times = 1 if kind == "zero2" else accumulation
         comm = reduce * reduces + gather * gather_times
         pattern = (f"{reduces}×{'AR 2Ψ' if allreduce else 'RS Ψ'}×{grad_comm}B + "
                    f"{gather_times * gathers}×AG Ψ×{low}B")
-    out.update(comm_per_step=int(comm), comm_pattern=pattern, activations_detail=act)
+    # Across machines: a ring over all ranks (node by node) crosses a machine boundary in 1 of every
+    # ranks-per-machine hops, so that share of each rank's bytes rides the network. HSDP keeps its
+    # reduce-scatters and all-gathers inside a machine (shards: a machine's ranks) and all-reduces each
+    # rank's gradient shard with its replicas on the other machines: 2 x Ψ/shards x 4B x (R-1)/R.
+    inter = comm * machines / ranks if machines > 1 and kind != "single" else 0
+    if replicas > 1:
+        across = predicted_comm_bytes("ddp", math.ceil(n / (ranks // replicas)), grad_comm, world_size=replicas)
+        inter = across if machines > 1 else 0
+        comm += across
+        pattern += f" + AR 2Ψ/{ranks // replicas}×{grad_comm}B across {replicas} replicas"
+    out.update(comm_per_step=int(comm), comm_inter_node=int(inter), comm_pattern=pattern, activations_detail=act)
     return out
 
 
@@ -716,8 +740,10 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
     zero = strategy.get("ds") or {}
     grad = 4 if kind in ("single", "ddp", "fsdp", "fsdp1") else (strategy.get("comm_bytes") or low)
 
+    replicas = strategy.get("replicas", 1)  # HSDP: FSDP's collectives within a shard group of ranks / replicas
+
     def cs(op, nbytes, count=1):
-        return collective_seconds(device, op, nbytes, ranks, count)
+        return collective_seconds(device, op, nbytes, ranks // replicas if kind == "fsdp" else ranks, count)
 
     # per micro batch: (forward comm, backward comm, exposed extra); the last micro batch may differ
     micro, last, step_comm, count = (0.0, 0.0, 0.0), None, 0.0, 0
@@ -733,6 +759,12 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
         micro = (gather_fwd, gather_bwd, first)
         last = (gather_fwd, gather_bwd + cs("reduce_scatter", 4 * blocks, units - 1),
                 first + cs("reduce_scatter", 4 * root))
+        if replicas > 1:  # HSDP: each block's gradient shard all-reduced with its replicas; beyond one node,
+            # over each rank's own network link (the replicas are on other machines); the last one is exposed
+            link = device if ranks <= device.gpus_per_node else Device({**device, "gpus_per_node": 1})
+            shards = ranks // replicas
+            last = (last[0], last[1] + collective_seconds(link, "all_reduce", 4 * blocks / shards, replicas, units - 1),
+                    last[2] + collective_seconds(link, "all_reduce", 4 * root / shards, replicas))
         count = (2 * units - 1) * accumulation + units if ranks > 1 else 0
     elif kind in ("zero2", "zero3"):
         bucket = _ds_size(zero, "reduce_bucket_size", shape["hidden"] ** 2)

@@ -135,6 +135,36 @@ def test_fsdp1_settings_the_recipes_cannot_use(tmp_path):
     assert checks.config_problems(config, hardware={"device_type": "cuda", "capability": (9, 0), "gpus": 2}) == []
 
 
+def test_hsdp_mesh_that_the_launch_cannot_run(tmp_path):
+    """accelerate_configs/hsdp.yaml as shipped passes; a mesh whose product is not the ranks, one with nothing
+    to shard, tensor parallel, and shard groups across machines are named, from the YAML or the ranks' env."""
+    config = yaml_config(tmp_path, "hsdp")
+    assert checks.config_problems(config, where="hsdp.yaml", hardware=CPU) == []
+
+    def mesh(replicate, shard, tp=1, ranks=4, machines=1):
+        sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": tp}
+        return lines(checks.config_problems({**config, "num_processes": ranks, "num_machines": machines,
+                                             "parallelism_config": {f"parallelism_config_{k}_size": v
+                                                                    for k, v in sizes.items()}}, where="hsdp.yaml"))
+    assert mesh(2, 2, ranks=8) == [
+        "error: parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 2 in hsdp.yaml = 4 ranks, "
+        "but the launch has num_processes 8: make the product the number of processes"]
+    assert mesh(4, 1) == ["error: parallelism_config_dp_shard_size 1 in hsdp.yaml: FSDP has nothing to shard across; "
+                          "for replicas alone use accelerate_configs/ddp.yaml"]
+    for tp_mesh in (mesh(1, 2, tp=2), mesh(1, 1, tp=2, ranks=2)):  # with dp_shard 2, and alone: one line
+        assert len(tp_mesh) == 1 and tp_mesh[0].startswith("error: parallelism_config_tp_size 2 in hsdp.yaml: "
+                                                           "the recipes shard the data-parallel dimensions only")
+    assert mesh(2, 4, ranks=8, machines=4)[0].startswith(  # 2 per machine: a shard group spans 2 machines
+        "warning: parallelism_config_dp_shard_size 4 in hsdp.yaml with 2 processes per machine: shard groups span")
+    assert mesh(2, 2, ranks=4, machines=2) == mesh(4, 2, ranks=8, machines=2) == []  # within a machine
+    env = {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+           "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "1"}
+    assert checks.launch_config_from_env(env)["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 1, "parallelism_config_sp_size": 1}
+
+
 def test_more_processes_than_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     config = yaml_config(tmp_path, "ddp", num_processes=8, num_machines=2)  # 4 per machine

@@ -54,9 +54,9 @@ def _kill_tree(proc):
     proc.wait()
 
 
-def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600):
-    """Run `recipes/llama.py` as 2 machines x 1 process on this host: one `accelerate launch` per
-    machine rank, started together, the same `--output_dir`, fp32, a fresh port.
+def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600, num_processes=2):
+    """Run `recipes/llama.py` as 2 machines x `num_processes / 2` processes on this host: one
+    `accelerate launch` per machine rank, started together, the same `--output_dir`, fp32, a fresh port.
 
     Waits for both. If either fails (or the pair outlives `timeout`), kills both and fails the test
     with the tails of both machines' output. Returns each machine's stdout text, machine 0 first.
@@ -66,7 +66,7 @@ def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600):
     logs.mkdir(parents=True, exist_ok=True)
     procs, files = [], []
     for rank in (0, 1):
-        cmd = launch_command(config, "recipes/llama.py", "--output_dir", out, *flags, num_processes=2,
+        cmd = launch_command(config, "recipes/llama.py", "--output_dir", out, *flags, num_processes=num_processes,
                              mixed_precision="no", launcher_args=["--num_machines", 2, "--machine_rank", rank,
                                                                   "--main_process_ip", "127.0.0.1",
                                                                   "--main_process_port", port])

@@ -3,6 +3,7 @@ tensors (one launch per strategy, three model shapes each), activations from aut
 (in process), and DeepSpeed's own estimators (offline)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -239,3 +240,30 @@ def test_bad_configs_are_one_line(tmp_path, cli):
     assert "zero_optimization.stage 4" in cli("--config", tmp_path / "ds.yaml").stderr
     inline = cli("--config", tmp_path / "inline.yaml", "--device_memory", "80GB", "--format", "json")
     assert inline.returncode == 0 and json.loads(inline.stdout)["plans"]["inline"]["host"] > 0, inline.stderr
+
+
+def test_hsdp_shards_within_a_machine_and_sends_less_across(tmp_path, capsys):
+    """accelerate_configs/hsdp.yaml planned on 2 machines x 8: its states are FSDP's over one machine's 8
+    ranks; its reduce-scatters and all-gathers stay inside the machine, and only each rank's gradient
+    shard crosses, all-reduced with its replica (2 x Ψ/8 x 4 B x 1/2), where FSDP's ring over all 16 ranks
+    sends 1 hop in 8 across (1/8 of 8Ψ x 15/16 at bf16 params and fp32 gradients)."""
+    hsdp = (REPO / "accelerate_configs" / "hsdp.yaml").read_text()
+    two = ["--num_processes", "16", "--num_machines", "2", "--device_memory", "80GB", "--gpu", "h100"]
+    out = _plans(capsys, tmp_path, ("hsdp", hsdp), ("fsdp", FSDP2), args=two)
+    plans, n = out["plans"], out["n_params"]
+    assert out["problems"] == []  # the mesh follows the machines: dp_replicate 2 x dp_shard 8
+    one_machine = _plans(capsys, tmp_path, ("fsdp8", FSDP2), args=["--device_memory", "80GB", "--gpu", "h100"])
+    for key in ("params", "grads", "adam_moments", "comm_buffers", "total"):
+        assert plans["hsdp"][key] == one_machine["plans"]["fsdp8"][key], key
+    assert plans["hsdp"]["params"] == 4 * plan.shard_elements(plan.model_shape(plan.load_model_config(
+        "llama-3-8b", None)), 8) > 1.9 * plans["fsdp"]["params"]
+    assert plans["hsdp"]["comm_inter_node"] == 2 * math.ceil(n / 8) * 4 // 2
+    assert plans["fsdp"]["comm_inter_node"] == int(8 * n * 15 / 16 / 8)
+    assert plans["hsdp"]["comm_inter_node"] < 0.6 * plans["fsdp"]["comm_inter_node"]  # 4.02 vs 7.53 GB
+    assert one_machine["plans"]["fsdp8"]["comm_inter_node"] == 0
+    # On a 100 Gb/s link per GPU (12.5 GB/s) the time model ranks HSDP first; on 400 Gb/s (the h100
+    # default, 50 GB/s) FSDP's ring over 8 NICs per node hides more of its traffic.
+    slow = _plans(capsys, tmp_path, ("hsdp", hsdp), ("fsdp", FSDP2), args=[*two, "--network_bandwidth", "12.5"])
+    assert slow["recommendation"].startswith("Recommendation: hsdp ")
+    assert _plans(capsys, tmp_path, ("hsdp", hsdp), ("fsdp", FSDP2),
+                  args=two)["recommendation"].startswith("Recommendation: fsdp ")

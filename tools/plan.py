@@ -50,6 +50,8 @@ def format_table(plans: dict, header: str, device_memory: int, problems: list[st
     lines.append("| fits | " + " | ".join(fits) + " |")
     lines.append(f"| comm per step and rank ({unit}) | "
                  + " | ".join(gb(plans[s]["comm_per_step"]) for s in names) + " |")
+    lines.append(f"| - of it across machines ({unit}) | "
+                 + " | ".join(gb(plans[s]["comm_inter_node"]) for s in names) + " |")
     lines.append("| collectives per step | " + " | ".join(plans[s]["comm_pattern"] for s in names) + " |")
     for label, key in (("step time (ms)", "step"), ("- compute", "compute"),
                        ("- exposed communication", "exposed_comm"), ("- optimizer", "optimizer"),
@@ -220,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
             if ranks % machines:
                 raise ValueError(f"--num_processes {ranks} is not a multiple of --num_machines {machines}")
             per_machine = ranks // machines
+            if s["replicas"] > 1 and (args.num_processes or args.num_machines):  # HSDP: shard within a machine
+                s["replicas"] = machines if machines > 1 else s["replicas"]
             if memory is None:
                 memory, source = ((parse_memory(args.device_memory), "--device_memory") if args.device_memory
                                   else detect_memory(per_machine))
@@ -228,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
             plans[s["name"]] = plan_strategy(s, shape, 1 if s["kind"] == "single" else ranks,
                                              args.per_device_train_batch_size, args.block_size,
                                              args.gradient_accumulation_steps, mode, precision,
-                                             logits_factor(compiled_loss=compiled), not args.grads_set_to_none)
+                                             logits_factor(compiled_loss=compiled), not args.grads_set_to_none,
+                                             machines)
             plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision,
                                     kind=s["kind"])
             plans[s["name"]]["time"] = time_strategy(
@@ -240,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
             # the hardware ones only for this machine (not with --device_memory, a plan for another one)
             yaml_config = {**yaml.safe_load(path.read_text()), "num_processes": ranks, "mixed_precision": precision,
                            "num_machines": machines}
+            if s["replicas"] > 1:  # HSDP, as planned: replicas x the ranks sharded over
+                yaml_config["parallelism_config"] = {**yaml_config["parallelism_config"],
+                                                     "parallelism_config_dp_replicate_size": s["replicas"],
+                                                     "parallelism_config_dp_shard_size": ranks // s["replicas"]}
             ds, ds_where = checks.deepspeed_settings(yaml_config, root=str(REPO))
             flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "block_size": args.block_size,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps,

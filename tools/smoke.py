@@ -92,6 +92,12 @@ def first_error(log):
 def launch(yaml_path, world, out, *extra):
     """One `accelerate launch ... recipes/llama.py` into `out` (log: out.log); None, or why it failed."""
     opts = ["--config_file", yaml_path, "--num_processes", world, "--mixed_precision", "no"]
+    if "parallelism_config" in (yaml.safe_load(Path(yaml_path).read_text()) or {}):  # HSDP: a replica per machine
+        # and shards within it; on one machine 2 replicas when the ranks split in 2 groups of 2 or more; else FSDP
+        machines = args.num_machines if world > 1 else 1
+        replicas = machines if world >= 2 * machines > 2 else 2 if world >= 4 and world % 2 == 0 else 1
+        opts += ["--parallelism_config_dp_replicate_size", replicas, "--parallelism_config_dp_shard_size",
+                 world // replicas]
     if world > 1 and args.num_machines > 1:  # a node that never joins: a rendezvous error, not a hang
         opts += ["--num_machines", args.num_machines, "--main_process_ip", args.main_process_ip,
                  "--main_process_port", args.main_process_port, "--rdzv_conf", f"timeout={args.rdzv_timeout}",
