@@ -620,7 +620,9 @@ class Startup:
     def data_ready(self, *, train_size: int, train_unit: str, steps: int | None = None, model_cls=None,
                    model_config=None) -> None:
         """The training set against one global batch, warmup against the run's length, and the model
-        (its FSDP wrap class, the ZeRO-3 plan) once its config exists."""
+        (its FSDP wrap class, the ZeRO-3 plan, --packing documents) once its config exists."""
+        if self.facts["flags"].get("packing") == "documents" and (problem := documents_problem(model_cls)):
+            raise Stop(problem)
         self.check(train_size=train_size, train_unit=train_unit, steps=steps, model_cls=model_cls,
                    model_config=model_config)
 
@@ -641,6 +643,19 @@ class Startup:
             raise Stop(f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
                        f"counts {global_batch}: {ds_used}")
         return {"fsdp_units": units, "deepspeed": ds_used}
+
+
+def documents_problem(model_cls) -> str | None:
+    """Why `model_cls` cannot train on --packing documents, or None. The documents of a block are kept
+    apart by the position ids alone (transformers' mask builder reads where they restart): a model
+    whose forward takes none, such as Bloom (ALiBi), would attend across documents, silently."""
+    import inspect
+
+    if model_cls is None or "position_ids" in inspect.signature(model_cls.forward).parameters:
+        return None
+    return (f"--packing documents keeps documents apart through position_ids, which {model_cls.__name__}'s "
+            "forward does not take: its tokens would attend across documents. Use --packing none (a padded row "
+            "each) or stream")
 
 
 def model_class_names(model_cls, config) -> set[str]:

@@ -168,3 +168,15 @@ def test_one_separator_between_documents(tokenizer, tmp_path, template, bos):
     for packing in ("stream", "documents"):
         block = one_block(tok, [text, text, text], tmp_path / packing, packing)["input_ids"][0].tolist()
         assert block == (start + plain + [eos]) * 3
+
+
+def test_a_model_without_position_ids_cannot_pack_documents():
+    """Bloom (ALiBi) takes no position ids: --packing documents would attend across documents, so the
+    start-up check stops it in one line; Llama and GPT-2 take them."""
+    from transformers import BloomForCausalLM, GPT2LMHeadModel
+
+    from common import checks
+
+    assert checks.documents_problem(LlamaForCausalLM) is None and checks.documents_problem(GPT2LMHeadModel) is None
+    assert checks.documents_problem(BloomForCausalLM).startswith(
+        "--packing documents keeps documents apart through position_ids, which BloomForCausalLM's forward")
