@@ -281,7 +281,7 @@ def document_ids(tokenizer, texts: list[str]) -> tuple[list[list[int]], dict[str
     middle of a document would otherwise be trained on as a document end.
 
     Returns:
-        (ids per text, {special-token string: occurrences in `texts`}, the strings found only).
+        (the ids of each text, {special-token string: its occurrences in `texts`} for those found).
     """
     specials = sorted({*tokenizer.all_special_tokens,
                        *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)}, key=len)
@@ -317,7 +317,7 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
     Returns:
         (blocks, stats): `input_ids` and `labels` (documents: and `position_ids`), int64 lists of
         `block_size`; stats `{"rows", "tokens", "blocks", "dropped_tokens"}` (dropped: below
-        `block_size`), documents: and `"cut_rows"` (rows a block cut splits).
+        `block_size`), documents: and `"split_documents"` (rows a block cut splits).
     """
     import numpy as np
     import pyarrow.compute as pc
@@ -349,14 +349,14 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
              "dropped_tokens": len(stream) - n_blocks * block_size}
     if documents:  # a row starting inside a block and ending past it (the dropped tail not counted)
         ends = starts + lengths
-        stats["cut_rows"] = int(((starts // block_size < (ends - 1) // block_size)
+        stats["split_documents"] = int(((starts // block_size < (ends - 1) // block_size)
                                  & (starts < n_blocks * block_size)).sum())
     return blocks, stats
 
 
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     """What `pack_dataset` kept of each split, read from its cache: packed, `{split: {"rows", "tokens",
-    "blocks", "dropped_tokens", "special_text"}}` (documents: and "cut_rows"); padded, `{split: {"rows",
+    "blocks", "dropped_tokens", "special_text"}}` (documents: and "split_documents"); padded, `{split: {"rows",
     "cut_rows", "cut_tokens", "special_text"}}`; {} if unknown. `special_text`: special-token strings
     found in the text (encoded as text, `document_ids`) and how often."""
     files = lm_data["train"].cache_files

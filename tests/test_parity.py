@@ -142,7 +142,7 @@ def test_documents_packing_parity(strategy, documents_run):
     grad norm and eval loss as one process (FP32_RTOL), on blocks of several documents."""
     reference = documents_run("single")
     data = json.loads((reference / "run_info.json").read_text())["data"]["train"]
-    assert data["rows"] > data["blocks"] > 0 and data["cut_rows"] > 0  # measured 87 documents in 55 blocks
+    assert data["rows"] > data["blocks"] > 0 and data["split_documents"] > 0  # measured 87 documents in 55 blocks
     gaps = worst_gaps(documents_run(strategy), reference)
     assert gaps["steps"] == 5 and gaps["lr"] == 0
     report(strategy=strategy, precision="fp32", packing="documents", **{key: gaps[key] for key in KEYS})
