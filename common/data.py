@@ -347,10 +347,10 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
                        features=datasets.Features({k: datasets.List(datasets.Value("int64")) for k in columns}))
     stats = {"rows": len(tokens), "tokens": len(stream), "blocks": n_blocks,
              "dropped_tokens": len(stream) - n_blocks * block_size}
-    if documents:  # a row starting inside a block and ending past it (the dropped tail not counted)
+    if documents:  # rows that start in a kept block and end in a later one
         ends = starts + lengths
-        stats["split_documents"] = int(((starts // block_size < (ends - 1) // block_size)
-                                 & (starts < n_blocks * block_size)).sum())
+        split = (starts // block_size < (ends - 1) // block_size) & (starts < n_blocks * block_size)
+        stats["split_documents"] = int(split.sum())
     return blocks, stats
 
 
