@@ -35,6 +35,13 @@ def flag(default=None, help: str = "", *, low: float | None = None, high: float 
     return field(default=default, metadata={"help": help, "range": (low, high)})
 
 
+def choice(choices: tuple[str, ...], aliases: dict[str, str] | None = None, help: str = ""):
+    """A dataclass field for a flag that takes one of `choices`, the first by default; `aliases` maps
+    other words to one of them (e.g. {"true": "stream"}), any case. The parser stores the choice,
+    never the alias, and refuses any other word in one `error:` line naming the choices."""
+    return field(default=choices[0], metadata={"help": help, "choices": choices, "value_aliases": aliases or {}})
+
+
 def range_text(low, high) -> str:
     """'at least 1', 'at most 9', '1 to 99' or '' for a (low, high) range."""
     if low is not None and high is not None:
@@ -58,6 +65,13 @@ class FlagParser(HfArgumentParser):
     @staticmethod
     def _parse_dataclass_field(parser, field):
         meta = dict(field.metadata)
+        if "choices" in meta:  # `choice`: one word of a list, aliases mapped to it before the check
+            aliases = meta["value_aliases"]
+            alias_text = ", ".join(f"{a} = {c}" for a, c in aliases.items())
+            parser.add_argument(f"--{field.name}", default=field.default, choices=meta["choices"],
+                                type=lambda word: aliases.get(word.lower(), word.lower()),
+                                help=(meta["help"] + (f" ({alias_text})" if aliases else "")).replace("%", "%%"))
+            return
         low, high = meta.pop("range", (None, None))
         if int in (field.type, *typing.get_args(field.type)) and "range" not in field.metadata:
             raise TypeError(f"--{field.name}: an integer flag needs a range (common.args.flag(low=, high=))")

@@ -442,8 +442,8 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
     Args:
         ds: the DeepSpeed JSON (a dict); where: its name, for the message.
         shape: `plan.model_shape(model_config)`.
-        flags: needs per_device_train_batch_size and block_size; gradient_accumulation_steps and
-            gradient_checkpointing default to 1 and False.
+        flags: needs per_device_train_batch_size and block_size; gradient_accumulation_steps,
+            gradient_checkpointing and packing default to 1, False and "stream".
         ranks: all processes; mixed_precision: "no", "bf16" or "fp16"; device_memory: bytes per rank.
     """
     from common import plan
@@ -460,7 +460,8 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
                   "FSDP2 with fsdp_reshard_after_forward: false": {**base, "kind": "fsdp", "reshard": False}}
     plans = {name: plan.plan_strategy(s, shape, ranks, flags["per_device_train_batch_size"], flags["block_size"],
                                       flags.get("gradient_accumulation_steps", 1),
-                                      bool(flags.get("gradient_checkpointing")), mixed_precision)
+                                      bool(flags.get("gradient_checkpointing")), mixed_precision,
+                                      packing=flags.get("packing", "stream"))
              for name, s in strategies.items()}
     this = plans.pop("ZeRO-3")
     device = plan.device_spec(plan.detect_device())  # tools/plan.py's time model, uncalibrated
@@ -617,7 +618,7 @@ class Startup:
     """
 
     FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "warmup_steps",
-             "reference_global_batch", "scale_lr", "block_size", "gradient_checkpointing")
+             "reference_global_batch", "scale_lr", "block_size", "gradient_checkpointing", "packing")
 
     def __init__(self, args, *, precision_used: str | None = None, compiles: bool = False, steps: int | None = None,
                  model_cls=None, model_config=None, handlers: tuple = ()):
@@ -661,7 +662,9 @@ class Startup:
     def data_ready(self, *, train_size: int, train_unit: str, steps: int | None = None, model_cls=None,
                    model_config=None) -> None:
         """The training set against one global batch, warmup against the run's length, and the model
-        (its FSDP wrap class, the ZeRO-3 plan) once its config exists."""
+        (its FSDP wrap class, the ZeRO-3 plan, --packing documents) once its config exists."""
+        if self.facts["flags"].get("packing") == "documents" and (problem := documents_problem(model_cls)):
+            raise Stop(problem)
         self.check(train_size=train_size, train_unit=train_unit, steps=steps, model_cls=model_cls,
                    model_config=model_config)
 
@@ -682,6 +685,19 @@ class Startup:
             raise Stop(f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
                        f"counts {global_batch}: {ds_used}")
         return {"fsdp_units": units, "deepspeed": ds_used}
+
+
+def documents_problem(model_cls) -> str | None:
+    """Why `model_cls` cannot train on --packing documents, or None. The documents of a block are kept
+    apart by the position ids alone (transformers' mask builder reads where they restart): a model
+    whose forward takes none, such as Bloom (ALiBi), would attend across documents, silently."""
+    import inspect
+
+    if model_cls is None or "position_ids" in inspect.signature(model_cls.forward).parameters:
+        return None
+    return (f"--packing documents keeps documents apart through position_ids, which {model_cls.__name__}'s "
+            "forward does not take: its tokens would attend across documents. Use --packing none (a padded row "
+            "each) or stream")
 
 
 def model_class_names(model_cls, config) -> set[str]:
@@ -802,15 +818,15 @@ def classifier_flags(args) -> None:
                    f"{args.num_attention_heads}")
 
 
-def same_data(accelerator, raw, tokenizer, block_size: int, packing: bool) -> str:
+def same_data(accelerator, raw, tokenizer, block_size: int, packing: str) -> str:
     """Stop unless every rank packed the same data: train and validation text, tokenizer, block
-    size (`data.packing_digest`). A collective. Each node reads --train_file from its own path,
+    size, packing mode (`data.packing_digest`). A collective. Each node reads --train_file from its own path,
     and another copy there would train on other samples. Returns the digest, for the checkpoints
     (a resume on other data is refused)."""
     from common import data
 
     digest = data.packing_digest(raw, tokenizer, block_size, packing)
-    same_on_every_rank(accelerator, "data (train and validation text, tokenizer, block size)",
+    same_on_every_rank(accelerator, "data (train and validation text, tokenizer, block size, packing)",
                        digest)
     return digest
 

@@ -245,19 +245,58 @@ def tokenizer_error(tokenizer, source: str, texts: list[str]) -> str | None:
     return None
 
 
-def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: bool = True) -> str:
+PACKING = ("stream", "documents", "none")  # --packing; `PACKING_ALIASES` keeps true/false working
+PACKING_ALIASES = {"true": "stream", "false": "none"}
+
+
+def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: str = "stream") -> str:
     """16 hex digits of SHA-256 over the train and validation text, the tokenizer, `block_size` and
-    `packing`: what decides the blocks `pack_dataset` makes (its cache key; the version tag changes
-    whenever the packing does, so no older cache is reused). Equal on two ranks
+    `packing` (one of `PACKING`): what decides the blocks `pack_dataset` makes (its cache key; the
+    version tag changes whenever the packing does, so no older cache is reused). Equal on two ranks
     means the same training and validation blocks; compare it across nodes, which each read
     their own copy of the data."""
-    key = json.dumps(["v3", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
+    key = json.dumps(["v4", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
                       block_size, packing])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer's own template puts before a text (e.g. Llama 3's `<|begin_of_text|>`),
+    without the eos: where bos is eos, the eos after the previous document already separates it.
+    Whatever the template puts after a text (an eos, for some) is left to `document_ids`."""
+    probe = "a"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    return [t for t in full[:start] if t != tokenizer.eos_token_id]
+
+
+def document_ids(tokenizer, texts: list[str]) -> tuple[list[list[int]], dict[str, int]]:
+    """Each text as one document: the tokenizer's own prefix (`special_prefix`), the text's tokens,
+    and exactly one eos, which is the only separator between documents (a tokenizer that appends an
+    eos itself, or whose bos is its eos, gives no `eos eos`).
+
+    Special-token strings written in the text (`<|endoftext|>`, `<|im_start|>`, ...) are encoded
+    as the plain text they are (`split_special_tokens`), never as control tokens: an eos in the
+    middle of a document would otherwise be trained on as a document end.
+
+    Returns:
+        (the ids of each text, {special-token string: its occurrences in `texts`} for those found).
+    """
+    specials = sorted({*tokenizer.all_special_tokens,
+                       *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)}, key=len)
+    pattern = re.compile("|".join(re.escape(t) for t in reversed(specials))) if specials else None
+    found: dict[str, int] = {}
+    for text in texts if pattern else []:
+        for match in pattern.finditer(text):
+            found[match.group()] = found.get(match.group(), 0) + 1
+    prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
+    ids = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [prefix + row + [eos] for row in ids], found
+
+
 def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
-                fingerprint: str) -> tuple[datasets.Dataset, dict]:
+                fingerprint: str, documents: bool = False) -> tuple[datasets.Dataset, dict]:
     """Concatenate the `ids` rows of `tokens`, in order, and cut the stream into `block_size` blocks.
 
     Blocks span rows and batches alike: only the stream's last partial block (fewer than
@@ -271,10 +310,14 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
         tokens: one row per document, column `ids` (token ids, eos included).
         cache_file: where the blocks are written (an `.arrow` file in a scratch directory).
         fingerprint: the result's `datasets` fingerprint (hashing the stream would read it all).
+        documents: also `position_ids`, 0 at each row's first token and at each block's first token
+            (a row a block cut splits goes on in the next block from 0), and label -100 wherever the
+            position is 0: no token is a target predicted from another row.
 
     Returns:
-        (blocks, stats): `input_ids` and `labels`, int64 lists of `block_size`; stats
-        `{"rows", "tokens", "blocks", "dropped_tokens"}` (dropped: below `block_size`).
+        (blocks, stats): `input_ids` and `labels` (documents: and `position_ids`), int64 lists of
+        `block_size`; stats `{"rows", "tokens", "blocks", "dropped_tokens"}` (dropped: below
+        `block_size`), documents: and `"split_documents"` (rows a block cut splits).
     """
     import numpy as np
     import pyarrow.compute as pc
@@ -283,26 +326,39 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
         tokens = tokens.flatten_indices()
     stream = pc.list_flatten(tokens.data.column("ids"))  # a view: no copy of the tokens
     n_blocks = len(stream) // block_size
+    lengths = pc.list_value_length(tokens.data.column("ids")).to_numpy()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # each row's first token
+    columns = ("input_ids", "labels", "position_ids") if documents else ("input_ids", "labels")
 
     def cut(batch):
         first, count = batch["block"][0], len(batch["block"])  # consecutive block numbers
         ids = stream.slice(first * block_size, count * block_size).to_numpy().astype(np.int64)
         blocks = ids.reshape(count, block_size)
-        return {"input_ids": blocks, "labels": blocks}
+        if not documents:
+            return {"input_ids": blocks, "labels": blocks}
+        at = np.arange(first * block_size, (first + count) * block_size, dtype=np.int64)
+        row_start = starts[np.searchsorted(starts, at, side="right") - 1]
+        positions = (at - np.maximum(row_start, at // block_size * block_size)).reshape(count, block_size)
+        return {"input_ids": blocks, "labels": np.where(positions == 0, -100, blocks), "position_ids": positions}
 
     index = datasets.Dataset.from_dict({"block": np.arange(n_blocks, dtype=np.int64)})
     blocks = index.map(cut, batched=True, batch_size=1000, remove_columns=["block"], new_fingerprint=fingerprint,
                        cache_file_name=str(cache_file),
-                       features=datasets.Features({k: datasets.List(datasets.Value("int64"))
-                                                   for k in ("input_ids", "labels")}))
+                       features=datasets.Features({k: datasets.List(datasets.Value("int64")) for k in columns}))
     stats = {"rows": len(tokens), "tokens": len(stream), "blocks": n_blocks,
              "dropped_tokens": len(stream) - n_blocks * block_size}
+    if documents:  # rows that start in a kept block and end in a later one
+        ends = starts + lengths
+        split = (starts // block_size < (ends - 1) // block_size) & (starts < n_blocks * block_size)
+        stats["split_documents"] = int(split.sum())
     return blocks, stats
 
 
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     """What `pack_dataset` kept of each split, read from its cache: packed, `{split: {"rows", "tokens",
-    "blocks", "dropped_tokens"}}`; padded, `{split: {"rows", "cut_rows", "cut_tokens"}}`; {} if unknown."""
+    "blocks", "dropped_tokens", "special_text"}}` (documents: and "split_documents"); padded, `{split: {"rows",
+    "cut_rows", "cut_tokens", "special_text"}}`; {} if unknown. `special_text`: special-token strings
+    found in the text (encoded as text, `document_ids`) and how often."""
     files = lm_data["train"].cache_files
     if not files:
         return {}
@@ -314,31 +370,46 @@ def pack_stats(lm_data: datasets.DatasetDict) -> dict:
 
 
 def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,
-                 packing: bool = True) -> datasets.DatasetDict:
-    """Tokenize every row (eos appended) into fixed `block_size`-token training examples.
+                 packing: str = "stream") -> datasets.DatasetDict:
+    """Tokenize every row into one document (`document_ids`: one eos at its end) and make fixed
+    `block_size`-token training examples, as `packing` says (one of `PACKING`):
 
-    packing=True (pretraining): concatenate all rows of a split, in order, and cut the stream
-    into blocks (`pack_blocks`); only its last partial block is dropped, and `pack_stats` says
-    how many tokens that was. packing=False (one example per row, as
-    in fine-tuning): truncate each row to `block_size` and right-pad it with the pad token;
-    padded positions get label -100 and attention_mask 0, so they carry no loss; rows longer than
-    a block lose their tail, and a warning (rank 0) says how many rows and tokens were cut.
-    Cached on disk by a hash of the raw data, the tokenizer, `block_size` and `packing`.
+    - "stream" (pretraining; run_clm's grouping): concatenate all rows of a split, in order, and
+      cut the stream into blocks (`pack_blocks`); every token attends to every earlier token of
+      its block, across documents, with positions running on.
+    - "documents" (fine-tuning on short documents): the same blocks, plus `position_ids` that
+      restart at 0 at each document (and each block), from which transformers' mask builder makes
+      attention block-diagonal: no token attends across a document boundary, and each document's
+      first token is no target (label -100), as in that document alone.
+    - "none": one example per row, truncated to `block_size` and right-padded with the pad
+      token; padded positions get label -100 and attention_mask 0, so they carry no loss; rows
+      longer than a block lose their tail, and a warning (rank 0) says how many rows and tokens
+      were cut.
+
+    Packed, only a split's last partial block is dropped (`pack_stats` says how many tokens), and
+    rows with no text are left out (they would put `eos eos` in the stream). Special-token strings
+    in the text are encoded as text, and a warning (rank 0) counts them. Cached on disk by
+    `packing_digest`.
 
     Returns:
-        `DatasetDict` (`train`, `validation`) with `input_ids`, `labels` (and, unpacked,
-        `attention_mask`): int64 lists of length `block_size`. Labels are not shifted: the
-        model shifts them.
+        `DatasetDict` (`train`, `validation`) with `input_ids`, `labels` (documents: and
+        `position_ids`; none: and `attention_mask`): int64 lists of length `block_size`. Labels
+        are not shifted: the model shifts them.
 
     Raises:
-        ValueError: packed, a split holds fewer tokens than one block (states both numbers).
+        Stop: packed, a split holds fewer tokens than one block (states both numbers).
     """
+    if packing not in PACKING:
+        raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
     digest = packing_digest(raw, tokenizer, block_size, packing)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
     def tokenize(batch):
-        return {"ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
+        ids, found = document_ids(tokenizer, batch["text"])
+        if packing != "none":  # an empty row would add a second separator
+            ids = [row for row, text in zip(ids, batch["text"]) if text]
+        return {"ids": ids, "found": [json.dumps(found)] + [""] * (len(ids) - 1) if ids else []}
 
     def pad_rows(batch):
         rows = [ids[:block_size] for ids in batch["ids"]]
@@ -347,13 +418,23 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
                 "labels": [r + [-100] * k for r, k in zip(rows, fill)],
                 "attention_mask": [[1] * len(r) + [0] * k for r, k in zip(rows, fill)]}
 
+    def special_text(split_tokens) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for found in filter(None, split_tokens["found"]):
+            for text, n in json.loads(found).items():
+                total[text] = total.get(text, 0) + n
+        return total
+
     def build(tmp: Path):
         tokens = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
-        if not packing:
+        found = {split: special_text(tokens[split]) for split in tokens}
+        tokens = tokens.remove_columns("found")
+        if packing == "none":
             tokens.map(pad_rows, batched=True, remove_columns=["ids"]).save_to_disk(str(tmp))
             lengths = {split: [len(ids) for ids in tokens[split]["ids"]] for split in tokens}
             cut = {split: {"rows": len(n), "cut_rows": sum(k > block_size for k in n),
-                           "cut_tokens": sum(max(k - block_size, 0) for k in n)} for split, n in lengths.items()}
+                           "cut_tokens": sum(max(k - block_size, 0) for k in n), "special_text": found[split]}
+                   for split, n in lengths.items()}
             (tmp / "truncation.json").write_text(json.dumps(cut))
             return
         for split in ("train", "validation"):
@@ -365,20 +446,27 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
                                  f"{block_size}): {fix}")
         with tempfile.TemporaryDirectory(dir=tmp.parent, prefix=f".{tmp.name}.") as scratch:
             packed = {split: pack_blocks(tokens[split], block_size, Path(scratch) / f"{split}.arrow",
-                                         f"{digest}-{split}") for split in ("train", "validation")}
+                                         f"{digest}-{split}", documents=packing == "documents")
+                      for split in ("train", "validation")}
             datasets.DatasetDict({s: ds for s, (ds, _) in packed.items()}).save_to_disk(str(tmp))
-        (tmp / "packing.json").write_text(json.dumps({s: stats for s, (_, stats) in packed.items()}))
+        (tmp / "packing.json").write_text(json.dumps({s: {**stats, "special_text": found[s]}
+                                                      for s, (_, stats) in packed.items()}))
 
-    kind = "packed" if packing else "padded"
-    path = _atomic_dir(Path(cache_dir) / f"{kind}-{block_size}-{digest}", build)
-    if (path / "truncation.json").exists():
-        for split, c in json.loads((path / "truncation.json").read_text()).items():
-            if c["cut_rows"]:
-                get_logger(__name__).warning(
-                    f"--packing false: {c['cut_rows']} of {c['rows']} {split} rows are longer than --block_size "
-                    f"{block_size} and lose their tail ({c['cut_tokens']} tokens never "
-                    f"{'trained on' if split == 'train' else 'evaluated'}); raise "
-                    "--block_size or keep packing", main_process_only=True)
+    path = _atomic_dir(Path(cache_dir) / f"{packing}-{block_size}-{digest}", build)
+    stats = json.loads(next(p for p in (path / "packing.json", path / "truncation.json") if p.exists()).read_text())
+    log = get_logger(__name__)
+    for split, c in stats.items():
+        if c.get("special_text"):
+            counts = ", ".join(f"{text} x {n}" for text, n in sorted(c["special_text"].items()))
+            log.warning(f"the {split} text contains special-token strings ({counts}): encoded as the plain "
+                        "text they are, not as control tokens; the only control token the recipe adds is one "
+                        "eos after each document", main_process_only=True)
+        if packing == "none" and c["cut_rows"]:
+            log.warning(
+                f"--packing none: {c['cut_rows']} of {c['rows']} {split} rows are longer than --block_size "
+                f"{block_size} and lose their tail ({c['cut_tokens']} tokens never "
+                f"{'trained on' if split == 'train' else 'evaluated'}); raise "
+                "--block_size or pack them (--packing documents)", main_process_only=True)
     return datasets.load_from_disk(str(path))
 
 

@@ -69,8 +69,11 @@ s^2 attention scores (flash SDPA keeps only the logsumexp), no dropout masks, bu
 token), the lm_head input (ch), the loss scalar, rotary cos and sin (2 x s x head_dim x r), and
 under autocast with fp32 params the bf16 weight copies autocast caches for the forward (2 bytes x
 every Linear weight, the head included): held until backward like activations.
-With --gradient_checkpointing (non-reentrant, every block) a block keeps only its input (rh per
-token); the backward recomputes one block at a time (one block's bytes, plus its weight copies).
+`--packing documents` and `none` give SDPA an explicit mask: every block saves it as a c-byte bias
+(s^2 per sample) and k, v repeated to every query head; documents' per-sample positions make cos and
+sin per sample too (`activation_bytes`). With --gradient_checkpointing (non-reentrant, every block)
+a block keeps only its input (rh per token); the backward recomputes one block at a time (one
+block's bytes, plus its weight copies).
 Measured with common/memory.SavedTensorBytes: equal to the byte (tests/test_plan.py).
 
 Logits and loss (transient, at the start of backward): HF's loss upcasts the logits to fp32
@@ -227,7 +230,7 @@ def shard_elements(shape: dict, ranks: int) -> int:
 
 
 def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, compute_bytes: int,
-                     checkpointing: bool, weight_copies: bool) -> dict:
+                     checkpointing: bool, weight_copies: bool, packing: str = "stream") -> dict:
     """Bytes autograd saves in one micro batch's forward (the module docstring's table).
 
     Args:
@@ -240,6 +243,11 @@ def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, com
             per-op policy, a block keeps its input (r h), the q, v, gate and down projections' outputs and
             attention's output (c(2 h_q + h_kv + I + h)) and its fp32 log-sum-exp (4a), per token.
         weight_copies: autocast casts fp32 weights to c bytes (params fp32 and c == 2).
+        packing: `--packing`. "documents" (position ids that restart) and "none" (padding) give SDPA
+            an explicit mask: each block saves it as a c-byte bias (batch x seq x seq), and transformers
+            repeats k and v to every query head (its grouped-query path needs no mask), c(2 h_q - 2 h_kv)
+            more per token; "documents" also makes the rotary cos and sin per sample (batch x as much).
+            Measured to the byte on CPU (tests/test_plan.py).
 
     Returns:
         {"blocks": all L blocks, "head": ids, labels, final norm, head input cast, cos/sin,
@@ -253,6 +261,9 @@ def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, com
     hq, layers = shape["heads"] * shape["head_dim"], shape["layers"]
     casts = r != c
     block = t * (2 * ((4 + r) * h + 4) + (5 if casts else 2) * c * h + c * (2 * h + 2 * hkv) + 4 * a + 4 * c * i)
+    if packing != "stream":  # an explicit mask: saved as a bias, and k, v repeated to every query head
+        block += batch * seq * seq * c + t * c * 2 * (hq - hkv)
+    rotary_batch = batch if packing == "documents" else 1  # cos and sin follow the position ids' batch
     block_weights = 2 * (shape["linear_weights"] - shape["vocab"] * h) // layers if weight_copies else 0
     kept = {"none": block, "full": t * r * h,
             # torchtitan's per-op policy: the block input, the outputs of q, v, gate and down projections,
@@ -263,7 +274,8 @@ def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, com
     else:
         blocks = layers * kept[mode]
     checkpointed = mode != "none"
-    head = t * (16 + (4 + r) * h + 4 + c * h) + 4 + (0 if checkpointed else 2 * seq * shape["head_dim"] * r)
+    rotary = 0 if checkpointed else 2 * rotary_batch * seq * shape["head_dim"] * r  # cos, sin
+    head = t * (16 + (4 + r) * h + 4 + c * h) + 4 + rotary
     copies = 2 * (shape["vocab"] * h if checkpointed else shape["linear_weights"]) if weight_copies else 0
     out = {"blocks": blocks, "head": head, "log_softmax": 4 * t * shape["vocab"], "weight_copies": copies,
            "recompute": block + block_weights if checkpointed else 0}
@@ -364,7 +376,7 @@ def _ds_size(zero: dict, key: str, auto: float) -> float:
 
 def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
                   checkpointing: bool | str, mixed_precision: str, logits_bytes: float | None = None,
-                  grads_at_peak: bool = True, machines: int = 1) -> dict:
+                  grads_at_peak: bool = True, machines: int = 1, packing: str = "stream") -> dict:
     """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
 
     Args:
@@ -378,6 +390,7 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
             activation peak, and the total is the larger of that peak and the optimizer step's (every
             gradient, no activations or logits). DeepSpeed keeps its gradient partition allocated.
         machines: the ranks' machines (nodes), for the share of the communication that crosses the network.
+        packing: `--packing` (`activation_bytes`: a mask and its consequences outside "stream").
 
     Returns:
         A dict of ints in bytes: the CATEGORIES on the device, "host" (offloaded states), "total"
@@ -430,7 +443,8 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
                    + 2 * low * shape["largest_module"])
 
     residual = 4 if kind in ("single", "ddp") else low  # FSDP / DeepSpeed compute on low-precision params
-    act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2)
+    act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2,
+                           packing=packing)
     activations = act["saved"] - act["log_softmax"] + act["recompute"]
     factor = logits_factor() if logits_bytes is None else logits_bytes
     logits = int(factor * batch * seq * shape["vocab"])  # peak at the loss: see the module docstring

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_w
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, data, errors, grad_norm, launch  # noqa: E402
 from common import metrics, models, precision, schedule, workarounds  # noqa: E402
-from common.args import flag, make_output_dir, parse_args  # noqa: E402
+from common.args import choice, flag, make_output_dir, parse_args  # noqa: E402
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Args:
     validation_file: str = None
     validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
     block_size: int = flag(256, "tokens per sequence", low=2)
-    packing: bool = flag(True, "concatenate rows into blocks; false: one padded row each")
+    packing: str = choice(data.PACKING, data.PACKING_ALIASES, "see docs/llama.md#packing")
     max_eval_samples: int = flag(None, "cap on validation blocks per eval; default: all", low=1)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
@@ -83,8 +83,8 @@ def evaluate(model, eval_loader, accelerator) -> float:
     nats = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"],
-                       attention_mask=batch.get("attention_mask")).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                       position_ids=batch.get("position_ids")).logits  # --packing documents
         # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
         per_block, targets = metrics.token_nll(logits, batch["labels"])
         del logits
@@ -260,9 +260,9 @@ def main() -> int:
             # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
             # window on all ranks, so the gradient is the full global batch's even with padding.
             # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
-            if args.packing:  # every block has block_size - 1 targets: no collective, no sync
+            if args.packing == "stream":  # block_size - 1 targets a block: no collective, no sync
                 num_items, has_targets = global_batch * (args.block_size - 1), True
-            else:  # padded rows: count on every rank (one sync per step, to see empty windows)
+            else:  # padding, document starts: count on every rank (one sync a step: empty windows)
                 local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
                 # a tensor: a changing int would recompile a compiled model each step
                 num_items = accelerator.reduce(local_items.clone(), reduction="sum")

@@ -89,8 +89,8 @@ def evaluate(model, eval_loader, accelerator) -> float:
     nats = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"],
-                       attention_mask=batch.get("attention_mask")).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                       position_ids=batch.get("position_ids")).logits  # --packing documents
         # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
         per_block, targets = metrics.token_nll(logits, batch["labels"])
         del logits

@@ -399,15 +399,17 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, re
     # step 10 of the session's 16-step DDP run.
     ckpt = reference_run("ddp", *args(None, small_corpus, *batch_args("ddp"))[2:]) / f"checkpoint-{SAVE}"
     marker = verify_checkpoint(ckpt)
-    assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, True) and marker["train_blocks"] > 0
-    # Three changes, one launch: the refusal names every difference (the global batch 8 -> 16 too:
-    # the step count would point at another sample).
+    assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, "stream")
+    assert marker["train_blocks"] > 0
+    # Four changes, one launch: the refusal names every difference (the global batch 8 -> 16 too:
+    # the step count would point at another sample), in one line.
     proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, *batch_args("ddp"), "--seed", 7,
-                  "--block_size", 32, "--gradient_accumulation_steps", 4, "--resume_from_checkpoint", ckpt),
-                  cache_dir=cache_dir, mixed_precision="no", check=False)
+                  "--block_size", 32, "--gradient_accumulation_steps", 4, "--packing", "documents",
+                  "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no", check=False)
     assert proc.returncode != 0
-    assert f"cannot resume from {ckpt}: global_batch 8 -> 16; seed 42 -> 7; block_size 64 -> 32" in proc.stderr, \
-        proc.stderr[-3000:]
+    assert f"cannot resume from {ckpt}: global_batch 8 -> 16; seed 42 -> 7; block_size 64 -> 32; packing stream " \
+           "-> documents" in proc.stderr, proc.stderr[-3000:]
+    assert len({line for line in proc.stderr.splitlines() if line.startswith("error:")}) == 1
     assert not (tmp_path / "changed" / "metrics.jsonl").exists()
     # Unchanged data, a longer run: accepted, with a warning that the LR schedule now differs.
     proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, *batch_args("ddp"), "--max_steps",

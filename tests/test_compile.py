@@ -154,3 +154,36 @@ def test_other_recipes_refuse_a_dynamo_backend(tmp_path, cache_dir):
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
     assert len(errors) == 1 and "does not support torch.compile" in errors[0], proc.stderr[-3000:]
+
+
+def test_documents_packing_compiles_once(cache_dir):
+    """--packing documents under torch.compile: position ids that restart at other places each step,
+    and a target count that changes with them (a tensor, as the recipe passes it), reuse the first
+    graph. transformers builds the block-diagonal mask from the position ids without a data-dependent
+    branch while tracing. In-process, dynamo with the eager backend (its guards decide recompiles
+    whatever the backend), the debug Llama at 64 tokens: 5 steps, each with another document layout."""
+    import torch._dynamo
+    from transformers import LlamaForCausalLM
+
+    from common import models
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(models.llama_config("debug", vocab_size=512, use_cache=False))
+    compiled = torch.compile(model, backend="eager")
+    counts, graphs = [], []
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
+        for step in range(5):
+            cuts = sorted(torch.randperm(63, generator=torch.Generator().manual_seed(step))[:step + 1] + 1)
+            positions = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, 64])])[None].repeat(2, 1)
+            ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(step))
+            labels = ids.masked_fill(positions == 0, -100)
+            num_items = (labels[:, 1:] != -100).sum()
+            counts.append(num_items.item())
+            loss = compiled(input_ids=ids, labels=labels, position_ids=positions, num_items_in_batch=num_items).loss
+            loss.backward()
+            model.zero_grad()
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert len(set(counts)) == 5  # every step another layout and target count
+    assert graphs[0] >= 1 and len(set(graphs)) == 1, graphs  # all compiled at the first step
+    torch._dynamo.reset()

@@ -74,9 +74,10 @@ def test_packing_false_warns_about_cut_rows(files, tmp_path, caplog):
     long_tokens = len(tok(LONG)["input_ids"]) + 1  # + eos
     for _ in ("build", "cached"):
         caplog.clear()
-        padded = data.pack_dataset(raw, tok, 32, str(tmp_path), packing=False)
-        warnings = [r.getMessage() for r in caplog.records if "--packing false" in r.getMessage()]
+        padded = data.pack_dataset(raw, tok, 32, str(tmp_path), packing="none")
+        warnings = [r.getMessage() for r in caplog.records if "--packing none" in r.getMessage()]
         assert len(warnings) == 1 and warnings[0].endswith(  # Accelerate prefixes "[RANK 0] "
-            f"--packing false: 1 of 2 train rows are longer than --block_size 32 and lose their "
-            f"tail ({long_tokens - 32} tokens never trained on); raise --block_size or keep packing")
+            f"--packing none: 1 of 2 train rows are longer than --block_size 32 and lose their "
+            f"tail ({long_tokens - 32} tokens never trained on); raise --block_size or pack them (--packing "
+            "documents)")
     assert [len(r) for r in padded["train"]["input_ids"]] == [32, 32]

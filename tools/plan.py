@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--block_size", type=int, default=256)
+    p.add_argument("--packing", choices=["stream", "documents", "none"], default="stream",
+                   help="as recipes/llama.py: documents and none (padded) give attention a mask, counted")
     p.add_argument("--gradient_checkpointing", action="store_true",
                    help="every block (--activation_checkpointing full)")
     p.add_argument("--activation_checkpointing", choices=["none", "full", "selective_layer", "selective_op"],
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                                              args.per_device_train_batch_size, args.block_size,
                                              args.gradient_accumulation_steps, mode, precision,
                                              logits_factor(compiled_loss=compiled), not args.grads_set_to_none,
-                                             machines)
+                                             machines, packing=args.packing)
             plans[s["name"]].update(ranks=1 if s["kind"] == "single" else ranks, mixed_precision=precision,
                                     kind=s["kind"])
             plans[s["name"]]["time"] = time_strategy(
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             ds, ds_where = checks.deepspeed_settings(yaml_config, root=str(REPO))
             flags = {"per_device_train_batch_size": args.per_device_train_batch_size, "block_size": args.block_size,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                     "gradient_checkpointing": mode != "none"}
+                     "gradient_checkpointing": mode != "none", "packing": args.packing}
             where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
             problems += [str(p) for p in checks.config_problems(
                 yaml_config, where=where, ds=ds, ds_where=ds_where, flags=flags, model_classes=model_classes,
