@@ -1,5 +1,5 @@
 """tools/smoke.py, the one-command cluster check, at its quick level on CPU ranks: a small subset passes
-with its table and exit status 0; a broken config makes it exit 1 naming that config; bad flags are one
+with its table, and a broken config beside them makes it exit 1 naming that config (one run); bad flags are one
 line; slurm/smoke.sbatch passes on the local 2-node cluster (slurm/local_cluster.sh). (Every config:
 `python tools/smoke.py`, about 3 minutes, docs/smoke.md.)"""
 
@@ -28,40 +28,49 @@ def smoke(*argv, out, cache_dir):
     return proc, rows
 
 
-def test_quick_level_passes_with_its_table(tmp_path, cache_dir):
-    proc, rows = smoke("--configs", "ddp", out=tmp_path, cache_dir=cache_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [(r["config"], r["world"], r["status"]) for r in rows] == [("single", 1, "PASS"), ("ddp", 2, "PASS")]
-    single, ddp = rows
-    assert single["loss_gap"] == single["grad_norm_gap"] == 0  # the reference itself
-    assert 0 < ddp["loss_gap"] < 5e-6 and ddp["grad_norm_gap"] < 5e-6  # fp32 parity, tests/test_parity.py's bound
-    for r in rows:
-        assert r["resume_gap"] <= 1e-6 and r["export"] == "ok" and not r["problems"], r
-        assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and r["wall_s"] > 0, r
-    # the printed table: a header, then one row per config with the same figures
-    assert "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |" in proc.stdout
-    assert re.search(rf"^\| ddp \| 2 \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
-                     proc.stdout, re.M), proc.stdout
-    assert (tmp_path / "smoke.md").read_text().startswith("| config |")
-    assert (tmp_path / "ddp" / "run" / "final" / "model.safetensors").is_file()
-
-
-def test_broken_config_fails_naming_it(tmp_path, cache_dir):
-    """A copy of deepspeed_zero2.yaml whose DeepSpeed JSON sets a train_batch_size of 64 against the
-    global batch of 4: exit 1, its row FAIL, its first error line and its log path."""
+@pytest.fixture(scope="module")
+def quick_with_a_broken_config(tmp_path_factory, cache_dir):
+    """One smoke run serves both tests below: `--configs ddp` plus a copy of deepspeed_zero2.yaml
+    whose DeepSpeed JSON sets a train_batch_size of 64 against the global batch of 4."""
+    tmp_path = tmp_path_factory.mktemp("smoke")
     ds_json = tmp_path / "zero2.json"
     ds_json.write_text((REPO / "ds_configs/zero2.json").read_text().replace(
         '"train_batch_size": "auto"', '"train_batch_size": 64'))
     broken = tmp_path / "broken_zero2.yaml"
     broken.write_text((REPO / "accelerate_configs/deepspeed_zero2.yaml").read_text().replace(
         "ds_configs/zero2.json", str(ds_json)))
-    proc, rows = smoke("--config_file", broken, out=tmp_path / "out", cache_dir=cache_dir)
+    out = tmp_path / "out"
+    proc, rows = smoke("--configs", "ddp", "--config_file", broken, out=out, cache_dir=cache_dir)
+    return proc, rows, out
+
+
+def test_quick_level_passes_with_its_table(quick_with_a_broken_config):
+    proc, rows, out = quick_with_a_broken_config
+    assert [(r["config"], r["world"], r["status"]) for r in rows] == [
+        ("single", 1, "PASS"), ("ddp", 2, "PASS"), ("broken_zero2", 2, "FAIL")], proc.stdout[-3000:]
+    single, ddp = rows[:2]
+    assert single["loss_gap"] == single["grad_norm_gap"] == 0  # the reference itself
+    assert 0 < ddp["loss_gap"] < 5e-6 and ddp["grad_norm_gap"] < 5e-6  # fp32 parity, tests/test_parity.py's bound
+    for r in rows[:2]:
+        assert r["resume_gap"] <= 1e-6 and r["export"] == "ok" and not r["problems"], r
+        assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and r["wall_s"] > 0, r
+    # the printed table: a header, then one row per config with the same figures
+    assert "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |" in proc.stdout
+    assert re.search(rf"^\| ddp \| 2 \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
+                     proc.stdout, re.M), proc.stdout
+    assert (out / "smoke.md").read_text().startswith("| config |")
+    assert (out / "ddp" / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_broken_config_fails_naming_it(quick_with_a_broken_config):
+    """The broken copy: exit 1 for the whole check, its row FAIL, its first error line and its log path."""
+    proc, rows, out = quick_with_a_broken_config
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert [(r["config"], r["status"]) for r in rows] == [("single", "PASS"), ("broken_zero2", "FAIL")]
+    assert rows[-1]["config"] == "broken_zero2" and rows[-1]["status"] == "FAIL"
     assert re.search(r"^\| broken_zero2 \| 2 \| FAIL \|", proc.stdout, re.M), proc.stdout
     line = next(x for x in proc.stdout.splitlines() if x.startswith("broken_zero2: "))
     assert "error: the DeepSpeed JSON" in line and "train_batch_size: 64" in line, line
-    assert str(tmp_path / "out" / "broken_zero2" / "run.log") in line, line
+    assert str(out / "broken_zero2" / "run.log") in line, line
 
 
 def test_bad_flags_are_one_line(tmp_path):
