@@ -305,8 +305,8 @@ def test_a_node_local_path_is_refused_at_start_up(node_local, tmp_path, cache_di
             want = (f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: "
                     f"rank {rank}")
         else:
-            want = ("error: the data (train and validation text, tokenizer, block size) differs between ranks: "
-                    "rank(s) 1 read")
+            want = ("error: the data (train and validation text, tokenizer, block size, packing) differs between "
+                    "ranks: rank(s) 1 read")
         assert want in output, output[-3000:]
     assert not list(tmp_path.glob("*/checkpoint-10"))
 
