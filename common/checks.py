@@ -37,7 +37,9 @@ one call per stage, prints each warning once and stops with every error line.
 |                                                        |          |   prepare on FSDP1's wrapped blocks     |
 | `parallelism_config` sizes whose product is not the    | error    | Accelerate raises in its constructor    |
 |   ranks, or dp_shard_size 1                            |          |   (a traceback)                         |
-| `parallelism_config_tp_size` (cp, sp) above 1          | error    | the recipes build the model unsharded   |
+| `parallelism_config_cp_size` or `_sp_size` above 1     | error    | no sequence split of the batch          |
+| `parallelism_config_tp_size` above 1 outside llama.py, | error    | the model is built whole, or Accelerate |
+|   off FSDP2, or with `fsdp_cpu_ram_efficient_loading` |          |   would broadcast rank 0's TP slices    |
 | HSDP shard groups that span machines                   | warning  | all-gathers cross the network           |
 """
 
@@ -125,6 +127,7 @@ def launch_config_from_env(env=os.environ) -> dict:
             "fsdp_use_orig_params": _true(env.get("FSDP_USE_ORIG_PARAMS", "false")),  # Accelerate's default
             "fsdp_offload_params": _true(env.get("FSDP_OFFLOAD_PARAMS", "false")),
             "fsdp_reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true"),
+            "fsdp_cpu_ram_efficient_loading": _true(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")),
             **({"fsdp_transformer_layer_cls_to_wrap": env["FSDP_TRANSFORMER_CLS_TO_WRAP"]}
                if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") else {})}
     else:
@@ -371,25 +374,38 @@ def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes:
     return out
 
 
-def _mesh_problems(mesh: dict, where: str, ranks: int, per_machine: int) -> list[Problem]:
-    """A `parallelism_config` (HSDP: dp_replicate x dp_shard) that Accelerate would refuse with a traceback,
-    that the recipes cannot train, or whose shard groups span machines."""
+def _mesh_problems(mesh: dict, where: str, ranks: int, per_machine: int, config: dict,
+                   tensor_parallel: bool) -> list[Problem]:
+    """A `parallelism_config` (HSDP: dp_replicate x dp_shard; tensor parallel: dp_shard x tp) that Accelerate
+    would refuse with a traceback, that the recipe cannot train, or whose shard groups span machines."""
     sizes = {dim: int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in MESH_DIMS}
     shown = " x ".join(f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
                        if n > 1 or dim.startswith("dp"))
+    fsdp = config.get("fsdp_config") or {}
+    fsdp2 = config.get("distributed_type") == "FSDP" and int(fsdp.get("fsdp_version") or 1) == 2
+    tp = f"parallelism_config_tp_size {sizes['tp']} in {where}"
     out = []
-    if other := [f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
-                 if not dim.startswith("dp") and n > 1]:
-        out.append(Problem("error", f"{', '.join(other)} in {where}: the recipes shard the data-parallel "
-                                    "dimensions only (HSDP: dp_replicate x dp_shard); tensor, context and sequence "
-                                    "parallel need the model built sharded by transformers (tp_plan) and the batch "
-                                    "counted over data-parallel ranks only, which they do not do (docs/configs.md)"))
+    if other := [f"parallelism_config_{dim}_size {n}" for dim in ("cp", "sp") if (n := sizes[dim]) > 1]:
+        out.append(Problem("error", f"{', '.join(other)} in {where}: the recipes shard the data-parallel dimensions "
+                                    "(HSDP) and, in recipes/llama.py, tensor parallel; context and sequence parallel "
+                                    "need the batch split along the sequence, which they do not do (docs/configs.md)"))
+    elif sizes["tp"] > 1 and not tensor_parallel:
+        out.append(Problem("error", f"{tp}: this recipe builds its model whole; recipes/llama.py is the one that "
+                                    "shards it for tensor parallel (docs/configs.md#tensor-parallel)"))
+    elif sizes["tp"] > 1 and not fsdp2:
+        out.append(Problem("error", f"{tp} with distributed_type {config.get('distributed_type')}: tensor parallel "
+                                    "runs under FSDP2 (fsdp_version: 2) only, as in accelerate_configs/tp.yaml"))
+    elif sizes["tp"] > 1 and _true(fsdp.get("fsdp_cpu_ram_efficient_loading")):
+        out.append(Problem("error", f"{tp} with fsdp_cpu_ram_efficient_loading: true: Accelerate would broadcast "
+                                    "rank 0's tensor-parallel slices to every rank; set it to false (tp.yaml)"))
     elif math.prod(sizes.values()) != ranks:
         out.append(Problem("error", f"{shown} in {where} = {math.prod(sizes.values())} ranks, but the launch has "
                                     f"num_processes {ranks}: make the product the number of processes"))
     elif sizes["dp_shard"] == 1:
+        alone = "; for tensor parallel, leave FSDP dp_shard ranks (tp.yaml: dp_shard 2 x tp 2)" if sizes["tp"] > 1 \
+            else "; for replicas alone use accelerate_configs/ddp.yaml"
         out.append(Problem("error", f"parallelism_config_dp_shard_size 1 in {where}: FSDP has nothing to shard "
-                                    "across; for replicas alone use accelerate_configs/ddp.yaml"))
+                                    f"across{alone}"))
     elif per_machine % sizes["dp_shard"] and sizes["dp_replicate"] > 1:
         out.append(Problem("warning", f"parallelism_config_dp_shard_size {sizes['dp_shard']} in {where} with "
                                       f"{per_machine} processes per machine: shard groups span machines, so every "
@@ -508,7 +524,8 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
                     ds_where: str = "the DeepSpeed JSON", flags: dict | None = None, hardware: dict | None = None,
                     model_classes: set | None = None, train_size: int | None = None, train_unit: str = "samples",
                     steps: int | None = None, shape: dict | None = None,
-                    device_memory: int | None = None, compiles: bool = False) -> list[Problem]:
+                    device_memory: int | None = None, compiles: bool = False,
+                    tensor_parallel: bool = False) -> list[Problem]:
     """Every problem of a launch that its inputs let us see; each check runs when its inputs are given.
 
     Args:
@@ -527,6 +544,8 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
         shape, device_memory: `plan.model_shape(model_config)` and bytes per rank (for the ZeRO-3 check).
         compiles: the recipe supports torch.compile (a dynamo backend): keeps eager state-dict keys in its
             checkpoints and export (recipes/llama.py, and the planner, which plans it). Else a backend is an error.
+        tensor_parallel: the recipe shards its model on the mesh's tp dimension (recipes/llama.py,
+            `models.tensor_parallel`). Else a `parallelism_config_tp_size` above 1 is an error.
 
     Returns:
         The problems, errors first, each a `Problem` whose text is one line naming the file or flag,
@@ -564,12 +583,16 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
         out += _fsdp_problems(config.get("fsdp_config") or {}, where, hardware, model_classes)
     if config.get("parallelism_config"):
         out += _mesh_problems(config["parallelism_config"], where, ranks,
-                              ranks // max(1, int(config.get("num_machines", 1))))
+                              ranks // max(1, int(config.get("num_machines", 1))), config, tensor_parallel)
     batch_flags = ("per_device_train_batch_size", "gradient_accumulation_steps")
     if all(f in flags for f in batch_flags):
         micro, accumulation = (flags[f] for f in batch_flags)
-        global_batch = micro * accumulation * ranks
-        split = f"(= {micro} per device x {accumulation} accumulation x {ranks} ranks)"
+        mesh = config.get("parallelism_config") or {}
+        shared = math.prod(int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in ("tp", "cp", "sp"))
+        data_ranks = max(1, ranks // shared)  # the ranks of a tensor-parallel group share one batch
+        global_batch = micro * accumulation * data_ranks
+        split = f"(= {micro} per device x {accumulation} accumulation x {data_ranks} " + \
+            ("ranks)" if shared == 1 else f"data-parallel ranks of {ranks})")
         if train_size is not None and train_size < global_batch:
             out.append(Problem("error", f"the training split has {train_size} {train_unit}, fewer than one global "
                                         f"batch of {global_batch} {split}"))
@@ -606,6 +629,7 @@ class Startup:
         precision_used: the precision the recipe chose itself (mixed_precision.py's --precision),
             instead of the launch config's, kept where the hardware computes it (`precision.for_launch`).
         compiles: the recipe supports torch.compile (eager key names in checkpoints and the export).
+        tensor_parallel: the recipe shards its model for tensor parallel (`models.tensor_parallel`).
         steps, model_cls, model_config: known before the data (for the warmup, FSDP-wrap and ZeRO-3 checks).
         handlers: the recipe's own kwargs_handlers for the Accelerator (e.g. GradScalerKwargs).
 
@@ -621,7 +645,7 @@ class Startup:
              "reference_global_batch", "scale_lr", "block_size", "gradient_checkpointing", "packing")
 
     def __init__(self, args, *, precision_used: str | None = None, compiles: bool = False, steps: int | None = None,
-                 model_cls=None, model_config=None, handlers: tuple = ()):
+                 model_cls=None, model_config=None, handlers: tuple = (), tensor_parallel: bool = False):
         self.config = launch_config_from_env()
         hardware = detect_hardware()
         if precision_used is None:
@@ -632,7 +656,7 @@ class Startup:
         flags["mixed_precision"] = self.precision["used"]
         self.ds, ds_where = deepspeed_settings(self.config)
         self.facts = dict(ds=self.ds, ds_where=ds_where, flags=flags, hardware=hardware, compiles=compiles,
-                          steps=steps)
+                          steps=steps, tensor_parallel=tensor_parallel)
         self._printed: set[str] = set()
         self.check(model_cls=model_cls, model_config=model_config)
         group, self.workarounds = launch.process_group(args.ddp_timeout)

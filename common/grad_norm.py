@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 from accelerate.utils import DistributedType
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from common import checks
 from common.errors import Stop
@@ -64,8 +65,9 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
             (`checks.clipping_problem`, which the recipes also check at start-up).
         NotImplementedError: for FSDP1 HYBRID_SHARD, where a sum over all ranks would count
             replicated shards more than once. (FSDP1 NO_SHARD holds full gradients on every rank,
-            like DDP: no sum. FSDP2 on a 2-D mesh, HSDP: each gradient's squares are added up over
-            the mesh dims it is sharded on, not over the replicas.)
+            like DDP: no sum. FSDP2 on a 2-D mesh, HSDP and tensor parallel: each gradient's squares
+            are added up over the mesh dims it is sharded on, not over the replicas or the tp ranks
+            that hold copies, such as the RMSNorm weights.)
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
@@ -82,7 +84,10 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
         if isinstance(grad, DTensor):  # FSDP2 (and tensor parallel): this rank's shard
             mesh = grad.device_mesh
             if not (mesh.ndim == 1 and mesh.size() == accelerator.num_processes):
-                dims = tuple(d for d, placement in enumerate(grad.placements) if placement.is_shard())
+                # FSDP2 over tensor-parallel slices shards on dp with `_StridedShard`, which torch 2.13
+                # does not count as a Shard (`is_shard()` is False): a norm without it misses half the squares
+                dims = tuple(d for d, placement in enumerate(grad.placements)
+                             if isinstance(placement, (Shard, _StridedShard)))
                 part = on_mesh.setdefault((mesh, dims), torch.zeros_like(sum_of_squares))
                 part += _sum_of_squares_fp64(grad.to_local()).to(part.device)
                 continue

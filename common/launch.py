@@ -255,6 +255,27 @@ def mesh_layout(accelerator: Accelerator) -> dict | None:
     return None if len(dims) < 2 and set(dims) <= {"dp_shard", "dp_replicate"} else dims
 
 
+def data_parallel_size(accelerator: Accelerator) -> int:
+    """The ranks that train on batches of their own: all of them, except under tensor parallel, where
+    the ranks of one tp group share a batch (Accelerate's data loader hands them the same one). Global
+    batch = per device x accumulation x this; tp.yaml's dp_shard 2 x tp 2 gives 2 of 4 ranks."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return accelerator.num_processes // (config.non_data_parallel_size if config else 1)
+
+
+def data_parallel_sum(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """`accelerator.reduce(tensor, "sum")` counting each batch once: under tensor parallel the sum runs
+    over the data-parallel ranks only (Accelerate's flattened "dp" mesh dimension), since the ranks of
+    a tp group hold the same batch, hence the same token counts and losses. A new tensor."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or config.non_data_parallel_size == 1:
+        return accelerator.reduce(tensor.clone(), reduction="sum")
+    out = tensor.clone()
+    if config.dp_dim_names:  # (tp alone: one batch, nothing to add)
+        torch.distributed.all_reduce(out, group=accelerator.torch_device_mesh["dp"].get_group())
+    return out
+
+
 def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
     """What DeepSpeed really runs with, read from its config after `prepare` (where Accelerate has filled
     the "auto" keys and any launch-line flags): for run_info.json and the start line. None off DeepSpeed.

@@ -260,6 +260,8 @@ class RunLog:
     def __init__(self, accelerator, args, project: str, resumed_step: int | None = None,
                  run_info: dict | None = None):
         self.accelerator = accelerator
+        config = getattr(accelerator, "parallelism_config", None)  # tensor parallel: a tp group trains one batch
+        self.share = 1 / config.non_data_parallel_size if config is not None and config.tp_enabled else 1
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         if accelerator.is_main_process:
             if run_info is not None:
@@ -280,8 +282,9 @@ class RunLog:
         self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()
 
     def count(self, tokens: int = 0, data_wait: float = 0.0) -> None:
-        """Add this rank's trained tokens and its seconds spent waiting for batches to the window."""
-        self.tokens += tokens
+        """Add this rank's trained tokens (under tensor parallel its share: the tp group trains them
+        together) and its seconds spent waiting for batches to the window."""
+        self.tokens += tokens * self.share
         self.data_wait += data_wait
 
     def record(self, **fields) -> dict:
@@ -402,13 +405,19 @@ class SampleIds:
         self.epochs[epoch] += [b.pop("sample_id") for b in window]
 
     def write(self, accelerator, output_dir: str, **extra) -> None:
-        """This rank's file (every rank writes its own), with `extra` keys after "epochs"."""
+        """This rank's file (every rank writes its own), with `extra` keys after "epochs". Under tensor
+        parallel the ranks of a tp group trained the same samples: its first rank writes them, as
+        data-parallel rank r of `launch.data_parallel_size` ranks (tp is the mesh's innermost dimension)."""
         if not self.on:
             return
+        world = launch.data_parallel_size(accelerator)
+        shared = accelerator.num_processes // world
+        if accelerator.process_index % shared:
+            return
         os.makedirs(os.path.join(output_dir, "sample_ids"), exist_ok=True)
-        rank = accelerator.process_index
+        rank = accelerator.process_index // shared
         with open(os.path.join(output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": accelerator.num_processes,
+            json.dump({"rank": rank, "world_size": world,
                        "epochs": [torch.cat(ids).tolist() if ids else [] for ids in self.epochs],
                        **extra}, f)
 

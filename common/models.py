@@ -353,7 +353,7 @@ def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_w
         error = f"{type(err).__name__}: {err}".splitlines()[0]
     if failures := [e for e in gather_object([error]) if e]:
         raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
-    return model
+    return tensor_parallel(accelerator, model)  # tp.yaml: each rank keeps its slices
 
 
 def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device) -> str:
@@ -374,3 +374,39 @@ def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_to
                                pad_token_id=reloaded.config.pad_token_id)
     return (f"--- sample from {export_dir}, prompt from the validation data ---\n"
             f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt):])}\n---")
+
+
+def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` on the `tp` dimension of Accelerate's device mesh with its own tensor-parallel
+    plan (transformers' `tp_plan`: attention and MLP projections colwise then rowwise, embedding and
+    LM head by vocabulary rows), before `accelerator.prepare`, which requires it; unchanged without a
+    `parallelism_config_tp_size` above 1 (accelerate_configs/tp.yaml has 2).
+
+    The model is built whole and seeded as on one process, then each rank keeps its slices (DTensor
+    parameters, `Shard` on tp); `prepare` then shards them again with FSDP2 over dp_shard. This is
+    what `from_pretrained(..., tp_plan="auto")` does after init, with Accelerate's mesh.
+
+    Raises:
+        Stop: the model type has no tensor-parallel plan in transformers.
+    """
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled:
+        return model
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    distributed = DistributedConfig(tp_size=config.tp_size)
+    try:
+        plan, _, _ = model._resolve_parallel_plans(distributed)
+    except (AttributeError, ValueError) as err:
+        raise Stop(f"parallelism_config_tp_size {config.tp_size}: {type(model).__name__} has no tensor-parallel plan "
+                   f"in transformers ({str(err).splitlines()[0]}); launch it with fsdp.yaml or hsdp.yaml") from None
+    # A tied LM head shares the embedding's weight, which the plan shards once (both by vocabulary rows);
+    # tie_weights points the head at the sharded tensor again.
+    own = dict(model.named_parameters())
+    plan = {name: style for name, style in plan.items() if name in own or name not in dict(
+        model.named_parameters(remove_duplicate=False))}
+    apply_tensor_parallelism(model, accelerator.torch_device_mesh["tp"], plan)
+    model.tie_weights()
+    model._tp_size = config.tp_size  # what Accelerate's prepare reads (get_model_tp_size)
+    return model

@@ -35,6 +35,10 @@ the state dict instead (it runs at export, after run_info.json is written).
 |   scheduler                | torch 2.13       | keeps the checkpoint's LR    | new group dicts       |
 | fsdp1_cpu_state_dict       | torch 2.13       | FSDP1 export on CPU: SIGSEGV | torch 2.13; offloads  |
 | trim_malloc_heap           | glibc            | RSS counts freed heap pages  | glibc, malloc_trim    |
+| replicate_parallel_for_    | Accelerate 1.15, | tensor parallel: `prepare`   | Accelerate imports it |
+|   accelerate               | transformers 5.24| fails (ImportError)          | transformers lacks it |
+| gather_metrics_once_per_   | Accelerate 1.15  | tensor parallel: eval loss   | gathers every tp rank |
+|   tp_group                 |                  | off by 1e-3 (last batch)     |                       |
 
 The canary of each is `test_<workaround>` in tests/test_workarounds.py; the last column says
 what it checks upstream still does.
@@ -384,11 +388,77 @@ def trim_malloc_heap() -> list[str]:
     return ["trim_malloc_heap"]
 
 
+def replicate_parallel_for_accelerate(accelerator) -> list[str]:
+    """Tensor parallel: the `ReplicateParallel` style that Accelerate's `prepare` imports from transformers.
+
+    Accelerate 1.15's `_prepare_tp` (FSDP2 path) turns each parameter that the tensor-parallel plan left
+    whole (the RMSNorm weights) into a `Replicate` DTensor on the tp mesh and hooks its module with
+    `transformers.integrations.tensor_parallel.ReplicateParallel().prepare_module_tp(module, tp_mesh)`;
+    transformers 5.24 no longer has that class, so `prepare` fails with an ImportError. This defines it
+    there as transformers 5.24's `local_params` style: the module runs its forward on the local copies of
+    its (replicated) parameters, as the sliced projections hand it plain tensors. Their gradients are
+    whole on every tp rank (the projections all-reduce the input gradient), so `Replicate` is exact.
+    Call after building the Accelerator; without a tp dimension: no-op.
+    Canary: Accelerate's `_prepare_tp` still imports the class, and transformers still lacks it.
+    """
+    import transformers.integrations.tensor_parallel as hf_tp
+
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled or hasattr(hf_tp, "ReplicateParallel"):
+        return []
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    class ReplicateParallel:
+        def prepare_module_tp(self, module, mesh):
+            if not getattr(module, "_replicated_params_local", False):  # once per module, not per parameter
+                ALL_PARALLEL_STYLES["local_params"].install_forward(module, mesh)
+                module._replicated_params_local = True
+
+    hf_tp.ReplicateParallel = ReplicateParallel
+    return ["replicate_parallel_for_accelerate"]
+
+
+def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
+    """Tensor parallel: `accelerator.gather_for_metrics` keeps one copy of each tp group's rows.
+
+    The ranks of a tp group evaluate the same batch. Accelerate 1.15 gathers from every rank, then
+    truncates the last batch to the dataset's remainder, which it counts over the data-parallel
+    ranks only: the rows kept are then the first data-parallel rank's twice, not each block once
+    (measured: eval loss 1.2e-3 off one process on 13 blocks over dp_shard 2 x tp 2). This makes the
+    gather inside `gather_for_metrics` keep the rows of tp rank 0 of each group (tp is the mesh's
+    innermost dimension: rank = data-parallel rank x tp size + tp rank). Call after building the
+    Accelerator; without a tp dimension: no-op.
+    Canary: Accelerate's `gather_for_metrics` still returns every rank's rows.
+    """
+    from accelerate.utils import recursively_apply
+
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled:
+        return []
+    tp, plain = config.non_data_parallel_size, accelerator.gather_for_metrics
+
+    def one_copy(tensor: torch.Tensor) -> torch.Tensor:  # [ranks x n, ...] -> [data ranks x n, ...]
+        return tensor.reshape(-1, tp, tensor.shape[0] // (accelerator.num_processes), *tensor.shape[1:])[:, 0] \
+            .reshape(-1, *tensor.shape[1:])
+
+    def gather_for_metrics(input_data, use_gather_object=False):
+        accelerator.gather = lambda data: recursively_apply(one_copy, type(accelerator).gather(accelerator, data))
+        try:
+            return plain(input_data, use_gather_object=use_gather_object)
+        finally:
+            del accelerator.gather  # the class's own again
+
+    accelerator.gather_for_metrics = gather_for_metrics
+    return ["gather_metrics_once_per_tp_group"]
+
+
 # Stages: one call in the recipes for each point where workarounds apply.
 
 def accelerator_built(accelerator) -> list[str]:
-    """Right after `Accelerator(...)`: `install_cpu_grad_scaler`, `keep_fp32_reduction`."""
-    return install_cpu_grad_scaler(accelerator) + keep_fp32_reduction(accelerator)
+    """Right after `Accelerator(...)`: `install_cpu_grad_scaler`, `keep_fp32_reduction`,
+    `replicate_parallel_for_accelerate`, `gather_metrics_once_per_tp_group`."""
+    return install_cpu_grad_scaler(accelerator) + keep_fp32_reduction(accelerator) + \
+        replicate_parallel_for_accelerate(accelerator) + gather_metrics_once_per_tp_group(accelerator)
 
 
 def prepared(accelerator, model) -> list[str]:

@@ -143,7 +143,7 @@ def main() -> int:
     # and FSDP's gradient reduction in fp32
     applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
-    world_size = accelerator.num_processes
+    world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     # <<< shared
     if accelerator.distributed_type == DistributedType.FSDP:

@@ -106,7 +106,7 @@ def main() -> int:
         args.per_device_train_batch_size
     from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
     checks.llama_flags(args, from_scratch)
-    startup = {"compiles": True}  # torch.compile: eager key names in checkpoints and the export
+    startup = {"compiles": True, "tensor_parallel": True}  # compile: eager keys; tp.yaml: TP
 
     # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
@@ -133,7 +133,7 @@ def main() -> int:
     # and FSDP's gradient reduction in fp32
     applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
-    world_size = accelerator.num_processes
+    world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     # <<< shared
 
@@ -190,7 +190,7 @@ def main() -> int:
     elif zero3_init:  # built sharded (deepspeed.zero.Init): another random init than below
         model = AutoModelForCausalLM.from_config(config)
     else:
-        model = model_cls(config)  # e.g. LlamaForCausalLM
+        model = models.tensor_parallel(accelerator, model_cls(config))  # tp.yaml: sliced
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
@@ -265,7 +265,7 @@ def main() -> int:
             else:  # padding, document starts: count on every rank (one sync a step: empty windows)
                 local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
                 # a tensor: a changing int would recompile a compiled model each step
-                num_items = accelerator.reduce(local_items.clone(), reduction="sum")
+                num_items = launch.data_parallel_sum(accelerator, local_items)  # (tp: once)
                 has_targets = num_items.item() > 0
             # No targets: a loss of 0/0 would step AdamW on zero gradients (its moments and weight
             # decay still move the weights). Skip the window whole; its loss is NaN.
@@ -295,7 +295,7 @@ def main() -> int:
             if step % args.logging_steps == 0 or do_eval:
                 record = log.record(  # + tokens/s, data wait, memory, MFU of the window
                     step=step, epoch=epoch, lr=lr, empty_windows=health.empty_windows,
-                    loss=accelerator.reduce(loss_total, reduction="sum").item(),  # nats/token
+                    loss=launch.data_parallel_sum(accelerator, loss_total).item(),  # nats/token
                     grad_norm=float(norm_before_clip), **health.scale_fields())  # fp16 scale
                 if do_eval:
                     record["eval_loss"] = evaluate(model, eval_loader, accelerator)
