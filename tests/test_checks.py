@@ -137,12 +137,12 @@ def test_fsdp1_settings_the_recipes_cannot_use(tmp_path):
 
 def test_hsdp_mesh_that_the_launch_cannot_run(tmp_path):
     """accelerate_configs/hsdp.yaml as shipped passes; a mesh whose product is not the ranks, one with nothing
-    to shard, tensor parallel, and shard groups across machines are named, from the YAML or the ranks' env."""
+    to shard, context parallel, and shard groups across machines are named, from the YAML or the ranks' env."""
     config = yaml_config(tmp_path, "hsdp")
     assert checks.config_problems(config, where="hsdp.yaml", hardware=CPU) == []
 
-    def mesh(replicate, shard, tp=1, ranks=4, machines=1):
-        sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": tp}
+    def mesh(replicate, shard, cp=1, ranks=4, machines=1):
+        sizes = {"dp_replicate": replicate, "dp_shard": shard, "cp": cp}
         return lines(checks.config_problems({**config, "num_processes": ranks, "num_machines": machines,
                                              "parallelism_config": {f"parallelism_config_{k}_size": v
                                                                     for k, v in sizes.items()}}, where="hsdp.yaml"))
@@ -151,9 +151,9 @@ def test_hsdp_mesh_that_the_launch_cannot_run(tmp_path):
         "but the launch has num_processes 8: make the product the number of processes"]
     assert mesh(4, 1) == ["error: parallelism_config_dp_shard_size 1 in hsdp.yaml: FSDP has nothing to shard across; "
                           "for replicas alone use accelerate_configs/ddp.yaml"]
-    for tp_mesh in (mesh(1, 2, tp=2), mesh(1, 1, tp=2, ranks=2)):  # with dp_shard 2, and alone: one line
-        assert len(tp_mesh) == 1 and tp_mesh[0].startswith("error: parallelism_config_tp_size 2 in hsdp.yaml: "
-                                                           "the recipes shard the data-parallel dimensions only")
+    for cp_mesh in (mesh(1, 2, cp=2), mesh(1, 1, cp=2, ranks=2)):  # with dp_shard 2, and alone: one line
+        assert len(cp_mesh) == 1 and cp_mesh[0].startswith("error: parallelism_config_cp_size 2 in hsdp.yaml: "
+                                                           "the recipes shard the data-parallel dimensions")
     assert mesh(2, 4, ranks=8, machines=4)[0].startswith(  # 2 per machine: a shard group spans 2 machines
         "warning: parallelism_config_dp_shard_size 4 in hsdp.yaml with 2 processes per machine: shard groups span")
     assert mesh(2, 2, ranks=4, machines=2) == mesh(4, 2, ranks=8, machines=2) == []  # within a machine
@@ -163,6 +163,44 @@ def test_hsdp_mesh_that_the_launch_cannot_run(tmp_path):
     assert checks.launch_config_from_env(env)["parallelism_config"] == {
         "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2,
         "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 1, "parallelism_config_sp_size": 1}
+
+
+def test_tensor_parallel_only_where_it_runs(tmp_path):
+    """accelerate_configs/tp.yaml passes for recipes/llama.py, whose global batch counts the 2 data-parallel
+    ranks of its 4; tp_size elsewhere (another recipe, off FSDP2, FSDP1, rank 0 loading for all, tp without
+    dp_shard) is one error line naming the flag and the config."""
+    config = yaml_config(tmp_path, "tp")
+    assert checks.config_problems(config, where="tp.yaml", hardware=CPU, tensor_parallel=True) == []
+    flags = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+
+    def one(config, **facts):
+        out = lines(checks.config_problems(config, where="tp.yaml", **{"tensor_parallel": True, **facts}))
+        assert len(out) == 1, out
+        return out[0]
+    assert one(config, flags=flags, train_size=3) == (  # 4 = 2 x 1 x 2 data-parallel ranks, not 8
+        "error: the training split has 3 samples, fewer than one global batch of 4 (= 2 per device x 1 "
+        "accumulation x 2 data-parallel ranks of 4)")
+    assert checks.config_problems(config, flags=flags, train_size=4, tensor_parallel=True) == []
+    tp = "error: parallelism_config_tp_size 2 in tp.yaml"
+    assert one(config, tensor_parallel=False) == f"{tp}: this recipe builds its model whole; recipes/llama.py is " \
+        "the one that shards it for tensor parallel (docs/configs.md#tensor-parallel)"
+    for kind in ("MULTI_GPU", "DEEPSPEED"):
+        assert one({**config, "distributed_type": kind}) == f"{tp} with distributed_type {kind}: tensor parallel " \
+            "runs under FSDP2 (fsdp_version: 2) only, as in accelerate_configs/tp.yaml"
+    assert one({**config, "fsdp_config": {**config["fsdp_config"], "fsdp_version": 1}}).startswith(
+        f"{tp} with distributed_type FSDP: tensor parallel runs under FSDP2")
+    assert one({**config, "fsdp_config": {**config["fsdp_config"], "fsdp_cpu_ram_efficient_loading": True}}) == \
+        f"{tp} with fsdp_cpu_ram_efficient_loading: true: Accelerate would broadcast rank 0's tensor-parallel " \
+        "slices to every rank; set it to false (tp.yaml)"
+    alone = {**config, "parallelism_config": {"parallelism_config_dp_shard_size": 1, "parallelism_config_tp_size": 4}}
+    assert one(alone) == "error: parallelism_config_dp_shard_size 1 in tp.yaml: FSDP has nothing to shard across; " \
+        "for tensor parallel, leave FSDP dp_shard ranks (tp.yaml: dp_shard 2 x tp 2)"
+    env = {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING":
+           "false", "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+           "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    assert checks.config_problems(checks.launch_config_from_env(env), tensor_parallel=True) == []
+    assert one(checks.launch_config_from_env({**env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})).startswith(
+        f"{tp} with fsdp_cpu_ram_efficient_loading: true")
 
 
 def test_more_processes_than_gpus(tmp_path, monkeypatch):
@@ -330,7 +368,8 @@ def test_launch_config_from_env_and_startup_stops(capsys, monkeypatch, tmp_path)
         "mixed_precision": "bf16", "mixed_precision_forced": True,  # no accelerate launch above: set by hand
         "num_processes": 4, "num_machines": 2, "distributed_type": "FSDP",
         "fsdp_config": {"fsdp_version": 1, "fsdp_use_orig_params": False, "fsdp_offload_params": True,
-                        "fsdp_reshard_after_forward": "true", "fsdp_transformer_layer_cls_to_wrap": "GPT2Block"}}
+                        "fsdp_reshard_after_forward": "true", "fsdp_cpu_ram_efficient_loading": False,
+                        "fsdp_transformer_layer_cls_to_wrap": "GPT2Block"}}
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json"}
     assert checks.launch_config_from_env(env)["deepspeed_config"] == {"deepspeed_config_file": "ds_configs/zero2.json"}
     # Startup: a warning prints once however often it comes back, on rank 0 only; errors stop, all of them

@@ -193,6 +193,24 @@ def _table() -> list[str]:
     return names
 
 
+def test_replicate_parallel_for_accelerate():
+    """Accelerate's tensor-parallel prepare (FSDP2) still imports `ReplicateParallel` from transformers,
+    which transformers still lacks."""
+    import transformers.integrations.tensor_parallel as hf_tp
+
+    source = inspect.getsource(Accelerator._prepare_tp)
+    assert "from transformers.integrations.tensor_parallel import ReplicateParallel" in source and \
+        not hasattr(hf_tp, "ReplicateParallel"), upstream("replicate_parallel_for_accelerate")
+
+
+def test_gather_metrics_once_per_tp_group():
+    """`gather_for_metrics` still gathers every rank's rows through `self.gather`, then cuts the last batch
+    to the remainder counted over data-parallel ranks (tests/test_tp.py measures what that costs)."""
+    source = inspect.getsource(Accelerator.gather_for_metrics)
+    assert "data = self.gather(input_data)" in source and "tensor[: self.gradient_state.remainder]" in source, \
+        upstream("gather_metrics_once_per_tp_group")
+
+
 def test_the_table_lists_every_workaround_once_with_its_canary():
     table, functions = _table(), _functions()
     assert len(table) == len(set(table))
