@@ -14,6 +14,7 @@ $OUT (if set) or the working directory; the exit status is 1 if any check failed
 | step syncs       | host syncs in an ordinary step               | no CUDA sync from project code in a step         |
 | deepspeed memory | 5e8-element buckets (2 GB per rank)          | ZeRO-2's peak < common/plan.py's total + 1 GiB   |
 | fsdp loading     | every rank loading the fp32 weights          | fine-tune under fsdp.yaml matches ddp's 1st loss |
+| tensor parallel  | TP under NCCL off one process (4 GPUs only)  | tools/smoke.py --configs tp passes (4 GPUs)      |
 
 The fsdp loading check fine-tunes with --model_name_or_path (fsdp.yaml: RAM-efficient loading).
 
@@ -197,6 +198,20 @@ if (tmp / "ddp" / "final").is_dir():
     ok = (all(isinstance(v, float) for v in losses.values())
           and abs(losses["fsdp"] - losses["ddp"]) < 2e-2 * losses["ddp"])
     report("fsdp loading", ok, f"first fine-tune loss on {processes} process(es): {losses}")
+
+# --- tensor parallel: tp.yaml (dp_shard 2 x tp 2 under NCCL) vs one process, resume, export: 4 GPUs ---------
+gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+if gpus >= 4:
+    proc = subprocess.run([sys.executable, "tools/smoke.py", "--configs", "tp", "--num_processes", "4",
+                           "--output_dir", str(tmp / "smoke_tp")], cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    rows = json.loads((tmp / "smoke_tp" / "smoke.json").read_text()) if proc.returncode in (0, 1) else []
+    tp_row = next((r for r in rows if r["config"] == "tp"), None)
+    report("tensor parallel", proc.returncode == 0 and tp_row is not None and tp_row["status"] == "PASS",
+           f"tools/smoke.py --configs tp on 4 GPUs: {tp_row}" if tp_row else proc.stdout[-1500:] + proc.stderr[-1500:])
+else:  # (CPU: tests/test_tp.py runs it on 4 gloo ranks)
+    print(f"tensor parallel: not checked on {gpus} GPU(s), it needs 4: on such a host run "
+          "python tools/smoke.py --configs tp --num_processes 4", flush=True)
 
 # --- summary ------------------------------------------------------------------------------------
 table = ["| check | result | figures |", "|---|---|---|"] + [

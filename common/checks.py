@@ -96,8 +96,9 @@ def launch_config_from_env(env=os.environ) -> dict:
         "num_processes" (all ranks, Accelerate's meaning), "num_machines", "fsdp_config" (fsdp_version,
         fsdp_use_orig_params, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap,
         fsdp_reshard_after_forward, fsdp_cpu_ram_efficient_loading), "deepspeed_config" (deepspeed_config_file,
-        or the YAML's own gradient_accumulation_steps / gradient_clipping / zero_stage), "dynamo_config" ({"dynamo_backend":
-        "INDUCTOR"} when torch.compile was asked for; under DeepSpeed from `launcher_dynamo_backend`),
+        or the YAML's own gradient_accumulation_steps / gradient_clipping / zero_stage), "dynamo_config"
+        ({"dynamo_backend": "INDUCTOR"} when torch.compile was asked for; under DeepSpeed from
+        `launcher_dynamo_backend`),
         "parallelism_config" ({"parallelism_config_dp_shard_size": 2, ...}: the mesh of HSDP, tensor
         parallel), "dropped_launch_flags" ({"--zero_stage": "3", ...}: DeepSpeed flags of the `accelerate launch` line
         of a launch that is not DeepSpeed, which Accelerate drops)}; absent values are left out.

@@ -89,10 +89,18 @@ def first_error(log):
         next((x for x in lines if re.match(r"^[\w.]*(Error|Exception): ", x)), None) or (lines or ["(empty log)"])[-1]
 
 
+def tp_size(yaml_path):
+    """The config's tensor-parallel size (tp.yaml: 2), 1 without one: the ranks of a tp group share a batch."""
+    mesh = (yaml.safe_load(Path(yaml_path).read_text()) or {}).get("parallelism_config") or {}
+    return int(mesh.get("parallelism_config_tp_size") or 1)
+
+
 def launch(yaml_path, world, out, *extra):
     """One `accelerate launch ... recipes/llama.py` into `out` (log: out.log); None, or why it failed."""
     opts = ["--config_file", yaml_path, "--num_processes", world, "--mixed_precision", "no"]
-    if "parallelism_config" in (yaml.safe_load(Path(yaml_path).read_text()) or {}):  # HSDP: a replica per machine
+    if (tp := tp_size(yaml_path)) > 1:  # tensor parallel: FSDP2 over the tp groups (dp_shard = ranks / tp)
+        opts += ["--parallelism_config_dp_replicate_size", 1, "--parallelism_config_dp_shard_size", world // tp]
+    elif "parallelism_config" in (yaml.safe_load(Path(yaml_path).read_text()) or {}):  # HSDP: a replica per machine
         # and shards within it; on one machine 2 replicas when the ranks split in 2 groups of 2 or more; else FSDP
         machines = args.num_machines if world > 1 else 1
         replicas = machines if world >= 2 * machines > 2 else 2 if world >= 4 and world % 2 == 0 else 1
@@ -160,8 +168,13 @@ def check(name, yaml_path, world):
         shutil.rmtree(path, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0, row, problems, half = time.time(), {"config": name, "world": world}, [], args.steps // 2
-    batch = ["--max_steps", args.steps, "--eval_steps", args.steps,
-             "--per_device_train_batch_size", 2 * world_size // world]  # global batch 2 x world_size
+    tp = tp_size(yaml_path)  # tensor parallel: the world / tp data-parallel ranks split the global batch
+    if tp > 1 and (world % tp or world // tp < 2):
+        return {**row, "wall_s": 0, "problems": [], "skipped": f"tensor parallel {tp} needs a multiple of "
+                                                              f"{tp} ranks, {2 * tp} or more (FSDP over 2 tp "
+                                                              f"groups), not {world}"}
+    per_device = 2 * world_size // (world // tp)  # global batch 2 x world_size
+    batch = ["--max_steps", args.steps, "--eval_steps", args.steps, "--per_device_train_batch_size", per_device]
     if (why := launch(yaml_path, world, out / "run", *batch, "--save_steps", half)) is None:
         why = launch(yaml_path, world, out / "resumed", *batch,
                      "--resume_from_checkpoint", out / "run" / f"checkpoint-{half}")
@@ -171,7 +184,7 @@ def check(name, yaml_path, world):
     if args.machine_rank > 0 and not args.srun:  # machine 0 holds the metrics and the export
         return {**row, "problems": []}
     records, summary = read_steps(out / "run"), json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    step_s = median_step_seconds(list(records.values()), 2 * world_size // world * 64, skip=1)
+    step_s = median_step_seconds(list(records.values()), per_device * 64 / tp, skip=1)  # (a tp rank's share)
     row.update(tokens_per_s=round(2 * world_size * 64 / step_s), peak_mb=round(summary["peak_memory_bytes"] / 1e6))
     row["dir"] = str(out / "run")  # compared with the reference once it has run
     try:
@@ -208,7 +221,8 @@ def table(rows):
                      f"| {fmt(r.get('grad_norm_gap'), '.1e')} | {fmt(r.get('resume_gap'), '.1e')} "
                      f"| {r.get('export', '-')} | {fmt(r.get('tokens_per_s'), ',')} | {fmt(r.get('peak_mb'), ',')} "
                      f"| {r['wall_s']} |")
-    return "\n".join(lines + [f"{r['config']}: {p}" for r in rows for p in r["problems"]])
+    return "\n".join(lines + [f"{r['config']}: {p}" for r in rows for p in [*r["problems"], *filter(None, [
+        r.get("skipped") and f"skipped: {r['skipped']}"])]])
 
 
 def gpus():
@@ -248,12 +262,12 @@ rows = rows[-1:] + rows[:-1] if rows and rows[-1]["config"] == "single" else row
 reference = rows[0]["dir"] if rows and rows[0]["config"] == "single" and not rows[0]["problems"] else None
 for row in rows:
     parity(row, reference)
-    row["status"] = "FAIL" if row["problems"] else "PASS"
+    row["status"] = "FAIL" if row["problems"] else "SKIP" if row.get("skipped") else "PASS"
 text = table(rows)
 print(f"\n{text}\n\n{len(rows)} configs in {time.time() - start:.0f} s; outputs and logs in {args.output_dir}")
 (Path(args.output_dir) / "smoke.md").write_text(text + "\n")
 (Path(args.output_dir) / "smoke.json").write_text(json.dumps(rows, indent=1) + "\n")
-passed = all(r["status"] == "PASS" for r in rows)
+passed = all(r["status"] in ("PASS", "SKIP") for r in rows)
 if args.perf and passed:
     passed = subprocess.run(["bash", REPO / "benchmarks" / "gpu.sh"], timeout=3600).returncode == 0
 sys.exit(0 if passed else 1)
