@@ -324,6 +324,9 @@ def read_strategy(config_path: Path) -> dict:
         out["reshard"] = reshard is True or str(reshard).upper() in ("TRUE", "FULL_SHARD")
         out["offload_param"] = out["offload_optimizer"] = bool(fsdp.get("fsdp_offload_params", False))
         mesh = cfg.get("parallelism_config") or {}
+        if int(mesh.get("parallelism_config_tp_size") or 1) > 1:
+            raise ValueError(f"--config {config_path}: tensor parallel (parallelism_config_tp_size "
+                             f"{mesh['parallelism_config_tp_size']}): the planner does not model it")
         if out["kind"] == "fsdp" and int(mesh.get("parallelism_config_dp_replicate_size") or 1) > 1:  # HSDP
             out["replicas"] = int(mesh["parallelism_config_dp_replicate_size"])
     elif kind == "DEEPSPEED":

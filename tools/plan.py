@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", "--config_file", action="append", dest="config",
                    help="accelerate YAML path or name in accelerate_configs/ (repeatable; --config_file as in "
                         "accelerate launch)")
-    p.add_argument("--all", action="store_true", help="every accelerate_configs/*.yaml")
+    p.add_argument("--all", action="store_true", help="every accelerate_configs/*.yaml but tensor parallel ones")
     p.add_argument("--model_config", default="debug",
                    help=f"preset ({', '.join(models.PRESETS)}) or local HF config dir")
     p.add_argument("--vocab_size", type=int, default=None)
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                      "num_processes", "num_machines"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
-        paths = sorted((REPO / "accelerate_configs").glob("*.yaml")) if args.all else []
+        paths = sorted(p for p in (REPO / "accelerate_configs").glob("*.yaml")  # (tp.yaml: not modelled)
+                       if "parallelism_config_tp_size" not in p.read_text()) if args.all else []
         for c in args.config or ([] if args.all else ["ddp"]):
             path = Path(c) if c.endswith((".yaml", ".yml")) else REPO / "accelerate_configs" / f"{c}.yaml"
             if not path.is_file():
