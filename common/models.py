@@ -222,7 +222,7 @@ def uses_dropout(model) -> bool:
 
 
 def forward_error(model) -> str | None:
-    """Run the freshly built model once on 2 tokens (CPU, no grad, eval mode); the first line of the
+    """Run the freshly built model once on 2 tokens (its device, no grad, eval mode); the first line of the
     error if it fails, else None. `--config_overrides` can leave a config inconsistent
     (`hidden_size=60` with a `head_dim` of 16 kept from before): without this check the run starts
     and every rank dies with a deep traceback at the first training step."""
@@ -230,8 +230,8 @@ def forward_error(model) -> str | None:
 
     model.eval()
     try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+        with torch.no_grad():  # (on the model's device: a tensor-parallel model is on the mesh's)
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
     except (RuntimeError, ValueError, IndexError, TypeError) as err:
         return str(err).splitlines()[0] if str(err) else type(err).__name__
     finally:
@@ -395,6 +395,10 @@ def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
+    for key in ("num_attention_heads", "num_key_value_heads"):  # each tp rank computes whole heads
+        if (heads := getattr(model.config, key, None)) and heads % config.tp_size:
+            raise Stop(f"parallelism_config_tp_size {config.tp_size}: the model's {key} {heads} is not a multiple of "
+                       "it, and each tp rank computes whole attention heads")
     distributed = DistributedConfig(tp_size=config.tp_size)
     try:
         plan, _, _ = model._resolve_parallel_plans(distributed)
@@ -406,7 +410,14 @@ def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     own = dict(model.named_parameters())
     plan = {name: style for name, style in plan.items() if name in own or name not in dict(
         model.named_parameters(remove_duplicate=False))}
-    apply_tensor_parallelism(model, accelerator.torch_device_mesh["tp"], plan)
+    try:
+        apply_tensor_parallelism(model, accelerator.torch_device_mesh["tp"], plan)
+    except (RuntimeError, ValueError, AssertionError) as err:  # e.g. heads that tp ranks cannot split evenly
+        raise Stop(f"parallelism_config_tp_size {config.tp_size}: cannot slice {type(model).__name__} with its "
+                   f"tensor-parallel plan: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     model.tie_weights()
+    # The slices are on the mesh's device already (distribute_tensor moves each whole tensor there, then
+    # keeps this rank's part); the rest (RMSNorm weights, rotary buffers) follows, so the model is on one device.
+    model.to(accelerator.device)
     model._tp_size = config.tp_size  # what Accelerate's prepare reads (get_model_tp_size)
     return model
