@@ -23,6 +23,7 @@ forces the emulated mode, to test bf16 numerics; the run says it is emulated.
 Native CPU bf16 is read from the instruction set that torch reports (`torch.cpu.
 _is_avx512_bf16_supported`, `_is_amx_tile_supported`; on Arm, oneDNN's bf16 support, which there
 means the BF16 extension), not measured: a measurement could come out differently on two ranks.
+`ONEDNN_MAX_CPU_ISA` set below bf16 (e.g. AVX2) counts as no bf16: oneDNN then emulates it.
 oneDNN's own x86 bf16 check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is not used: it also
 says yes on AVX-512 CPUs without bf16 instructions (Skylake, Cascade Lake), which convert in software.
 
@@ -66,10 +67,19 @@ def detect_device() -> tuple[str, tuple[int, int] | None]:
     return "cpu", None
 
 
+def onednn_cap() -> str | None:
+    """`ONEDNN_MAX_CPU_ISA` when it keeps oneDNN below bf16 instructions (then its bf16 and fp16
+    matmuls are emulated on any x86 CPU: how the suite reproduces an AVX2 host on a newer one), else None."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return isa if isa in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI") else None
+
+
 def cpu_native_dtypes() -> set[str]:
     """The low precisions this CPU computes in hardware: a subset of {"bf16", "fp16"} (see the module docstring)."""
     import platform
 
+    if onednn_cap():
+        return set()
     if platform.machine().lower() in ("arm64", "aarch64"):
         return {"bf16"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
     native = set()
@@ -92,7 +102,8 @@ def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
     if device_type == "cuda" and capability:
         return f"compute capability {capability[0]}.{capability[1]}"
     if device_type == "cpu":
-        return f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
+        cap = f", ONEDNN_MAX_CPU_ISA={onednn_cap()}" if onednn_cap() else ""
+        return f"this CPU ({torch.backends.cpu.get_cpu_capability()}{cap})"
     return device_type
 
 

@@ -39,6 +39,8 @@ the state dict instead (it runs at export, after run_info.json is written).
 |   accelerate               | transformers 5.24| fails (ImportError)          | transformers lacks it |
 | gather_metrics_once_per_   | Accelerate 1.15  | tensor parallel: eval loss   | gathers every tp rank |
 |   tp_group                 |                  | off by 1e-3 (last batch)     |                       |
+| no_deepspeed_import_on_   | Accelerate 1.15  | ~1 s of CPU per rank at each | imports deepspeed to  |
+|   unwrap                   |                  | non-DeepSpeed export         | unwrap any module     |
 
 The canary of each is `test_<workaround>` in tests/test_workarounds.py; the last column says
 what it checks upstream still does.
@@ -454,11 +456,35 @@ def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
 
 # Stages: one call in the recipes for each point where workarounds apply.
 
+def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
+    """Keep `accelerator.unwrap_model` from importing DeepSpeed where no DeepSpeed engine can exist.
+
+    Accelerate 1.15's `extract_model_from_parallel` imports deepspeed whenever it is installed,
+    only to add `DeepSpeedEngine` to an isinstance test: about 1 s of CPU per rank at every DDP,
+    FSDP or single-process export. A model can be a `DeepSpeedEngine` only once deepspeed is
+    imported, so its `is_deepspeed_available` there becomes "deepspeed is imported": the same
+    answer for every model. Under DeepSpeed: no-op. Canary: unwrapping a plain module still
+    imports deepspeed.
+    """
+    from accelerate.utils import other
+
+    patched = getattr(other.is_deepspeed_available, "__name__", "") == "deepspeed_imported"
+    if patched or accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return []
+
+    def deepspeed_imported() -> bool:
+        return "deepspeed" in sys.modules
+
+    other.is_deepspeed_available = deepspeed_imported
+    return ["no_deepspeed_import_on_unwrap"]
+
+
 def accelerator_built(accelerator) -> list[str]:
     """Right after `Accelerator(...)`: `install_cpu_grad_scaler`, `keep_fp32_reduction`,
-    `replicate_parallel_for_accelerate`, `gather_metrics_once_per_tp_group`."""
+    `replicate_parallel_for_accelerate`, `gather_metrics_once_per_tp_group`, `no_deepspeed_import_on_unwrap`."""
     return install_cpu_grad_scaler(accelerator) + keep_fp32_reduction(accelerator) + \
-        replicate_parallel_for_accelerate(accelerator) + gather_metrics_once_per_tp_group(accelerator)
+        replicate_parallel_for_accelerate(accelerator) + gather_metrics_once_per_tp_group(accelerator) + \
+        no_deepspeed_import_on_unwrap(accelerator)
 
 
 def prepared(accelerator, model) -> list[str]:

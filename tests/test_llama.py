@@ -30,11 +30,13 @@ def test_every_config_trains_and_exports(config, short_run):
     assert info["world_size"] == world
     assert info["mixed_precision"] == info["precision"]["requested"] == info["precision"]["used"] == "no"
     # The library workarounds that ran (common/workarounds.py): under torchrun, the parent-death
-    # signal; on a CPU-only host, real gloo ranks. fp32, uncompiled, fresh: nothing else.
+    # signal; on a CPU-only host, real gloo ranks; an export that does not import deepspeed.
+    # fp32, uncompiled, fresh: nothing else.
     on_cpu = {"ddp": "ddp_ranks_on_cpu", "fsdp": "fsdp_ranks_on_cpu", "fsdp1": "fsdp_ranks_on_cpu",
               "deepspeed_zero2": "skip_deepspeed_shm_build", "deepspeed_zero3": "skip_deepspeed_shm_build"}
     assert info["workarounds"] == ["die_with_launcher"] * (world == 2) + (
-        [on_cpu[config]] if config in on_cpu and not torch.cuda.is_available() else [])
+        [on_cpu[config]] if config in on_cpu and not torch.cuda.is_available() else []) + (
+        ["no_deepspeed_import_on_unwrap"] if "deepspeed" not in config else [])
     local = info["local_param_elements"]
     assert len(local) == world
     if config in SHARDED:

@@ -98,8 +98,20 @@ def test_native_bf16_is_read_from_the_instruction_set():
     if not os.path.exists("/proc/cpuinfo") or os.uname().machine != "x86_64":
         pytest.skip("x86 Linux only")
     flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    assert ("bf16" in precision.cpu_native_dtypes()) == bool(flags & {"avx512_bf16", "amx_bf16"})
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2"  # the suite run as on an AVX2 host: no bf16
+    assert ("bf16" in precision.cpu_native_dtypes()) == (bool(flags & {"avx512_bf16", "amx_bf16"}) and not capped)
     assert ("fp16" in precision.cpu_native_dtypes()) <= bool(flags & {"avx512_fp16", "amx_fp16"})
+
+
+def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 even on a CPU that has it: the rule says fp32,
+    and the reason names the cap; a cap that keeps bf16 changes nothing."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert precision.cpu_native_dtypes() == set()
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in precision.device_name("cpu", None)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert "bf16" in precision.cpu_native_dtypes() and "ONEDNN" not in precision.device_name("cpu", None)
 
 
 def test_bf16_requested_without_bf16_hardware_is_an_error():

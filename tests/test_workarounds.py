@@ -6,6 +6,9 @@ import ast
 import inspect
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, To
 
 from common import launch, workarounds
 
+REPO = Path(__file__).resolve().parent.parent
 STAGES = {"accelerator_built", "prepared"}  # one call per point where workarounds apply
 
 
@@ -211,6 +215,20 @@ def test_gather_metrics_once_per_tp_group():
         upstream("gather_metrics_once_per_tp_group")
 
 
+def test_no_deepspeed_import_on_unwrap():
+    """Unwrapping a plain module still imports deepspeed (a fresh process: this one may have it)."""
+    code = ("import sys, torch; from accelerate.utils.other import extract_model_from_parallel as unwrap; "
+            "unwrap(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split()[-1] == "True", upstream("no_deepspeed_import_on_unwrap")
+    code = ("import sys, torch; from common import workarounds; "
+            "workarounds.no_deepspeed_import_on_unwrap(workarounds.PartialState()); "
+            "from accelerate.utils.other import extract_model_from_parallel as unwrap; "
+            "unwrap(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout.split()[-1] == "False"
+
+
 def test_the_table_lists_every_workaround_once_with_its_canary():
     table, functions = _table(), _functions()
     assert len(table) == len(set(table))
@@ -236,14 +254,18 @@ def test_each_workaround_returns_its_own_name():
         assert names <= {name}, (name, names)
 
 
-def test_the_stages_return_what_applied(fresh_state):
-    """fp16 on CPU: the scaler goes in; then `prepare` wraps the forward, whose fp32 copy goes."""
+def test_the_stages_return_what_applied(fresh_state, monkeypatch):
+    """fp16 on CPU: the scaler goes in, and unwrapping stops importing deepspeed; then `prepare` wraps the
+    forward, whose fp32 copy goes."""
+    from accelerate.utils import imports, other
+
+    monkeypatch.setattr(other, "is_deepspeed_available", imports.is_deepspeed_available)  # unpatched, restored
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-    assert workarounds.accelerator_built(accelerator) == ["install_cpu_grad_scaler"]
+    assert workarounds.accelerator_built(accelerator) == ["install_cpu_grad_scaler", "no_deepspeed_import_on_unwrap"]
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     assert workarounds.prepared(accelerator, model) == ["drop_fp32_output_copy"]
     AcceleratorState._reset_state(reset_partial_state=True)
-    assert workarounds.accelerator_built(Accelerator(cpu=True)) == []  # fp32: nothing
+    assert workarounds.accelerator_built(Accelerator(cpu=True)) == []  # fp32, unwrap patched already: nothing
 
 
 def test_process_group_returns_what_applied(monkeypatch):
