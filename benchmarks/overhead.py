@@ -75,6 +75,13 @@ if os.environ.get("OVERHEAD_STEP_TIMES"):
 
     register_optimizer_step_post_hook(_stamp)
 
+    @atexit.register
+    def _write_stamps():
+        if _stamps:  # the launcher process steps nothing
+            path = f"{os.environ['OVERHEAD_STEP_TIMES']}.rank{os.environ.get('RANK', '0')}.json"
+            with open(path, "w") as f:
+                json.dump(_stamps, f)
+
 if os.environ.get("OVERHEAD_OP_COUNTS"):  # --op_counts: the ops of optimizer steps 3 to 6
     import json, torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -94,13 +101,6 @@ if os.environ.get("OVERHEAD_OP_COUNTS"):  # --op_counts: the ops of optimizer st
                 json.dump(counts, f)
 
     register_optimizer_step_post_hook(_count)
-
-    @atexit.register
-    def _write_stamps():
-        if _stamps:  # the launcher process steps nothing
-            path = f"{os.environ['OVERHEAD_STEP_TIMES']}.rank{os.environ.get('RANK', '0')}.json"
-            with open(path, "w") as f:
-                json.dump(_stamps, f)
 '''
 
 
