@@ -14,7 +14,7 @@ no code edits: --config_name (from scratch) or --model_name_or_path (fine-tuning
 the code, find the `# ADAPT:` markers: data, model, loss, export.
 
 Defaults: the bundled Shakespeare corpus, a 4,096-token BPE trained on it, the ~4.2M-parameter
-`debug` Llama, 300 optimizer steps of a 16-sequence global batch, where
+`debug` Llama, 150 optimizer steps of a 16-sequence global batch, where
     global batch = per_device_train_batch_size x gradient_accumulation_steps x world size.
 Optimizer step k sees global-batch samples k*G .. (k+1)*G-1 of the epoch's permutation, whatever
 the split. Outputs in --output_dir: metrics.jsonl, run_info.json, checkpoint-N/ (--save_steps),
@@ -100,7 +100,7 @@ def evaluate(model, eval_loader, accelerator) -> float:
 def main() -> int:
     args = parse_args(Args, description=__doc__, output_dir="runs/llama",
                       per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
-                      warmup_steps=30, max_steps=300, logging_steps=10, report_to="tensorboard")
+                      warmup_steps=15, max_steps=150, logging_steps=10, report_to="tensorboard")
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     args.per_device_eval_batch_size = args.per_device_eval_batch_size or \
         args.per_device_train_batch_size

@@ -285,7 +285,7 @@ def test_an_empty_data_file_is_named_last(tmp_path, cache_dir):
 
 
 def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpus):
-    """A recipe's default --max_steps (300) does not override --num_train_epochs; the run ends with
+    """A recipe's default --max_steps (150 in llama.py) does not override --num_train_epochs; the run ends with
     one line naming its figures and its export. Like the README's main command, it runs with the
     config's precision and the default tracker: the config alone picks the precision (its bf16
     where this CPU computes bf16, else fp32 with the reason recorded: common/precision.py), and

@@ -1,6 +1,6 @@
 """Turn a sharded FSDP or DeepSpeed ZeRO checkpoint into a Hugging Face model directory, offline.
 
-    python tools/consolidate.py runs/llama/checkpoint-300 runs/llama/consolidated
+    python tools/consolidate.py runs/llama/checkpoint-150 runs/llama/consolidated
 
 No GPUs and no process group needed: it runs Accelerate's `merge_fsdp_weights` (the code behind
 `accelerate merge-weights`) on FSDP's torch.distributed.checkpoint shards, or DeepSpeed's
