@@ -91,24 +91,37 @@ def zero_tensor_bytes(path):
     path.write_bytes(data)
 
 
-def test_rotation_latest_and_damaged_checkpoints(tmp_path, cache_dir, small_corpus):
+@pytest.fixture(scope="module")
+def rotated(tmp_path_factory, cache_dir, small_corpus):
+    """A 16-step DDP run saving every 4th step and keeping the last 2 (checkpoints 12 and 16), started
+    with --overwrite_output_dir in a directory that holds an earlier run's files, of every kind a run
+    writes. Tests that change it work on a copy."""
+    out = tmp_path_factory.mktemp("rotated") / "run"
+    for name in ("final/model.safetensors", "final_logits.safetensors", "checkpoint-30/COMPLETE.json",
+                 "checkpoint-31.tmp/optimizer.bin", "sample_ids/rank0.json", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}")
+    launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--overwrite_output_dir", "--save_steps", 4,
+                                            "--save_total_limit", 2), cache_dir=cache_dir, mixed_precision="no")
+    return out
+
+
+def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, small_corpus):
     out = tmp_path / "run"
-    launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--save_steps", 4, "--save_total_limit", 2),
-           cache_dir=cache_dir, mixed_precision="no")
+    shutil.copytree(rotated, out)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
     assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
     straight = {r["step"]: r["loss"] for r in read_metrics(out)[0]}
 
-    # Weights zeroed on disk, the file's size kept: an explicit resume names the file and exits non-zero...
+    # Weights zeroed on disk, the file's size kept: an explicit resume names the file (the recipe's
+    # call, without the launch; test_resume_from_a_checkpoint_that_is_not_there launches its refusal)...
     victim = out / "checkpoint-16" / "model.safetensors"
     size = victim.stat().st_size
     zero_tensor_bytes(victim)
     assert victim.stat().st_size == size
-    proc = launch("ddp", "recipes/llama.py",
-                  *args(out, small_corpus, "--resume_from_checkpoint", out / "checkpoint-16"),
-                  cache_dir=cache_dir, mixed_precision="no", check=False)
-    assert proc.returncode != 0
-    assert f"checkpoint file {victim} does not match the sha256 recorded when it was saved" in proc.stderr
+    with pytest.raises(ValueError, match=f"checkpoint file {re.escape(str(victim))} does not match the sha256 "
+                                         "recorded when it was saved"):
+        resolve_checkpoint(out, str(out / "checkpoint-16"))
     # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12.
     (out / "checkpoint-20.tmp").mkdir()
     (out / "checkpoint-24").mkdir()
@@ -154,27 +167,21 @@ def test_a_damaged_sharded_checkpoint_is_skipped(tmp_path, cache_dir, small_corp
     assert verify_checkpoint(out / "checkpoint-30")["step"] == 30  # saved again, whole
 
 
-def test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused(tmp_path, cache_dir, small_corpus):
-    # An earlier run's files, of kinds a run writes: everything goes, and only this run's files remain.
-    out = tmp_path / "run"
-    for name in ("final/model.safetensors", "final_logits.safetensors", "checkpoint-30/COMPLETE.json",
-                 "checkpoint-31.tmp/optimizer.bin", "sample_ids/rank0.json", "notes.txt"):
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text("{}")
-    launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--overwrite_output_dir", "--max_steps", 12,
-           "--save_steps", 6), cache_dir=cache_dir, mixed_precision="no")
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-12", "checkpoint-6", "final", "metrics.jsonl",
-                                                     "run_info.json", "sample_ids"]  # (args(): --record_sample_ids)
+def test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused(rotated, cache_dir, small_corpus):
+    # The earlier run's files all went (checkpoint-30 too, which `latest` would take): only this run's remain.
+    out = rotated
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-12", "checkpoint-16", "final",
+                                                     "metrics.jsonl", "run_info.json", "sample_ids"]
     assert json.loads((out / "sample_ids/rank0.json").read_text())["world_size"] == 2  # this run's, not the "{}"
     exported = load_file(out / "final/model.safetensors")
     assert exported["model.norm.weight"].shape == (256,)  # this run's export, whole
-    # A checkpoint at the end of a 12-step run, resumed as a 6-step one: refused, nothing written.
+    # A checkpoint at the end of a 16-step run, resumed as a 6-step one: refused, nothing written.
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--max_steps", 6, "--save_steps", 6,
                   "--resume_from_checkpoint", "latest"), cache_dir=cache_dir, check=False)
     assert proc.returncode != 0
-    assert (f"error: cannot resume from {out / 'checkpoint-12'}: it is at step 12 of a 12-step run, and this run "
-            "ends at step 6") in proc.stderr
+    assert (f"error: cannot resume from {out / 'checkpoint-16'}: it is at step 16 of a 16-step run, and this run "
+            "ends at step 6") in proc.stderr, proc.stderr[-3000:]
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from common.checkpoint import verify_checkpoint
 from conftest import REPO, corpus_args, launch, read_metrics, run_in_process, strict_lines
+from test_bad_input import DEEPSPEED_ZERO2_ENV
 from test_checkpoint import SAVE, STEPS, batch_args
 from test_checkpoint import args as ckpt_args
 
@@ -51,27 +52,26 @@ def test_resume_with_another_split_of_the_global_batch(config, resumed_split, tm
                 "4 -> 5; mixed_precision no -> bf16.") in proc.stderr, proc.stderr[-3000:]
 
 
-def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, cache_dir):
-    # Every explicit batch key wrong, and bf16 forced on while the launch asks for fp32.
+def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, monkeypatch):
+    # Every explicit batch key wrong, and bf16 forced on while the launch asks for fp32. Checked before
+    # the Accelerator: in this process, with the variables a launch of deepspeed_zero2.yaml pointing at
+    # this JSON gives its ranks (tests/test_bad_input.py launches the same check for real).
     ds = json.loads((REPO / "ds_configs/zero2.json").read_text())
     ds.update(train_batch_size=16, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
               bf16={"enabled": True})
     (tmp_path / "zero2.json").write_text(json.dumps(ds))
-    yaml = (REPO / "accelerate_configs/deepspeed_zero2.yaml").read_text()
-    (tmp_path / "zero2.yaml").write_text(yaml.replace("ds_configs/zero2.json", str(tmp_path / "zero2.json")))
-    proc = launch(tmp_path / "zero2.yaml", "recipes/llama.py", "--output_dir", tmp_path / "out", "--max_steps", 8,
-                  "--per_device_train_batch_size", 4, *FL, cache_dir=cache_dir, mixed_precision="no",
-                  check=False, timeout=300)
-    assert proc.returncode != 0
+    for key, value in {**DEEPSPEED_ZERO2_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "zero2.json"),
+                       "ACCELERATE_MIXED_PRECISION": "no"}.items():
+        monkeypatch.setenv(key, value)
+    message = run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", tmp_path / "out", "--max_steps", 8,
+                             "--per_device_train_batch_size", 4, *FL)
     where = f"the DeepSpeed JSON {tmp_path / 'zero2.json'}"
     for line in (f"error: {where} sets train_micro_batch_size_per_gpu: 2, but --per_device_train_batch_size is 4",
                  f"error: {where} sets gradient_accumulation_steps: 4, but --gradient_accumulation_steps is 1",
                  f"error: {where} sets train_batch_size: 16, but the global batch (4 per device x 1 accumulation "
                  "x 2 ranks) is 8",
                  f"error: the launch asks for mixed precision no, but {where} enables bf16"):
-        assert line in proc.stderr, proc.stderr[-3000:]
-    # Stopped by our check, not deep in DeepSpeed (only torchrun's own ChildFailedError report follows).
-    assert 'llama.py", line' not in proc.stderr and "deepspeed/runtime" not in proc.stderr
+        assert line in message, message
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
@@ -144,31 +144,38 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch):
     # tests/test_checkpoint.py's test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused.)
 
 
-@pytest.mark.parametrize("config, launcher_args, expected", [
+def test_deepspeed_flags_of_the_launch_line_are_refused_where_they_would_not_run(tmp_path, cache_dir, monkeypatch):
     # DeepSpeed copies --gradient_accumulation_steps into the JSON's "auto" key (the recipe counted 1 and
     # reported 4x the optimizer steps); a stage the JSON sets, or an offload it lacks, was dropped silently.
-    ("deepspeed_zero3",
-     ["--gradient_accumulation_steps", 4, "--zero_stage", 2, "--offload_optimizer_device", "cpu"],
-     ["error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's "
-      "--gradient_accumulation_steps 1",
-      "error: accelerate launch --offload_optimizer_device cpu conflicts with the DeepSpeed JSON "
-      "ds_configs/zero3.json, which has no zero_optimization.offload_optimizer.device",
-      "error: accelerate launch --zero_stage 2 conflicts with the DeepSpeed JSON ds_configs/zero3.json, which sets "
-      "zero_optimization.stage: 3 and wins"]),
-    # Accelerate passes these flags to DeepSpeed only: under DDP it dropped them.
-    ("ddp", ["--gradient_accumulation_steps", 4],
-     ["error: accelerate launch --gradient_accumulation_steps 4: Accelerate passes it to DeepSpeed only, and this "
-      "launch is not DeepSpeed (MULTI_GPU), so it would be ignored"]),
-])
-def test_deepspeed_flags_of_the_launch_line_are_refused_where_they_would_not_run(config, launcher_args, expected,
-                                                                                 tmp_path, cache_dir):
+    # A real launch: each rank reads the flags from its launcher's command line.
     out = tmp_path / "out"
-    proc = launch(config, "recipes/llama.py", "--output_dir", out, "--max_steps", 2, "--per_device_train_batch_size", 2,
-                  *FL, cache_dir=cache_dir, mixed_precision="no", launcher_args=launcher_args, check=False)
+    proc = launch("deepspeed_zero3", "recipes/llama.py", "--output_dir", out, "--max_steps", 2,
+                  "--per_device_train_batch_size", 2, *FL, cache_dir=cache_dir, mixed_precision="no", check=False,
+                  launcher_args=["--gradient_accumulation_steps", 4, "--zero_stage", 2, "--offload_optimizer_device",
+                                 "cpu"])
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
+    expected = ["error: accelerate launch --gradient_accumulation_steps 4 differs from the recipe's "
+                "--gradient_accumulation_steps 1",
+                "error: accelerate launch --offload_optimizer_device cpu conflicts with the DeepSpeed JSON "
+                "ds_configs/zero3.json, which has no zero_optimization.offload_optimizer.device",
+                "error: accelerate launch --zero_stage 2 conflicts with the DeepSpeed JSON ds_configs/zero3.json, "
+                "which sets zero_optimization.stage: 3 and wins"]
     assert len(errors) == len(expected) and all(e.startswith(x) for e, x in zip(errors, expected)), proc.stderr[-3000:]
     assert not (out / "metrics.jsonl").exists()  # stopped at start-up
+
+    # Accelerate passes these flags to DeepSpeed only: under DDP it dropped them. The same check, in this
+    # process, with a DDP rank's variables and that launcher command line.
+    from common import checks
+
+    monkeypatch.setattr(checks, "launcher_args", lambda pid=None: {"--gradient_accumulation_steps": "4"})
+    for key, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "no"}.items():
+        monkeypatch.setenv(key, value)
+    message = run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", tmp_path / "ddp", "--max_steps", 2,
+                             "--per_device_train_batch_size", 2, *FL)
+    assert message.startswith("error: accelerate launch --gradient_accumulation_steps 4: Accelerate passes it to "
+                              "DeepSpeed only, and this launch is not DeepSpeed (MULTI_GPU), so it would be ignored"), \
+        message
 
 
 @pytest.mark.parametrize("env, num_processes, kind, expected", [
