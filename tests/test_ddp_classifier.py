@@ -176,30 +176,33 @@ def genre_of(work):
     return "tragedy" if work.startswith(tragedies) or "titus" in work else "comedy"
 
 
-# The tiny run under DDP, checkpointed at step 3 (mid-epoch), then resumed from there in the same output dir.
+# The tiny run under DDP, checkpointed at step 3 (mid-epoch): what the resume tests restart from.
 SHORT = [*TINY, "--save_steps", 3, "--logging_steps", 1]
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, cache_dir):
-    """The uninterrupted run's metrics, export and sample ids, and the same after a resume from checkpoint-3."""
-    base = tmp_path_factory.mktemp("cls_resume")
-    out = base / "run"
-
-    def run(*extra):
-        launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, *extra, cache_dir=cache_dir,
-               num_processes=WORLD, mixed_precision="no")
-        return {"out": out, "steps": read_metrics(out)[0],
-                "ids": [json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]}
-
-    full = run()
-    shutil.copy(out / "final" / "model.safetensors", base / "full.safetensors")  # the resume writes final/ again
-    full["weights"] = load_file(base / "full.safetensors")
-    return full, run("--resume_from_checkpoint", out / "checkpoint-3")
+def uninterrupted(tmp_path_factory, cache_dir):
+    """SHORT under DDP, straight through: its output dir, metrics, export and sample ids."""
+    out = tmp_path_factory.mktemp("cls_resume") / "run"
+    launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, cache_dir=cache_dir,
+           num_processes=WORLD, mixed_precision="no")
+    return {"out": out, "steps": read_metrics(out)[0], "weights": load_file(out / "final" / "model.safetensors"),
+            "ids": [json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]}
 
 
-def test_max_steps_and_the_schedule(resumed):
-    full, _ = resumed
+@pytest.fixture(scope="module")
+def longer(uninterrupted, tmp_path_factory, cache_dir):
+    """A copy of the uninterrupted run resumed from checkpoint-3 with --max_steps 8: (output dir, launch)."""
+    out = tmp_path_factory.mktemp("cls_longer") / "run"
+    shutil.copytree(uninterrupted["out"], out)
+    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--max_steps", 8,
+                  "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
+                  mixed_precision="no")
+    return out, proc
+
+
+def test_max_steps_and_the_schedule(uninterrupted):
+    full = uninterrupted
     losses = [r for r in full["steps"] if "loss" in r]
     assert [r["step"] for r in losses] == [1, 2, 3, 4, 5, 6]
     # linear decay from 1e-3 to 0 over 6 steps, one scheduler step per optimizer step (accumulation 2)
@@ -207,8 +210,8 @@ def test_max_steps_and_the_schedule(resumed):
     assert [r["step"] for r in full["steps"] if "eval_accuracy" in r] == [2, 4, 6]  # each epoch's end
 
 
-def test_no_weight_decay_on_layernorm_and_biases(resumed):
-    full, _ = resumed
+def test_no_weight_decay_on_layernorm_and_biases(uninterrupted):
+    full = uninterrupted
     lrs = [r["lr"] for r in full["steps"] if "loss" in r]
     decayed = torch.tensor([1 - lr * 100 for lr in lrs]).prod().item()  # what decay 100 leaves of a weight: 0.70
     # AdamW moves each element by about lr per step at most: the sum of the LRs bounds an undecayed gain's drift
@@ -222,25 +225,35 @@ def test_no_weight_decay_on_layernorm_and_biases(resumed):
     assert w.std().item() < 0.85 * 0.02, (w.std().item(), decayed)
 
 
-def test_resume_mid_epoch_is_exact(resumed):
-    full, again = resumed
-    # the resumed log keeps the lines up to step 3, then continues exactly (dropout on: every rank's RNG restored)
-    assert [r["step"] for r in again["steps"]] == [r["step"] for r in full["steps"]]
-    for a, b in zip(full["steps"], again["steps"]):
+def test_resume_mid_epoch_is_exact(uninterrupted, longer):
+    """From checkpoint-3, in epoch 1 (2 steps per epoch): step 4 trains on the second half of epoch 1's
+    permutation with every rank's dropout stream restored, exactly as the uninterrupted run did, and the
+    epochs after it draw the same samples. `longer` resumes with --max_steps 8, which leaves step 4 as
+    it was (its LR is the checkpoint's); an exact continuation over several steps and epoch ends, in the
+    same output dir, is checked from the SIGTERM test's checkpoint-1 (steps 2-6, the same comparison)."""
+    full, (out, _) = uninterrupted, longer
+    again = read_metrics(out)[0]
+    # the resumed log keeps the lines up to step 3, then step 4 and its eval continue exactly
+    assert [r["step"] for r in again][:len(full["steps"])] == [r["step"] for r in full["steps"]]
+    for a, b in zip(full["steps"], again):
         assert a.keys() == b.keys()
-        for key in ("loss", "grad_norm", "lr", "eval_accuracy"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a, b)
+        if a["step"] <= 4:
+            for key in ("loss", "grad_norm", "lr", "eval_accuracy"):
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a, b)
     # and on the same samples: step 4 is the second half of epoch 1, then all of epoch 2
     for r in range(WORLD):
-        assert again["ids"][r][1] == full["ids"][r][1][16:] and again["ids"][r][2] == full["ids"][r][2]
+        ids = json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
+        assert ids[1] == full["ids"][r][1][16:] and ids[2] == full["ids"][r][2]
 
 
-def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_exactly(resumed, tmp_path, cache_dir):
+def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_exactly(uninterrupted, tmp_path,
+                                                                                          cache_dir):
     """SHORT preempted in step 1 (SIGTERM to the launcher: conftest.preempt checks the save, the line and
     each rank's 143), then the same command with --resume_from_checkpoint latest: it ends as the
-    uninterrupted run of `resumed` did, on the same samples (dropout on: every rank's RNG restored)."""
-    full, out = resumed[0], tmp_path / "run"
+    uninterrupted run did, step for step over two epoch ends, on the same samples (dropout on: every
+    rank's RNG restored)."""
+    full, out = uninterrupted, tmp_path / "run"
     step, _ = preempt("ddp", RECIPE, *SHORT, out=out, cache_dir=cache_dir, num_processes=WORLD, mixed_precision="no")
     assert step == 1  # the signal arrives while step 1 trains: saved at its end, mid-epoch (2 steps per epoch)
     assert [r["step"] for r in read_metrics(out)[0]] == [1]
@@ -258,10 +271,10 @@ def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_e
         assert sum(ids, []) == sum(full["ids"][r], [])[16:]
 
 
-def test_resume_with_other_settings_is_refused(resumed, cache_dir):
+def test_resume_with_other_settings_is_refused(uninterrupted, cache_dir):
     # the data position is recomputed from the step: another seed would continue in another order;
     # the optimizer state would silently bring back the old LR; dropout masks follow the batch split
-    out = resumed[0]["out"]
+    out = uninterrupted["out"]
     before = (out / "metrics.jsonl").read_text()
     proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--seed", 43, "--learning_rate",
                   2e-3, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1,
@@ -289,10 +302,10 @@ def test_bad_flags_and_a_used_output_dir_are_refused(extra, message, tmp_path, m
     assert os.listdir(tmp_path) == ["leftover.txt"]  # nothing written
 
 
-def test_fsdp_trains_like_ddp(launched, resumed):
+def test_fsdp_trains_like_ddp(launched, uninterrupted):
     """FSDP (one unit per BertLayer: sharded weights, gradients and Adam state) on the tiny run, against
     DDP's uninterrupted run of it: the same data, seed, schedule and per-rank dropout streams, in fp32."""
-    fsdp, ddp = launched("fsdp"), resumed[0]
+    fsdp, ddp = launched("fsdp"), uninterrupted
     s = fsdp["summary"]
     assert s["distributed_type"] == "FSDP2" and s["world_size"] == WORLD
     ids = [json.loads((fsdp["out"] / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]
@@ -318,13 +331,9 @@ def test_fsdp_trains_like_ddp(launched, resumed):
     assert len(AutoTokenizer.from_pretrained(final)) == model.config.vocab_size
 
 
-def test_a_longer_resume_warns_that_the_schedule_follows_it(resumed, tmp_path, cache_dir):
+def test_a_longer_resume_warns_that_the_schedule_follows_it(longer):
     """--max_steps 6 -> 8 on resume: allowed, but the linear decay now spans 8 steps, so it says so."""
-    out = tmp_path / "run"
-    shutil.copytree(resumed[0]["out"], out)
-    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--max_steps", 8,
-                  "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
-                  mixed_precision="no")
+    out, proc = longer
     assert "was saved by a 6-step run, this one has 8: the LR schedule follows the new length" in proc.stdout
     lrs = {r["step"]: r["lr"] for r in read_metrics(out)[0] if "lr" in r}
     # step 4 uses the LR the checkpoint's optimizer holds; the scheduler's next steps follow 8 steps

@@ -59,88 +59,111 @@ def assert_same_run(out, reference):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (r["step"], key)
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp"])
-def test_a_killed_rank_restarts_and_resumes_on_its_own(config, tmp_path, cache_dir, small_corpus, reference_run):
-    reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
-    out = tmp_path / "run"
-    if config == "ddp":  # torchrun's default shares one rendezvous store between attempts: refused at start-up
-        job = start(config, tmp_path / "shared_store", small_corpus, cache_dir, launcher=["--max_restarts", 1])
-        assert finish(job) != 0
-        assert ("error: --max_restarts with torchrun's shared rendezvous store"
-                in open(f"{tmp_path}/shared_store.log").read())
-    # No resume flag: a restarted worker group resumes as with --resume_from_checkpoint auto.
-    job = start(config, out, small_corpus, cache_dir, launcher=["--rdzv_backend", "c10d", "--max_restarts", 1],
-                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    try:
-        wait_until(lambda: (out / "checkpoint-10" / "COMPLETE.json").exists(), job, "checkpoint-10")
-        ranks(job)[1].send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        assert finish(job) == 0
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    log = open(f"{out}.log").read()
-    resumed = re.search(r"resumed from (\S+) at step (\d+) \(torchrun restart 1\)", log)
-    assert resumed, log[-3000:]
-    assert int(resumed.group(2)) >= 10 and resumed.group(1) == str(out / f"checkpoint-{resumed.group(2)}")
-    assert_same_run(out, reference)
-    print(f"{config}: killed at {killed_at:.0f}, resumed from step {resumed.group(2)}")
+def kill_a_rank_after(job, out, save, log):
+    """SIGKILL rank 1 once `checkpoint-{save}` is complete; torchrun (`--max_restarts 1`) restarts the worker
+    group, which resumes on its own. Returns the step it resumed from (>= `save`)."""
+    wait_until(lambda: (out / f"checkpoint-{save}" / "COMPLETE.json").exists(), job, f"checkpoint-{save}")
+    ranks(job)[1].send_signal(signal.SIGKILL)
+    restarted = re.compile(r"resumed from (\S+) at step (\d+) \(torchrun restart 1\)")
+    wait_until(lambda: restarted.search(open(log).read()), job, "the restarted group's resume")
+    resumed = restarted.search(open(log).read())
+    assert int(resumed.group(2)) >= save and resumed.group(1) == str(out / f"checkpoint-{resumed.group(2)}")
+    return int(resumed.group(2))
 
 
-# SIGTERM through the launcher: conftest.preempt, in the other recipes' tests; SIGHUP (a closed terminal) here
-@pytest.mark.parametrize("config, when, sig", [("ddp", "at step 14", signal.SIGHUP),
-                                               ("fsdp", "during the save of checkpoint-10", signal.SIGINT)])
-def test_a_signal_saves_at_the_next_step_and_the_same_command_resumes(config, when, sig, tmp_path, cache_dir,
-                                                                      small_corpus, reference_run):
-    reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
-    out, statuses = tmp_path / "run", tmp_path / "exit"
-    statuses.mkdir()  # each rank's exit status (tests/device_guard), which torchrun does not report
-    job = start(config, out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto",
-                env={"EXIT_STATUS_DIR": str(statuses)}, device_guard=True)
+def signal_the_launcher(job, out, sig, when, statuses, log):
+    """Send `sig` to the launcher (as SLURM, Kubernetes or a user would: Ctrl-C is SIGINT) `when` ("at step
+    N" or "during the save of checkpoint-10"). Checks that it saves at the next step boundary and that the
+    job ends as a preempted one: every rank exits 143 (whatever the signal), the launcher 1 after torchrun's
+    SignalException (as conftest.preempt checks), no worker left. Returns the step it saved."""
     saving = out / "checkpoint-10.tmp"
     try:
         # both workers, found before the signal, so that the orphan check below has something to check
         wait_until(lambda: len(ranks(job)) == 2, job, "2 workers", poll=0.2)
         workers = list(ranks(job).values())
-        if when == "at step 14":
-            wait_until(lambda: last_step(out) >= 14, job, "step 14")
+        if when.startswith("at step"):
+            wait_until(lambda: last_step(out) >= int(when.split()[-1]), job, when)
         else:
             wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10",
                        poll=0.005)
-        job.send_signal(sig)  # to the launcher, as SLURM, Kubernetes or a user (Ctrl-C: SIGINT) would
+        job.send_signal(sig)
         signalled_after, signalled_while_saving = last_step(out), saving.exists()
         status = finish(job, timeout=60)
         assert not psutil.wait_procs(workers, timeout=10)[1]
     finally:
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    log = open(f"{out}.log").read()
-    # a preempted run is not a finished one: every rank exits 143 (whatever the signal), the launcher 1
-    # after torchrun's SignalException, as conftest.preempt checks
-    assert status == 1 and "SignalException" in log, (status, log[-3000:])
-    assert {p.name: p.read_text() for p in statuses.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
-    preempted = re.search(rf"preempted \({sig.name}\) at step (\d+): saved (\S+);", log)
-    assert preempted, log[-3000:]
+    text = open(log).read()
+    assert status == 1 and "SignalException" in text, (status, text[-3000:])
+    assert {p.name: p.read_text() for p in statuses.iterdir()} == {"rank0": "143", "rank1": "143"}, text[-3000:]
+    preempted = re.search(rf"preempted \({sig.name}\) at step (\d+): saved (\S+);", text)
+    assert preempted, text[-3000:]
     step = int(preempted.group(1))
-    if when == "at step 14":
+    if when.startswith("at step"):
         assert signalled_after <= step <= signalled_after + 2 and step % 10  # the next boundary, not a --save_steps one
     else:  # the save it interrupted finished, and the next step saved again
         assert signalled_while_saving and step == 11
         assert verify_checkpoint(out / "checkpoint-10")["step"] == 10
     assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step
-    assert f"Received {int(sig)} death signal" in log  # the launcher's
-    if config == "ddp":  # what would make the resumed run another one is refused, each named (reviewer's finds)
+    assert f"Received {int(sig)} death signal" in text  # the launcher's
+    return step
+
+
+# One job per config serves both recoveries, each checked where it happens, and the run must still end as
+# the reference: ddp is killed first (a fresh run without a resume flag: the restarted group resumes as with
+# --resume_from_checkpoint auto), then signalled (SIGHUP, a closed terminal) at step 14, in the restarted
+# group, and requeued with `auto`; fsdp is signalled (SIGINT, Ctrl-C) during its save of checkpoint-10,
+# requeued with the same command, and that run's rank 1 is killed after checkpoint-20. SIGTERM through the
+# launcher: conftest.preempt, in the other recipes' tests.
+@pytest.mark.parametrize("config, sig, when", [("ddp", signal.SIGHUP, "at step 14"),
+                                               ("fsdp", signal.SIGINT, "during the save of checkpoint-10")],
+                         ids=["ddp-SIGHUP at step 14", "fsdp-SIGINT during the save of checkpoint-10"])
+def test_a_killed_rank_restarts_on_its_own_and_a_signal_saves_for_the_requeue(config, sig, when, tmp_path, cache_dir,
+                                                                              small_corpus, reference_run):
+    reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
+    if config == "ddp":  # torchrun's default shares one rendezvous store between attempts: refused at start-up
+        job = start(config, tmp_path / "shared_store", small_corpus, cache_dir, launcher=["--max_restarts", 1])
+        assert finish(job) != 0
+        assert ("error: --max_restarts with torchrun's shared rendezvous store"
+                in open(f"{tmp_path}/shared_store.log").read())
+    out, statuses = tmp_path / "run", tmp_path / "exit"
+    statuses.mkdir()  # each rank's exit status (tests/device_guard), which torchrun does not report
+    restartable = {"launcher": ["--rdzv_backend", "c10d", "--max_restarts", 1], "device_guard": True,
+                   "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "EXIT_STATUS_DIR": str(statuses)}}
+    requeue = ["--resume_from_checkpoint", "auto"]
+    if config == "ddp":
+        job = start(config, out, small_corpus, cache_dir, log=tmp_path / "first.log", **restartable)
+        try:
+            kill_a_rank_after(job, out, 10, tmp_path / "first.log")
+            for p in statuses.iterdir():  # the killed attempt's; the signal's check below is the restarted group's
+                p.unlink()
+        except BaseException:
+            os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+            raise
+        step = signal_the_launcher(job, out, sig, when, statuses, tmp_path / "first.log")
+        # what would make the resumed run another one is refused, each named (reviewer's finds)
         train = small_corpus[0].read_text()
         (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
-        proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
-                      "--resume_from_checkpoint", "auto", "--max_grad_norm", 0.5, "--config_overrides",
-                      "rms_norm_eps=1e-3", "--train_file", tmp_path / "other.txt", cache_dir=cache_dir,
-                      mixed_precision="no", check=False)
+        proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30, *requeue,
+                      "--max_grad_norm", 0.5, "--config_overrides", "rms_norm_eps=1e-3",
+                      "--train_file", tmp_path / "other.txt", cache_dir=cache_dir, mixed_precision="no", check=False)
         assert proc.returncode != 0
         for change in ("data_digest ", "max_grad_norm 1.0 -> 0.5", "model_config.rms_norm_eps 1e-06 -> 0.001"):
             assert change in proc.stderr, proc.stderr[-3000:]
-    # The same command line again (a requeue): it resumes from that checkpoint and ends as if never stopped.
-    proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
-                  "--resume_from_checkpoint", "auto", cache_dir=cache_dir, mixed_precision="no")
-    assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in proc.stdout
+        # The requeue, with `auto` (the first command had no resume flag): it ends as if never stopped.
+        proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30, *requeue,
+                      cache_dir=cache_dir, mixed_precision="no")
+        assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in proc.stdout
+    else:
+        job = start(config, out, small_corpus, cache_dir, *requeue, log=tmp_path / "first.log", **restartable)
+        step = signal_the_launcher(job, out, sig, when, statuses, tmp_path / "first.log")
+        # The same command line again (a requeue): it resumes from that checkpoint, then loses a rank.
+        job = start(config, out, small_corpus, cache_dir, *requeue, log=tmp_path / "requeue.log", **restartable)
+        try:
+            kill_a_rank_after(job, out, 20, tmp_path / "requeue.log")
+            assert finish(job) == 0
+        finally:
+            os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+        assert f"resumed from {out / f'checkpoint-{step}'} at step {step}\n" in open(tmp_path / "requeue.log").read()
     assert_same_run(out, reference)
 
 
@@ -177,12 +200,18 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
         workers = ranks(job)
         assert len(workers) == 2
         holder = workers[0].pid
+        # The first job trains on at a lower priority (about 1/10 of a core each while the second launch's start-up
+        # wants both cores), so that the two do not share the cores half and half.
+        for p in workers.values():
+            p.nice(10)
+        trained = last_step(out)
         proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
                       "--resume_from_checkpoint", "auto", cache_dir=cache_dir, check=False)
         assert proc.returncode != 0
         assert (f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}"
                 in proc.stderr)
         assert job.poll() is None  # the first job trains on, alone
+        wait_until(lambda: last_step(out) > trained, job, f"step {trained + 1}")
         job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
         job.wait()
         t0 = time.time()
