@@ -200,10 +200,6 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
         workers = ranks(job)
         assert len(workers) == 2
         holder = workers[0].pid
-        # The first job trains on at a lower priority (about 1/10 of a core each while the second launch's start-up
-        # wants both cores), so that the two do not share the cores half and half.
-        for p in workers.values():
-            p.nice(10)
         trained = last_step(out)
         proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
                       "--resume_from_checkpoint", "auto", cache_dir=cache_dir, check=False)
