@@ -366,7 +366,8 @@ def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
     with torch.no_grad():
         probe = eval_set[:2]["input_ids"].to(accelerator.device)
         model.eval()
-        logits = model(input_ids=probe).logits.float().cpu()
+        # the keywords evaluate() passes: a compiled model reuses its graph instead of compiling another
+        logits = model(input_ids=probe, attention_mask=None, position_ids=None).logits.float().cpu()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_file({"input_ids": probe.cpu(), "logits": logits}, os.path.join(output_dir, "final_logits.safetensors"))

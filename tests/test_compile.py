@@ -6,7 +6,7 @@ one-line refusal where the compile would not happen (DeepSpeed under accelerate 
 One compiled DDP launch (2 ranks, inductor, fp32) serves every assertion: it resumes the eager
 checkpoint-20 of the session's `reference_run` (which the recovery and SLURM tests compare with
 too) and trains to step 30, saving checkpoint-25 for an eager run to resume. The compile (a training
-graph, the evaluation's and the logits probe's) dominates the launch, not its 10 steps.
+graph, and the evaluation's, which the logits probe reuses) dominates the launch, not its 10 steps.
 """
 
 import json
@@ -190,4 +190,36 @@ def test_documents_packing_compiles_once(cache_dir):
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert len(set(counts)) == 5  # every step another layout and target count
     assert graphs[0] >= 1 and len(set(graphs)) == 1, graphs  # all compiled at the first step
+    torch._dynamo.reset()
+
+
+def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
+    """--save_logits_probe after the evaluation, on a compiled model: the probe calls the model with
+    evaluate()'s keywords, so dynamo compiles no graph for it (under inductor, one compile less per
+    rank). In-process, dynamo with the eager backend, the debug Llama at 64 tokens, 2 blocks."""
+    from types import SimpleNamespace
+
+    import datasets
+    import torch._dynamo
+    from transformers import LlamaForCausalLM
+
+    from common import metrics, models
+    from recipes.llama import evaluate
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(models.llama_config("debug", vocab_size=512, use_cache=False))
+    compiled = torch.compile(model, backend="eager")
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    one_process = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda t: t,
+                                  wait_for_everyone=lambda: None, is_main_process=True)
+    evaluate(compiled, [{"input_ids": ids, "labels": ids}], one_process)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    eval_set = datasets.Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
+        metrics.save_logits_probe(one_process, compiled, eval_set, str(tmp_path))
+    assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    with torch.no_grad():
+        torch.testing.assert_close(load_file(tmp_path / "final_logits.safetensors")["logits"],
+                                   model.eval()(input_ids=ids).logits)
     torch._dynamo.reset()
