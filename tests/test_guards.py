@@ -42,14 +42,6 @@ def test_resume_with_another_split_of_the_global_batch(config, resumed_split, tm
     for r in got:
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)
-    if config == "ddp":  # a changed LR is refused (the optimizer state would silently bring back the saved
-        # one), and so are another warmup and another precision: each would make it another run
-        proc = launch(config, "recipes/llama.py", *ckpt_args(tmp_path / "other_lr", small_corpus, *split,
-                      "--learning_rate", 1e-3, "--warmup_steps", 5, "--resume_from_checkpoint",
-                      straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="bf16", check=False)
-        assert proc.returncode != 0
-        assert (f"cannot resume from {straight / f'checkpoint-{SAVE}'}: learning_rate 0.003 -> 0.001; warmup_steps "
-                "4 -> 5; mixed_precision no -> bf16.") in proc.stderr, proc.stderr[-3000:]
 
 
 def test_deepspeed_json_that_contradicts_the_flags_stops_at_start_up(tmp_path, monkeypatch):
