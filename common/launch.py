@@ -12,8 +12,9 @@ What each strategy needs (checked with accelerate 1.15, deepspeed 0.19.8, torch 
 | strategy (set by `accelerate launch`)  | what we do on CPU                                          |
 |----------------------------------------|------------------------------------------------------------|
 | DDP / MULTI_CPU                        | `workarounds.ddp_ranks_on_cpu`: Accelerate's MULTI_CPU path |
-| DeepSpeed (`ACCELERATE_USE_DEEPSPEED`)  | process-group backend `gloo` instead of `nccl`, and        |
-|                                        | `workarounds.skip_deepspeed_shm_build`                     |
+| DeepSpeed (`ACCELERATE_USE_DEEPSPEED`)  | process-group backend `gloo` instead of `nccl`;            |
+|                                        | `workarounds.skip_deepspeed_shm_build` and                 |
+|                                        | `workarounds.cache_deepspeed_cpu_device_count`             |
 | FSDP1 / FSDP2 (`ACCELERATE_USE_FSDP`)   | `workarounds.fsdp_ranks_on_cpu`: a gloo process group, and |
 |                                        | a state that `AcceleratorState` picks FSDP from            |
 
@@ -155,7 +156,7 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
         if _env_true("ACCELERATE_USE_CPU"):  # Accelerate would quietly build plain CPU ranks instead
             raise Stop("ACCELERATE_USE_CPU is set (`accelerate launch --cpu`, or the environment), which keeps "
                        "Accelerate off DeepSpeed: unset it; DeepSpeed configs run on CPU-only hosts without it")
-        applied += workarounds.skip_deepspeed_shm_build()
+        applied += workarounds.skip_deepspeed_shm_build() + workarounds.cache_deepspeed_cpu_device_count()
     else:
         applied += workarounds.ddp_ranks_on_cpu()
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout), applied

@@ -282,7 +282,8 @@ SHORT = ["--max_steps", 10, "--warmup_steps", 3, "--learning_rate", 3e-3, "--log
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory, cache_dir):
     """`run(config, precision="no")`: `recipes/llama.py` with SHORT under `config` (a name or a YAML
-    path), once per session; returns (output dir, its host reads as `host_reads` gives them)."""
+    path), once per session; returns (output dir, its host reads as `host_reads` gives them). The
+    launch's stderr is `stderr.log` beside the output dir."""
     done = {}
 
     def run(config, precision="no"):
@@ -293,9 +294,10 @@ def short_run(tmp_path_factory, cache_dir):
             reads.mkdir()
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs every read
-                launch(config, "recipes/llama.py", "--output_dir", out,
-                       "--per_device_train_batch_size", 4 if config == "single" else 2, *SHORT,
-                       cache_dir=cache_dir, mixed_precision=precision)
+                proc = launch(config, "recipes/llama.py", "--output_dir", out,
+                              "--per_device_train_batch_size", 4 if config == "single" else 2, *SHORT,
+                              cache_dir=cache_dir, mixed_precision=precision)
+            (base / "stderr.log").write_text(proc.stderr)
             done[key] = out, host_reads(reads)
         return done[key]
     return run

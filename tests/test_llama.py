@@ -32,11 +32,15 @@ def test_every_config_trains_and_exports(config, short_run):
     # The library workarounds that ran (common/workarounds.py): under torchrun, the parent-death
     # signal; on a CPU-only host, real gloo ranks; an export that does not import deepspeed.
     # fp32, uncompiled, fresh: nothing else.
-    on_cpu = {"ddp": "ddp_ranks_on_cpu", "fsdp": "fsdp_ranks_on_cpu", "fsdp1": "fsdp_ranks_on_cpu",
-              "deepspeed_zero2": "skip_deepspeed_shm_build", "deepspeed_zero3": "skip_deepspeed_shm_build"}
+    deepspeed_on_cpu = ["skip_deepspeed_shm_build", "cache_deepspeed_cpu_device_count"]
+    on_cpu = {"ddp": ["ddp_ranks_on_cpu"], "fsdp": ["fsdp_ranks_on_cpu"], "fsdp1": ["fsdp_ranks_on_cpu"],
+              "deepspeed_zero2": deepspeed_on_cpu, "deepspeed_zero3": deepspeed_on_cpu}
     assert info["workarounds"] == ["die_with_launcher"] * (world == 2) + (
-        [on_cpu[config]] if config in on_cpu and not torch.cuda.is_available() else []) + (
+        on_cpu[config] if config in on_cpu and not torch.cuda.is_available() else []) + (
         ["no_deepspeed_import_on_unwrap"] if "deepspeed" not in config else [])
+    # a library warning once per rank, not once per collective (workarounds.cache_deepspeed_cpu_device_count)
+    stderr = (out.parent / "stderr.log").read_text()
+    assert stderr.count("is deprecated. Please use `torch.distributed.") <= 2 * world, stderr[-3000:]
     local = info["local_param_elements"]
     assert len(local) == world
     if config in SHARDED:

@@ -95,6 +95,30 @@ def test_skip_deepspeed_shm_build():
     assert build_shm_op() is None
 
 
+def test_cache_deepspeed_cpu_device_count(monkeypatch):
+    """DeepSpeed's CPU accelerator still runs numactl at every device_count() (ZeRO-3 calls it at
+    every reduce-scatter); cached, it runs it once."""
+    import deepspeed.utils.numa
+    from deepspeed.accelerator import get_accelerator
+
+    calls = []
+
+    def check_output(cmd, *args, **kwargs):
+        calls.append(cmd)
+        raise FileNotFoundError(cmd[0])  # as on a host without numactl
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setattr(deepspeed.utils.numa.subprocess, "check_output", check_output)
+    accelerator = get_accelerator()
+    assert accelerator.device_name() == "cpu"
+    # the class's method, uncached; put back after the test
+    monkeypatch.setattr(accelerator, "device_count", type(accelerator).device_count.__get__(accelerator))
+    assert accelerator.device_count() == accelerator.device_count() == 1
+    assert calls == [["numactl", "--hardware"]] * 2, upstream("cache_deepspeed_cpu_device_count")
+    assert workarounds.cache_deepspeed_cpu_device_count() == ["cache_deepspeed_cpu_device_count"]
+    assert [accelerator.device_count() for _ in range(3)] == [1, 1, 1] and len(calls) == 3
+
+
 def test_install_cpu_grad_scaler(fresh_state):
     """Accelerate still builds no GradScaler and no fp16 autocast for fp16 on a CPU device."""
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
