@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import atexit
 import gc
+import getpass
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -147,6 +149,7 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
                          "the dead attempt's addresses and hang (pytorch/pytorch#135712). Launch with "
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and "
                          "`accelerate launch --rdzv_backend c10d --max_restarts N ...`")
+    inductor_cache_per_cpu_capability()
     timeout = timedelta(seconds=timeout_s)
     if _has_accelerator() or "LOCAL_RANK" not in os.environ:
         return InitProcessGroupKwargs(timeout=timeout), applied
@@ -160,6 +163,23 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
     else:
         applied += workarounds.ddp_ranks_on_cpu()
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout), applied
+
+
+def inductor_cache_per_cpu_capability() -> None:
+    """Under `ATEN_CPU_CAPABILITY`, torch.compile's kernel cache is a directory of its own:
+    `TORCHINDUCTOR_CACHE_DIR`, if unset, becomes `<tmp>/torchinductor_<user>_<capability>` (torch's
+    default without the suffix).
+
+    torch 2.13's inductor reads kernels cached under another CPU capability. Measured on a
+    2-core AMX host: a compiled DDP run under `ATEN_CPU_CAPABILITY=avx2`, reading the cache a
+    native run had written, failed a compiled kernel's index check (`0 <= tmp10 < 4096`) at
+    its first step; with a fresh cache, or one written under avx2, it matched eager. A kernel
+    without such a check could compute wrong values silently.
+    """
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability.lower()}")
 
 
 def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:

@@ -223,3 +223,27 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
         torch.testing.assert_close(load_file(tmp_path / "final_logits.safetensors")["logits"],
                                    model.eval()(input_ids=ids).logits)
     torch._dynamo.reset()
+
+
+def test_a_cpu_capability_override_gets_its_own_kernel_cache(monkeypatch):
+    """Kernels cached by a native run and read under ATEN_CPU_CAPABILITY=avx2 failed a compiled run
+    (common/launch.inductor_cache_per_cpu_capability): every recipe's process_group gives the
+    override a cache directory of its own, and leaves a directory the user chose alone."""
+    import getpass
+    import os
+    import tempfile
+
+    from common import launch as launch_module
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "x")  # so that teardown restores the variable as it was
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    launch_module.process_group(60)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # torch's default
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    launch_module.process_group(60)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/data/kernels")
+    launch_module.process_group(60)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/data/kernels"

@@ -44,7 +44,9 @@ ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on
 
 @pytest.fixture
 def cpu_isa(monkeypatch):
-    """Set what this CPU computes natively: cpu_isa({"bf16"}) for AVX512-BF16/AMX, cpu_isa(set()) for AVX2."""
+    """Set what this CPU computes natively: cpu_isa({"bf16"}) for AVX512-BF16/AMX, cpu_isa(set()) for AVX2.
+    Without ONEDNN_MAX_CPU_ISA (the suite run as on an AVX2 host, tests/docs): the CPU alone decides."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     return lambda native: monkeypatch.setattr(precision, "cpu_native_dtypes", lambda: set(native))
 
 
