@@ -474,7 +474,8 @@ def layout_error(saved: dict, run_state: dict) -> str | None:
     return None
 
 
-def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]) -> str | None:
+def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str],
+                 lr_decays_after: int | None = None) -> str | None:
     """Why this run cannot continue the checkpoint at `path` exactly, as one line; None if it can.
 
     Args:
@@ -484,9 +485,14 @@ def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]
         must_match: keys of `run_state` that must equal the saved ones: what fixes the data
             position (global batch, seed, blocks), and what the optimizer state would silently
             bring back (LR, weight decay, betas). Keys the checkpoint did not record are skipped;
-            `max_steps` is never compared (a resumed run may train longer). The world size is
+            `max_steps` is not compared here (see `lr_decays_after` and the end). The world size is
             compared only where it is listed here (dropout masks, per-rank data shards) or where
             the strategy cannot reshard (`layout_error`).
+        lr_decays_after: the warmup steps of an LR schedule that decays over `max_steps` after
+            them (cosine, linear); None where the LR does not depend on `max_steps`. Another
+            `max_steps` is then refused once the checkpoint is past the warmup: its steps, and
+            the LR its optimizer holds for the next one, came from the old schedule. Within the
+            warmup, where both schedules agree, the run continues exactly as the longer one.
 
     The end: a checkpoint past `max_steps` is refused (nothing would train, and the export would
     hold the later weights under this run's name), and so is one exactly at `max_steps` saved by
@@ -499,6 +505,10 @@ def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]
         sharded state on another strategy, or on another world size where it cannot reshard; or None.
     """
     changes = changed_settings(saved, {k: run_state[k] for k in must_match if k != "max_steps"})
+    before, after = saved.get("max_steps"), run_state.get("max_steps")
+    if lr_decays_after is not None and before not in (None, after) and saved["step"] > lr_decays_after:
+        changes.append(f"max_steps {before} -> {after} (the LR decays over --max_steps after {lr_decays_after} "
+                       f"warmup steps, and the checkpoint's {saved['step']} steps went past them)")
     if layout := layout_error(saved, run_state):
         changes.append(layout)
     if end_error := _end_error(saved, run_state.get("max_steps")):
@@ -631,7 +641,7 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
 
 
 def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | None = None,
-                    warn_new_schedule: bool = False) -> tuple[Path | None, dict]:
+                    lr_decays_after: int | None = None) -> tuple[Path | None, dict]:
     """Resolve --resume_from_checkpoint, and refuse a checkpoint that would not continue this run exactly.
 
     Every recipe's resume check. Called before `prepare` (llama.py, ddp_classifier.py), a refused
@@ -642,8 +652,8 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | 
     Args:
         run_state: what this run is (recorded in its checkpoints): `resume_error` compares
             `must_match` of its keys (None: all of them) with the checkpoint's.
-        warn_new_schedule: a longer `max_steps` than the checkpoint's, which is allowed, prints a
-            warning: the LR schedule then follows the new length.
+        lr_decays_after: the warmup steps of an LR schedule that decays over `max_steps`
+            (`resume_error`); another `max_steps` within them is allowed, with a line that says so.
 
     Returns:
         (the checkpoint's path or None, its recorded state: `resolve_checkpoint`'s, {"step": 0} fresh).
@@ -655,13 +665,14 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | 
     if not path:
         start_fresh(accelerator, args.output_dir)
         return None, saved
-    if error := resume_error(path, saved, run_state, list(run_state) if must_match is None else must_match):
+    if error := resume_error(path, saved, run_state, list(run_state) if must_match is None else must_match,
+                             lr_decays_after):
         raise Stop(error)
     max_steps = run_state.get("max_steps")
-    if warn_new_schedule and max_steps is not None and saved.get("max_steps", max_steps) != max_steps:
-        accelerator.print(f"warning: {path} was saved by a {saved['max_steps']}-step run, this one has "
-                          f"{max_steps}: the LR schedule follows the new length from here, which matches the old "
-                          "run only while both are still in warmup")
+    if lr_decays_after is not None and saved.get("max_steps", max_steps) != max_steps:
+        accelerator.print(f"{path} was saved by a {saved['max_steps']}-step run, this one has {max_steps}: its "
+                          f"{saved['step']} steps are all in the {lr_decays_after}-step warmup, which --max_steps "
+                          f"does not change, so it continues exactly as a {max_steps}-step run")
     return path, saved
 
 

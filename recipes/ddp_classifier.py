@@ -241,8 +241,8 @@ def main() -> int:
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": accumulation, "world_size": world_size}
     run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
-    resume_path, saved = checkpoint.resume_or_start(  # a longer run: a warning (the LR schedule)
-        accelerator, args, run_state, [*data_state, *same_run], warn_new_schedule=True)
+    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
+        accelerator, args, run_state, [*data_state, *same_run], lr_decays_after=args.warmup_steps)
     step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(

@@ -213,8 +213,8 @@ def main() -> int:
         accelerator, args, model, peak_lr, max_steps, global_batch=global_batch, seed=args.seed,
         block_size=args.block_size, packing=args.packing, train_blocks=len(train_set),
         data_digest=data_digest)
-    resume_path, saved = checkpoint.resume_or_start(  # a longer run: a warning (the cosine LR)
-        accelerator, args, run_state, must_match, warn_new_schedule=True)
+    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
+        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps)
     step = saved["step"]
 
     # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----

@@ -243,8 +243,9 @@ def main() -> int:
                  "learning_rate": args.learning_rate, "weight_decay": args.weight_decay,
                  "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
                  "model_config": models.config_state(config),
-                 "max_steps": max_steps}  # (not compared: a resume may train longer)
-    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state)  # all must match
+                 "max_steps": max_steps}
+    resume_path, saved = checkpoint.resume_or_start(  # all must match; --max_steps: within warmup
+        accelerator, args, run_state, lr_decays_after=args.warmup_steps)
     step = saved["step"]
     # fp16 bookkeeping the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
     skipped_steps = saved.get("skipped_steps", 0)

@@ -274,7 +274,7 @@ def main() -> int:
                  "model_config": models.config_state(config), "learning_rate": args.learning_rate,
                  "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
                  "max_grad_norm": args.max_grad_norm, **checkpoint.precision_state(accelerator),
-                 "max_steps": args.max_steps}  # (never compared: a resume may train longer)
+                 "max_steps": args.max_steps}  # (never compared: the LR is constant after warmup)
     resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state)  # all must match
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow the step
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, saved["step"])

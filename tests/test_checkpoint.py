@@ -198,6 +198,24 @@ def test_the_end_of_a_run_on_resume():
             assert error.startswith(f"cannot resume from ckpt: it is at step {step}") and "nothing would train" in error
 
 
+def test_a_longer_run_resumes_only_within_the_warmup():
+    """Another --max_steps moves a decaying LR schedule (cosine, linear) after its warmup: a checkpoint
+    inside the warmup continues exactly as the new length (the LRs so far, and the one it holds for the
+    next step, are both schedules'), one past it is refused; a schedule that --max_steps does not move
+    (lr_decays_after None: constant) resumes either way."""
+    def error(step, lr_decays_after, max_steps=20):
+        saved = {"step": step, "max_steps": 12, "seed": 42}
+        run = {"max_steps": max_steps, "seed": 42, "world_size": 2, "distributed_type": "MULTI_CPU"}
+        return resume_error(Path("ckpt"), saved, run, ["seed", "max_steps"], lr_decays_after)
+
+    assert error(6, lr_decays_after=6) is None and error(3, lr_decays_after=15) is None
+    assert error(7, lr_decays_after=6).startswith("cannot resume from ckpt: max_steps 12 -> 20 (the LR decays over "
+                                                  "--max_steps after 6 warmup steps, and the checkpoint's 7 steps "
+                                                  "went past them). Resume with the saved settings")
+    assert error(7, lr_decays_after=0, max_steps=8).startswith("cannot resume from ckpt: max_steps 12 -> 8")
+    assert error(7, lr_decays_after=None) is None and error(7, lr_decays_after=6, max_steps=12) is None
+
+
 def fake_accelerator(kind: str, fsdp2: bool = True, zero_stage: int = 2):
     """What `strategy_name` reads of an Accelerator."""
     from types import SimpleNamespace
@@ -443,11 +461,14 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, re
            "-> documents" in error, error
     assert "; learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5; mixed_precision no -> bf16." in error, error
     assert not (tmp_path / "changed" / "metrics.jsonl").exists()
-    # Unchanged data, a longer run: accepted, with a warning that the LR schedule now differs.
+    # Unchanged data, a longer run: past the 4 warmup steps the cosine LR of steps 1-10 was the 16-step
+    # run's, so no 20-step run trains them: refused too (within the warmup: test_a_longer_run_...).
     proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, *batch_args("ddp"), "--max_steps",
-                  20, "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no")
-    assert f"was saved by a {STEPS}-step run, this one has 20" in proc.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "longer")[0]] == list(range(SAVE + 1, 21))
+                  20, "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no", check=False)
+    assert proc.returncode != 0
+    assert f"cannot resume from {ckpt}: max_steps {STEPS} -> 20 (the LR decays over --max_steps after 4 warmup " \
+           f"steps, and the checkpoint's {SAVE} steps went past them)." in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "longer" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])

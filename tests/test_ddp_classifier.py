@@ -191,14 +191,13 @@ def uninterrupted(tmp_path_factory, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def longer(uninterrupted, tmp_path_factory, cache_dir):
-    """A copy of the uninterrupted run resumed from checkpoint-3 with --max_steps 8: (output dir, launch)."""
-    out = tmp_path_factory.mktemp("cls_longer") / "run"
+def resumed(uninterrupted, tmp_path_factory, cache_dir):
+    """A copy of the uninterrupted run resumed from its checkpoint-3: the output dir."""
+    out = tmp_path_factory.mktemp("cls_resumed") / "run"
     shutil.copytree(uninterrupted["out"], out)
-    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--max_steps", 8,
-                  "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
-                  mixed_precision="no")
-    return out, proc
+    launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--resume_from_checkpoint",
+           out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD, mixed_precision="no")
+    return out
 
 
 def test_max_steps_and_the_schedule(uninterrupted):
@@ -225,22 +224,19 @@ def test_no_weight_decay_on_layernorm_and_biases(uninterrupted):
     assert w.std().item() < 0.85 * 0.02, (w.std().item(), decayed)
 
 
-def test_resume_mid_epoch_is_exact(uninterrupted, longer):
+def test_resume_mid_epoch_is_exact(uninterrupted, resumed):
     """From checkpoint-3, in epoch 1 (2 steps per epoch): step 4 trains on the second half of epoch 1's
     permutation with every rank's dropout stream restored, exactly as the uninterrupted run did, and the
-    epochs after it draw the same samples. `longer` resumes with --max_steps 8, which leaves step 4 as
-    it was (its LR is the checkpoint's); an exact continuation over several steps and epoch ends, in the
-    same output dir, is checked from the SIGTERM test's checkpoint-1 (steps 2-6, the same comparison)."""
-    full, (out, _) = uninterrupted, longer
+    epoch after it draws the same samples (the SIGTERM test resumes in epoch 0)."""
+    full, out = uninterrupted, resumed
     again = read_metrics(out)[0]
-    # the resumed log keeps the lines up to step 3, then step 4 and its eval continue exactly
-    assert [r["step"] for r in again][:len(full["steps"])] == [r["step"] for r in full["steps"]]
+    # the resumed log keeps the lines up to step 3, then steps 4-6 and their evals continue exactly
+    assert [r["step"] for r in again] == [r["step"] for r in full["steps"]]
     for a, b in zip(full["steps"], again):
         assert a.keys() == b.keys()
-        if a["step"] <= 4:
-            for key in ("loss", "grad_norm", "lr", "eval_accuracy"):
-                if key in a:
-                    assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a, b)
+        for key in ("loss", "grad_norm", "lr", "eval_accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a, b)
     # and on the same samples: step 4 is the second half of epoch 1, then all of epoch 2
     for r in range(WORLD):
         ids = json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
@@ -331,10 +327,17 @@ def test_fsdp_trains_like_ddp(launched, uninterrupted):
     assert len(AutoTokenizer.from_pretrained(final)) == model.config.vocab_size
 
 
-def test_a_longer_resume_warns_that_the_schedule_follows_it(longer):
-    """--max_steps 6 -> 8 on resume: allowed, but the linear decay now spans 8 steps, so it says so."""
-    out, proc = longer
-    assert "was saved by a 6-step run, this one has 8: the LR schedule follows the new length" in proc.stdout
-    lrs = {r["step"]: r["lr"] for r in read_metrics(out)[0] if "lr" in r}
-    # step 4 uses the LR the checkpoint's optimizer holds; the scheduler's next steps follow 8 steps
-    assert [lrs[k] for k in (5, 6, 7, 8)] == pytest.approx([1e-3 * (8 - k + 1) / 8 for k in (5, 6, 7, 8)], rel=1e-12)
+def test_a_longer_resume_past_the_warmup_is_refused(uninterrupted, tmp_path, cache_dir):
+    """--max_steps 6 -> 8 from checkpoint-3: the LR decays linearly over --max_steps from step 1 (no
+    warmup), so steps 1-3 and the LR the checkpoint holds for step 4 belong to the 6-step schedule,
+    and no 8-step run trains them: refused at start-up, in one line, naming the change."""
+    checkpoint = uninterrupted["out"] / "checkpoint-3"
+    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", tmp_path / "longer", *SHORT, "--max_steps", 8,
+                  "--resume_from_checkpoint", checkpoint, cache_dir=cache_dir, num_processes=WORLD,
+                  mixed_precision="no", check=False)
+    assert proc.returncode != 0
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
+    assert errors == {f"error: cannot resume from {checkpoint}: max_steps 6 -> 8 (the LR decays over --max_steps "
+                      "after 0 warmup steps, and the checkpoint's 3 steps went past them). Resume with the saved "
+                      "settings, or start a new run (into another --output_dir) from its weights"}, proc.stderr[-3000:]
+    assert not (tmp_path / "longer" / "metrics.jsonl").exists()
