@@ -273,6 +273,19 @@ def test_every_resumable_recipe_records_the_sharded_layout():
             and "checkpoint.run_state(" not in texts[name]] == []
 
 
+def test_every_recipe_whose_lr_decays_over_max_steps_says_so_on_resume():
+    """A recipe with a cosine or linear LR hands its warmup to the resume check (another --max_steps
+    past it is refused); one whose LR is constant after warmup does not (any --max_steps is exact)."""
+    texts = {p.name: p.read_text() for p in sorted((REPO / "recipes").glob("*.py"))}
+    texts = {name: text for name, text in texts.items() if "resume_or_start(" in text}
+    decaying = {name for name, text in texts.items()
+                if "get_cosine_schedule_with_warmup(" in text or "get_linear_schedule_with_warmup(" in text}
+    assert decaying == {"llama.py", "ddp_classifier.py", "mixed_precision.py"}
+    for name, text in texts.items():
+        assert ("lr_decays_after=args.warmup_steps" in text) == (name in decaying), name
+    assert "get_constant_schedule_with_warmup(" in texts["sharded_data.py"]
+
+
 class OneProcess:
     """What `atomic_export` uses of an Accelerator, in a single process."""
     is_main_process = True
