@@ -83,13 +83,17 @@ def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_p
     assert [r["loss_scale"] for r in lines] == [65536 / 2 ** k for k in range(0, 18)]  # 0.5 at step 18
     assert all(r["lr"] == lines[1]["lr"] for r in lines[1:])  # one real update, then the schedule holds
     assert lines[1]["loss"] is None and "loss" in lines[1]["nonfinite"]
-    # The counters come back with the checkpoint.
+    # The counters and the scale come back with the checkpoint: resumed from step 5, the run skips
+    # and halves as it did, and stops at the same step.
     assert verify_checkpoint(out / "checkpoint-5")["skipped_steps"] == 4
     resumed = tmp_path / "resumed"
-    launch("ddp", "recipes/llama.py", "--output_dir", resumed, "--max_steps", 7, *args, "--resume_from_checkpoint",
-           out / "checkpoint-5", cache_dir=cache_dir, mixed_precision="fp16")
-    after = [r for r in strict_lines(resumed / "metrics.jsonl") if not r.get("summary")]
-    assert [(r["step"], r["skipped_steps"], r["loss_scale"]) for r in after] == [(6, 5, 2048.0), (7, 6, 1024.0)]
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", resumed, "--max_steps", 25, *args,
+                  "--resume_from_checkpoint", out / "checkpoint-5", cache_dir=cache_dir, mixed_precision="fp16",
+                  check=False)
+    after = strict_lines(resumed / "metrics.jsonl")
+    assert [(r["step"], r["skipped_steps"], r["loss_scale"]) for r in after] == [
+        (r["step"], r["skipped_steps"], r["loss_scale"]) for r in lines[5:]]  # steps 6-18: (6, 5, 2048.0), ...
+    assert proc.returncode != 0 and "error: step 18: the fp16 loss scale fell to 0.5" in proc.stderr
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp"])
