@@ -136,6 +136,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every shard is written before anyone lists them
     if accelerator.is_main_process:
+        workarounds.safetensors_mode_from_umask(tmp)  # (safetensors writes 0600)
         for obj in hf_files:
             obj.save_pretrained(tmp / "hf")
     sizes = _manifest(tmp) if accelerator.is_main_process else None
@@ -184,6 +185,7 @@ def atomic_export(accelerator, output_dir: str):
     yield str(tmp)
     accelerator.wait_for_everyone()  # every rank's part is written
     if accelerator.is_main_process:
+        workarounds.safetensors_mode_from_umask(tmp)  # (safetensors writes 0600)
         for f in (p for p in tmp.rglob("*") if p.is_file()):
             _fsync(f)
         _fsync_dirs(tmp)
@@ -364,6 +366,17 @@ def zero_universal(accelerator, path: Path, engine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+# The flags behind the settings a resume compares that are not flags themselves.
+SETTING_SOURCES = {
+    "data_digest": "the data: --train_file, --validation_file, --dataset_name, --tokenizer_name_or_path, "
+                   "--block_size, --packing",
+    "train_blocks": "the data: --train_file, --dataset_name, --block_size, --packing",
+    "train_passages": "the data: --block_size, --validation_split_percentage, --max_train_samples",
+    "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
+    "learning_rate": "--learning_rate, and --scale_lr with the global batch",
+}
+
+
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """The settings a checkpoint was saved with that differ now, as "name saved -> now" strings.
 
@@ -380,7 +393,7 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
             changes += [f"{k}.{key} {saved[k].get(key)} -> {v.get(key)}"
                         for key in sorted(set(v) | set(saved[k])) if saved[k].get(key) != v.get(key)]
         else:
-            changes.append(f"{k} {saved[k]} -> {v}")
+            changes.append(f"{k} {saved[k]} -> {v}" + (f" ({SETTING_SOURCES[k]})" if k in SETTING_SOURCES else ""))
     return changes
 
 

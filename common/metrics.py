@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from common import launch
+from common import launch, workarounds
 
 # Peak dense bf16 FLOP/s per device. Source: torchtitan `torchtitan/tools/utils.py`
 # (`get_peak_flops`). Order matters: "H100 NVL" must match before "H100".
@@ -370,7 +370,9 @@ def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
         logits = model(input_ids=probe, attention_mask=None, position_ids=None).logits.float().cpu()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        save_file({"input_ids": probe.cpu(), "logits": logits}, os.path.join(output_dir, "final_logits.safetensors"))
+        path = os.path.join(output_dir, "final_logits.safetensors")
+        save_file({"input_ids": probe.cpu(), "logits": logits}, path)
+        workarounds.safetensors_mode_from_umask(path)  # (safetensors writes 0600)
 
 
 def run_info(accelerator, model, args, **facts) -> dict:
@@ -496,8 +498,6 @@ def gather_loader_rows(accelerator, row: list[float]) -> list[dict]:
     import gc
 
     import psutil
-
-    from common import workarounds
 
     gc.collect()
     workarounds.trim_malloc_heap()  # glibc keeps freed heap pages: RSS then counts what is live

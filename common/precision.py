@@ -98,13 +98,24 @@ def native_dtypes(device_type: str, capability: tuple[int, int] | None) -> set[s
 
 
 def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
-    """The device in a log line: "compute capability 8.0", or "this CPU (AVX2)" with torch's CPU capability."""
+    """The device in a log line: "compute capability 8.0", or "this CPU (AVX2)": torch's CPU capability,
+    then its bf16 extensions ("this CPU (AVX512, AVX512-BF16, AMX)") and an `ONEDNN_MAX_CPU_ISA` cap."""
     if device_type == "cuda" and capability:
         return f"compute capability {capability[0]}.{capability[1]}"
     if device_type == "cpu":
-        cap = f", ONEDNN_MAX_CPU_ISA={onednn_cap()}" if onednn_cap() else ""
-        return f"this CPU ({torch.backends.cpu.get_cpu_capability()}{cap})"
+        isa = [torch.backends.cpu.get_cpu_capability()]
+        isa += [name for name, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
+                                       ("AMX", torch.cpu._is_amx_tile_supported)) if has()]
+        isa += [f"ONEDNN_MAX_CPU_ISA={onednn_cap()}"] if onednn_cap() else []
+        return f"this CPU ({', '.join(isa)})"
     return device_type
+
+
+def _lacks(cc: str, dtype: str) -> str:
+    """Why a CPU emulates `dtype`: "this CPU (AVX2) has no bf16 instructions", or the oneDNN cap's doing."""
+    if onednn_cap():
+        return f"{cc}: the cap keeps oneDNN from {dtype} instructions"
+    return f"{cc} has no {dtype} instructions"
 
 
 def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None,
@@ -147,10 +158,10 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
                       "an fp16 reference.", UserWarning, stacklevel=2)
     if requested in ("bf16", "fp16") and device_type == "cpu" and requested not in native:
         if forced:
-            return requested, (f"{requested} as requested, emulated: {cc} has no {requested} instructions, so each "
+            return requested, (f"{requested} as requested, emulated: {_lacks(cc, requested)}, so each "
                                f"step is several times slower than fp32 (about 14x for llama.py on AVX2)")
-        return "no", (f"fp32, not the config's {requested}: {cc} has no {requested} instructions and would emulate "
-                      f"it, several times slower; force it with `accelerate launch --mixed_precision {requested}`")
+        return "no", (f"fp32, not the config's {requested}: {_lacks(cc, requested)}, and emulating it is several "
+                      f"times slower; force it with `accelerate launch --mixed_precision {requested}`")
     if requested != "auto":
         return requested, f"{requested} as requested ({cc})"
     if "bf16" in native:

@@ -6,8 +6,9 @@ still there, and fails once upstream changes it. Then review the function; delet
 library no longer needs it. Versions: accelerate 1.15, torch 2.13, deepspeed 0.19.8.
 
 Each returns the names of what it applied, `["its_name"]` or `[]`, so a recipe adds them up
-and llama.py writes them to run_info.json (`"workarounds"`). `fsdp1_cpu_state_dict` returns
-the state dict instead (it runs at export, after run_info.json is written).
+and llama.py writes them to run_info.json (`"workarounds"`). Two run at export, after
+run_info.json is written: `fsdp1_cpu_state_dict` returns the state dict instead, and
+`safetensors_mode_from_umask` (also run on each checkpoint) is not recorded.
 
 | workaround                 | library          | symptom without it           | canary: upstream      |
 |----------------------------|------------------|------------------------------|-----------------------|
@@ -43,6 +44,8 @@ the state dict instead (it runs at export, after run_info.json is written).
 |   tp_group                 |                  | off by 1e-3 (last batch)     |                       |
 | no_deepspeed_import_on_   | Accelerate 1.15  | ~1 s of CPU per rank at each | imports deepspeed to  |
 |   unwrap                   |                  | non-DeepSpeed export         | unwrap any module     |
+| safetensors_mode_from_     | safetensors 0.8  | exports unreadable by the    | writes files with     |
+|   umask                    |                  | group (0600)                 | mode 0600             |
 
 The canary of each is `test_<workaround>` in tests/test_workarounds.py; the last column says
 what it checks upstream still does.
@@ -53,6 +56,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -408,6 +412,23 @@ def trim_malloc_heap() -> list[str]:
 
     ctypes.CDLL(None).malloc_trim(0)
     return ["trim_malloc_heap"]
+
+
+def safetensors_mode_from_umask(path: str) -> list[str]:
+    """Give a `.safetensors` file, or those under a folder, the mode the umask allows (0644 under 022).
+
+    safetensors 0.8 writes its files with mode 0600 (safetensors/safetensors#782), where
+    `torch.save` and `open` give 0666 less the umask: an export or checkpoint that the team's
+    group, or a serving job under another user, cannot read, beside a config.json that it can.
+    Call on the rank that wrote them. Canary: safetensors still writes 0600 under umask 022.
+    """
+    umask = os.umask(0o077)  # (reading it means setting it: to a strict one for that moment)
+    os.umask(umask)
+    path = Path(path)
+    files = [path] if path.is_file() else list(path.rglob("*.safetensors"))
+    for f in files:
+        f.chmod(0o666 & ~umask)
+    return ["safetensors_mode_from_umask"] if files else []
 
 
 def replicate_parallel_for_accelerate(accelerator) -> list[str]:

@@ -59,10 +59,13 @@ def launch_command(config, script, *args, num_processes=None, mixed_precision=No
 
 
 def launch_env(cache_dir, env=None, device_guard=True):
-    """The environment of a launch: this one, the shared cache, unbuffered output, one thread per rank, and
+    """The environment of a launch: this one, the shared cache, torch.compile's kernels cached in it (a
+    stale /tmp/torchinductor_<user> cannot reach the suite), unbuffered output, one thread per rank, and
     (device_guard) tests/device_guard first on PYTHONPATH; then `env` on top, where None removes a variable."""
+    kernels = os.path.join(cache_dir, f"inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native').lower()}")
     base = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", kernels)}
     if device_guard:  # every process runs tests/device_guard: project code may not hand a collective a host tensor
         base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"),
                                                            os.environ.get("PYTHONPATH")]))

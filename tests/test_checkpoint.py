@@ -198,6 +198,15 @@ def test_the_end_of_a_run_on_resume():
             assert error.startswith(f"cannot resume from ckpt: it is at step {step}") and "nothing would train" in error
 
 
+def test_a_refused_setting_names_its_flags():
+    """A compared setting that is no flag of its own names the flags behind it."""
+    saved = {"step": 4, "global_batch": 4, "seed": 42}
+    run = {"max_steps": 8, "global_batch": 8, "seed": 7, "world_size": 2, "distributed_type": "MULTI_CPU"}
+    error = resume_error(Path("ckpt"), saved, run, ["global_batch", "seed"])
+    assert error.startswith("cannot resume from ckpt: global_batch 4 -> 8 (--per_device_train_batch_size x "
+                            "--gradient_accumulation_steps x world size); seed 42 -> 7. Resume with"), error
+
+
 def test_a_longer_run_resumes_only_within_the_warmup():
     """Another --max_steps moves a decaying LR schedule (cosine, linear) after its warmup: a checkpoint
     inside the warmup continues exactly as the new length (the LRs so far, and the one it holds for the
@@ -409,6 +418,8 @@ def test_a_ddp_checkpoint_resumes_on_one_rank(tmp_path, cache_dir, small_corpus,
     x 2) resumes from checkpoint-10 on one rank (4 x 2) and ends as it did, to 2e-6 (12x the measured)."""
     straight = reference_run("ddp", *args(None, small_corpus, *batch_args("ddp"))[2:])
     saved = straight / f"checkpoint-{SAVE}"
+    mode = {f: (saved / f).stat().st_mode & 0o777 for f in ("model.safetensors", "hf/config.json")}
+    assert mode["model.safetensors"] == mode["hf/config.json"], mode  # the umask's, not safetensors' 0600
     out = tmp_path / "resumed"
     proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, *batch_args("single"),
                   "--resume_from_checkpoint", saved), num_processes=1, cache_dir=cache_dir, mixed_precision="no")
@@ -509,6 +520,9 @@ def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpu
                    check=True, capture_output=True)
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
     assert merged.keys() == exported.keys()
+    modes = {str(f): f.stat().st_mode & 0o777 for f in (tmp_path / "hf/model.safetensors", tmp_path / "hf/config.json",
+                                                        out / "final/model.safetensors")}
+    assert len(set(modes.values())) == 1, modes  # what the umask allows: safetensors alone writes 0600
     for name, tensor in exported.items():
         assert tuple(merged[name].shape) == tuple(tensor.shape)  # full size, not a shard
         assert (merged[name].float() - tensor.float()).abs().max() == 0, name

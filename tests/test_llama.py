@@ -98,6 +98,9 @@ def test_every_config_trains_and_exports(config, short_run):
         assert emb == [config_hf.vocab_size, config_hf.hidden_size]
         n_saved = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert n_saved == info["n_params"]
+    mode = {f.name: f.stat().st_mode & 0o777 for f in (final / "model.safetensors", final / "config.json",
+                                                        out / "final_logits.safetensors", out / "run_info.json")}
+    assert len(set(mode.values())) == 1, mode  # the umask's, not safetensors' own 0600
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
     probe = load_file(out / "final_logits.safetensors")
     with torch.no_grad():

@@ -47,7 +47,12 @@ def cpu_isa(monkeypatch):
     """Set what this CPU computes natively: cpu_isa({"bf16"}) for AVX512-BF16/AMX, cpu_isa(set()) for AVX2.
     Without ONEDNN_MAX_CPU_ISA (the suite run as on an AVX2 host, tests/docs): the CPU alone decides."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    return lambda native: monkeypatch.setattr(precision, "cpu_native_dtypes", lambda: set(native))
+
+    def fake(native):
+        monkeypatch.setattr(precision, "cpu_native_dtypes", lambda: set(native))
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: "bf16" in native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return fake
 
 
 @pytest.mark.parametrize("device_type, capability, cpu_native, expected", [
@@ -87,7 +92,7 @@ def test_a_config_default_follows_the_cpu_and_the_launch_line_forces_it(cpu_isa,
     for forced in (False, True):
         got = precision.for_launch({"mixed_precision": "bf16", "mixed_precision_forced": forced},
                                    {"device_type": "cpu", "capability": None})
-        assert got["used"] == "bf16" and "emulated" not in got["reason"]
+        assert got["used"] == "bf16" and "emulated" not in got["reason"] and f"({isa}, AVX512-BF16)" in got["reason"]
     assert capsys.readouterr().out == ""  # nothing to say where the config is followed
     # a config's fp16 on a bf16 CPU without fp16 instructions: fp32; a GPU keeps what it is given
     assert precision.choose_precision("fp16", "cpu", None, SMALL, forced=False)[0] == "no"
@@ -110,7 +115,9 @@ def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
     and the reason names the cap; a cap that keeps bf16 changes nothing."""
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert precision.cpu_native_dtypes() == set()
-    assert "ONEDNN_MAX_CPU_ISA=AVX2" in precision.device_name("cpu", None)
+    assert "ONEDNN_MAX_CPU_ISA=AVX2)" in precision.device_name("cpu", None)
+    reason = precision.choose_precision("bf16", "cpu", None, SMALL, forced=False)[1]
+    assert "ONEDNN_MAX_CPU_ISA=AVX2): the cap keeps oneDNN from bf16 instructions" in reason, reason
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert "bf16" in precision.cpu_native_dtypes() and "ONEDNN" not in precision.device_name("cpu", None)

@@ -147,7 +147,8 @@ def test_a_killed_rank_restarts_on_its_own_and_a_signal_saves_for_the_requeue(co
                       "--max_grad_norm", 0.5, "--config_overrides", "rms_norm_eps=1e-3",
                       "--train_file", tmp_path / "other.txt", cache_dir=cache_dir, mixed_precision="no", check=False)
         assert proc.returncode != 0
-        for change in ("data_digest ", "max_grad_norm 1.0 -> 0.5", "model_config.rms_norm_eps 1e-06 -> 0.001"):
+        for change in ("data_digest ", "(the data: --train_file, ", "max_grad_norm 1.0 -> 0.5",
+                       "model_config.rms_norm_eps 1e-06 -> 0.001"):
             assert change in proc.stderr, proc.stderr[-3000:]
         # The requeue, with `auto` (the first command had no resume flag): it ends as if never stopped.
         proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30, *requeue,

@@ -202,6 +202,28 @@ def test_trim_malloc_heap():
     assert workarounds.trim_malloc_heap() == ["trim_malloc_heap"]
 
 
+def test_safetensors_mode_from_umask(tmp_path):
+    """safetensors still writes its files with mode 0600 whatever the umask; the workaround gives 0666 less it."""
+    from safetensors.torch import save_file
+
+    umask = os.umask(0o022)
+    try:
+        save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+        assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o600, upstream("safetensors_mode_from_umask")
+        assert workarounds.safetensors_mode_from_umask(tmp_path) == ["safetensors_mode_from_umask"]
+        assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+        os.umask(0o027)
+        assert workarounds.safetensors_mode_from_umask(tmp_path) == ["safetensors_mode_from_umask"]
+        assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640
+        os.umask(0o077)
+        alone = tmp_path / "model.safetensors"  # a file, not a folder
+        assert workarounds.safetensors_mode_from_umask(alone) == ["safetensors_mode_from_umask"]
+        assert alone.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(umask)
+    assert workarounds.safetensors_mode_from_umask(tmp_path / "none") == []
+
+
 def _functions() -> dict:
     return {name: f for name, f in inspect.getmembers(workarounds, inspect.isfunction)
             if f.__module__ == workarounds.__name__ and not name.startswith("_")}
@@ -261,7 +283,8 @@ def test_the_table_lists_every_workaround_once_with_its_canary():
     for name in table:
         assert f"def test_{name}(" in here, f"no canary test_{name}"
         doc = functions[name].__doc__
-        assert "Canary:" in doc and re.search(r"\b(accelerate|torch|deepspeed|glibc|torchrun)\b", doc, re.I), name
+        libraries = r"\b(accelerate|torch|deepspeed|glibc|torchrun|safetensors)\b"
+        assert "Canary:" in doc and re.search(libraries, doc, re.I), name
     for name in STAGES:  # a stage names the workarounds it calls, and calls them
         named = set(re.findall(r"`(\w+)`", functions[name].__doc__)) & set(functions)
         called = {n.func.id for n in ast.walk(ast.parse(inspect.getsource(functions[name])))

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.checkpoint import verify_checkpoint  # noqa: E402
 from common.models import weights_mismatch  # noqa: E402
+from common.workarounds import safetensors_mode_from_umask  # noqa: E402
 
 
 def consolidated_state_dict(checkpoint_dir: Path) -> dict:
@@ -68,6 +69,7 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> None:
     model.tie_weights()
     model.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(ckpt / "hf").save_pretrained(output_dir)
+    safetensors_mode_from_umask(output_dir)  # (safetensors writes 0600)
 
 
 if __name__ == "__main__":
