@@ -367,11 +367,13 @@ def zero_universal(accelerator, path: Path, engine):
 
 
 # The flags behind the settings a resume compares that are not flags themselves.
+_DATA = "--train_file, --validation_file, --dataset_name, --dataset_config_name, --validation_split_percentage, " \
+        "the tokenizer (--tokenizer_name_or_path, --model_name_or_path, --vocab_size), --block_size, --packing"
 SETTING_SOURCES = {
-    "data_digest": "the data: --train_file, --validation_file, --dataset_name, --tokenizer_name_or_path, "
-                   "--block_size, --packing",
-    "train_blocks": "the data: --train_file, --dataset_name, --block_size, --packing",
-    "train_passages": "the data: --block_size, --validation_split_percentage, --max_train_samples",
+    "data_digest": f"the data: {_DATA}",
+    "train_blocks": f"the data: {_DATA}",
+    "train_passages": "the data: --tokenizer_name_or_path, --block_size, --validation_split_percentage, "
+                      "--max_train_samples",
     "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
     "learning_rate": "--learning_rate, and --scale_lr with the global batch",
 }

@@ -75,11 +75,14 @@ def onednn_cap() -> str | None:
 
 
 def cpu_native_dtypes() -> set[str]:
-    """The low precisions this CPU computes in hardware: a subset of {"bf16", "fp16"} (see the module docstring)."""
+    """The low precisions this CPU computes natively: its hardware's, none under `onednn_cap`."""
+    return set() if onednn_cap() else cpu_hardware_dtypes()
+
+
+def cpu_hardware_dtypes() -> set[str]:
+    """The low precisions this CPU has instructions for: a subset of {"bf16", "fp16"} (see the module docstring)."""
     import platform
 
-    if onednn_cap():
-        return set()
     if platform.machine().lower() in ("arm64", "aarch64"):
         return {"bf16"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
     native = set()
@@ -113,7 +116,7 @@ def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
 
 def _lacks(cc: str, dtype: str) -> str:
     """Why a CPU emulates `dtype`: "this CPU (AVX2) has no bf16 instructions", or the oneDNN cap's doing."""
-    if onednn_cap():
+    if onednn_cap() and dtype in cpu_hardware_dtypes():
         return f"{cc}: the cap keeps oneDNN from {dtype} instructions"
     return f"{cc} has no {dtype} instructions"
 

@@ -15,10 +15,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
-from common.checkpoint import (atomic_export, complete_checkpoints, resolve_checkpoint, resume_error, strategy_name,
-                               verify_checkpoint)
+from common.checkpoint import (SETTING_SOURCES, atomic_export, complete_checkpoints, resolve_checkpoint, resume_error,
+                               strategy_name, verify_checkpoint)
 from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 
 STEPS, SAVE = 16, 10  # 7 optimizer steps per epoch (56 blocks / global batch 8): step 10 is mid-epoch 2
@@ -205,6 +206,14 @@ def test_a_refused_setting_names_its_flags():
     error = resume_error(Path("ckpt"), saved, run, ["global_batch", "seed"])
     assert error.startswith("cannot resume from ckpt: global_batch 4 -> 8 (--per_device_train_batch_size x "
                             "--gradient_accumulation_steps x world size); seed 42 -> 7. Resume with"), error
+    # Every flag named is a real one; the data's name each flag llama.py reads its data and tokenizer with.
+    flags = "".join((REPO / f).read_text() for f in ("recipes/llama.py", "recipes/ddp_classifier.py", "common/args.py"))
+    for sources in SETTING_SOURCES.values():
+        assert all(f"    {name}: " in flags for name in re.findall(r"--(\w+)", sources)), sources
+    llama = (REPO / "recipes" / "llama.py").read_text()
+    reads = re.search(r"raw = data\.load_text_dataset\(.*?\)\n.*?get_tokenizer\(.*?\)\n", llama, re.S).group(0)
+    for name in {*re.findall(r"args\.(\w+)", reads), "tokenizer_name_or_path", "block_size", "packing"} - {"cache_dir"}:
+        assert f"--{name}" in SETTING_SOURCES["data_digest"] and f"--{name}" in SETTING_SOURCES["train_blocks"], name
 
 
 def test_a_longer_run_resumes_only_within_the_warmup():
@@ -516,8 +525,11 @@ def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpu
         assert info["n_params"] == plain_info["n_params"] and info["distributed_type"] == "DEEPSPEED"
         first, plain_first = read_metrics(out)[0][0], read_metrics(plain)[0][0]
         assert first["step"] == plain_first["step"] == 1 and first["loss"] != plain_first["loss"]
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.zeros(1)}, tmp_path / "hf/private.safetensors")  # a file of the user's: left as it was
     subprocess.run([sys.executable, REPO / "tools/consolidate.py", out / f"checkpoint-{last}", tmp_path / "hf"],
                    check=True, capture_output=True)
+    assert (tmp_path / "hf/private.safetensors").stat().st_mode & 0o777 == 0o600
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
     assert merged.keys() == exported.keys()
     modes = {str(f): f.stat().st_mode & 0o777 for f in (tmp_path / "hf/model.safetensors", tmp_path / "hf/config.json",

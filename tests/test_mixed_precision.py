@@ -112,14 +112,16 @@ def test_native_bf16_is_read_from_the_instruction_set():
 
 def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
     """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 even on a CPU that has it: the rule says fp32,
-    and the reason names the cap; a cap that keeps bf16 changes nothing."""
+    and the reason names the cap there (the CPU on one without); a cap that keeps bf16 changes nothing."""
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert precision.cpu_native_dtypes() == set()
-    assert "ONEDNN_MAX_CPU_ISA=AVX2)" in precision.device_name("cpu", None)
-    reason = precision.choose_precision("bf16", "cpu", None, SMALL, forced=False)[1]
-    assert "ONEDNN_MAX_CPU_ISA=AVX2): the cap keeps oneDNN from bf16 instructions" in reason, reason
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    for has_bf16, why in [(False, "ONEDNN_MAX_CPU_ISA=AVX2) has no bf16 instructions"),
+                          (True, "ONEDNN_MAX_CPU_ISA=AVX2): the cap keeps oneDNN from bf16 instructions")]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda has=has_bf16: has)
+        assert precision.cpu_native_dtypes() == set()
+        reason = precision.choose_precision("bf16", "cpu", None, SMALL, forced=False)[1]
+        assert why in reason, reason
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert "bf16" in precision.cpu_native_dtypes() and "ONEDNN" not in precision.device_name("cpu", None)
 
 

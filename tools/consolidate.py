@@ -15,6 +15,7 @@ checkpoints that your own runs wrote.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -69,7 +70,10 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> None:
     model.tie_weights()
     model.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(ckpt / "hf").save_pretrained(output_dir)
-    safetensors_mode_from_umask(output_dir)  # (safetensors writes 0600)
+    index = Path(output_dir) / "model.safetensors.index.json"
+    shards = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
+    for name in shards:  # the files just written, not others in the folder (safetensors writes 0600)
+        safetensors_mode_from_umask(Path(output_dir) / name)
 
 
 if __name__ == "__main__":
