@@ -375,7 +375,6 @@ SETTING_SOURCES = {
     "train_passages": "the data: --tokenizer_name_or_path, --block_size, --validation_split_percentage, "
                       "--max_train_samples",
     "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
-    "learning_rate": "--learning_rate, and --scale_lr with the global batch",
 }
 
 
@@ -387,15 +386,18 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
     or what the data position depends on (seed, blocks, global batch): a difference there means
     the resumed run would not be the run the flags and logs describe.
     """
-    changes = []
+    changes, named = [], set()
     for k, v in current.items():
         if k not in saved or saved[k] == v:
             continue
         if isinstance(v, dict) and isinstance(saved[k], dict):  # e.g. the model config: name the keys
             changes += [f"{k}.{key} {saved[k].get(key)} -> {v.get(key)}"
                         for key in sorted(set(v) | set(saved[k])) if saved[k].get(key) != v.get(key)]
-        else:
-            changes.append(f"{k} {saved[k]} -> {v}" + (f" ({SETTING_SOURCES[k]})" if k in SETTING_SOURCES else ""))
+            continue
+        source = SETTING_SOURCES.get(k)  # its flags once; then "(the data)"
+        changes.append(f"{k} {saved[k]} -> {v}" + (f" ({source if source not in named else source.split(':')[0]})"
+                                                   if source else ""))
+        named.add(source)
     return changes
 
 

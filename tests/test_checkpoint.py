@@ -490,9 +490,11 @@ def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, re
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
     assert len(errors) == 1, proc.stderr[-3000:]
     error = errors.pop()
-    assert f"cannot resume from {ckpt}: global_batch 8 -> 16; seed 42 -> 7; block_size 64 -> 32; packing stream " \
+    assert f"cannot resume from {ckpt}: global_batch 8 -> 16 (--per_device_train_batch_size x " \
+           "--gradient_accumulation_steps x world size); seed 42 -> 7; block_size 64 -> 32; packing stream " \
            "-> documents" in error, error
-    assert "; learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5; mixed_precision no -> bf16." in error, error
+    assert "--block_size, --packing); data_digest " in error and error.count("--packing") == 1, error  # (once)
+    assert "(the data); learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5; mixed_precision no -> bf16." in error, error
     assert not (tmp_path / "changed" / "metrics.jsonl").exists()
     # Unchanged data, a longer run: past the 4 warmup steps the cosine LR of steps 1-10 was the 16-step
     # run's, so no 20-step run trains them: refused too (within the warmup: test_a_longer_run_...).
