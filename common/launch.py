@@ -167,8 +167,9 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
 
 def inductor_cache_per_cpu_capability() -> None:
     """Under `ATEN_CPU_CAPABILITY`, torch.compile's kernel cache is a directory of its own:
-    `TORCHINDUCTOR_CACHE_DIR`, if unset, becomes `<tmp>/torchinductor_<user>_<capability>` (torch's
-    default without the suffix).
+    `TORCHINDUCTOR_CACHE_DIR`, if unset or torch's default `<tmp>/torchinductor_<user>` (which torch
+    writes into the environment when a module that loads inductor is imported, as transformers'
+    LlamaForCausalLM is), becomes `<tmp>/torchinductor_<user>_<capability>`.
 
     torch 2.13's inductor reads kernels cached under another CPU capability. Measured on a
     2-core AMX host: a compiled DDP run under `ATEN_CPU_CAPABILITY=avx2`, reading the cache a
@@ -177,9 +178,9 @@ def inductor_cache_per_cpu_capability() -> None:
     without such a check could compute wrong values silently.
     """
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability.lower()}")
+    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{capability.lower()}"
 
 
 def cpu_process_group_kwargs(timeout_s: float) -> InitProcessGroupKwargs:

@@ -17,6 +17,10 @@ from pathlib import Path
 HOST_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")  # for the GPU-only tests (test_gpu_syncs.py)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["ACCELERATE_RECIPES_ALLOW_CPU"] = "1"
+# torch sets TORCHINDUCTOR_CACHE_DIR to its shared /tmp default in os.environ as soon as a module that
+# loads inductor is imported (transformers' LlamaForCausalLM does, in test modules): read the caller's
+# value now, before any test module, or every launch would inherit that default (`launch_env`).
+CALLER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 import accelerate  # noqa: E402  (only now: nothing may initialise CUDA before the lines above)
 import pytest  # noqa: E402  (kept with the import above, after the environment lines)
@@ -65,7 +69,7 @@ def launch_env(cache_dir, env=None, device_guard=True):
     kernels = os.path.join(cache_dir, f"inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native').lower()}")
     base = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", kernels)}
+            "TORCHINDUCTOR_CACHE_DIR": CALLER_INDUCTOR_CACHE or kernels}
     if device_guard:  # every process runs tests/device_guard: project code may not hand a collective a host tensor
         base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"),
                                                            os.environ.get("PYTHONPATH")]))

@@ -244,6 +244,27 @@ def test_a_cpu_capability_override_gets_its_own_kernel_cache(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
     launch_module.process_group(60)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_avx2"
+    # torch's default, as an import that loads inductor writes it (transformers' LlamaForCausalLM)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}")
+    launch_module.process_group(60)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_avx2"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/data/kernels")
     launch_module.process_group(60)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/data/kernels"
+
+
+def test_the_suite_launches_with_its_own_kernel_cache(cache_dir, monkeypatch):
+    """Importing transformers' LlamaForCausalLM makes torch write its shared default cache directory
+    into this process's environment (the test modules import it while pytest collects them). Every
+    launch still gets the suite's own directory (`conftest.launch_env`), never kernels another run
+    or another CPU capability left in /tmp (a compiled DDP run read those and failed at its first step)."""
+    import getpass
+    import os
+    import tempfile
+
+    import conftest
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}")
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "native").lower()
+    expected = conftest.CALLER_INDUCTOR_CACHE or os.path.join(cache_dir, f"inductor_{capability}")
+    assert conftest.launch_env(cache_dir)["TORCHINDUCTOR_CACHE_DIR"] == expected
