@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import atexit
 import gc
-import getpass
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -178,8 +176,12 @@ def inductor_cache_per_cpu_capability() -> None:
     without such a check could compute wrong values silently.
     """
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+    if not capability:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch's rule (a user without a name too)
+
+    default = default_cache_dir()
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{capability.lower()}"
 
 

@@ -229,9 +229,9 @@ def test_a_cpu_capability_override_gets_its_own_kernel_cache(monkeypatch):
     """Kernels cached by a native run and read under ATEN_CPU_CAPABILITY=avx2 failed a compiled run
     (common/launch.inductor_cache_per_cpu_capability): every recipe's process_group gives the
     override a cache directory of its own, and leaves a directory the user chose alone."""
-    import getpass
     import os
-    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     from common import launch as launch_module
 
@@ -243,11 +243,11 @@ def test_a_cpu_capability_override_gets_its_own_kernel_cache(monkeypatch):
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # torch's default
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
     launch_module.process_group(60)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_avx2"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{default_cache_dir()}_avx2"
     # torch's default, as an import that loads inductor writes it (transformers' LlamaForCausalLM)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     launch_module.process_group(60)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_avx2"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{default_cache_dir()}_avx2"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/data/kernels")
     launch_module.process_group(60)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/data/kernels"
@@ -258,13 +258,14 @@ def test_the_suite_launches_with_its_own_kernel_cache(cache_dir, monkeypatch):
     into this process's environment (the test modules import it while pytest collects them). Every
     launch still gets the suite's own directory (`conftest.launch_env`), never kernels another run
     or another CPU capability left in /tmp (a compiled DDP run read those and failed at its first step)."""
-    import getpass
     import os
-    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     import conftest
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     capability = os.environ.get("ATEN_CPU_CAPABILITY", "native").lower()
     expected = conftest.CALLER_INDUCTOR_CACHE or os.path.join(cache_dir, f"inductor_{capability}")
     assert conftest.launch_env(cache_dir)["TORCHINDUCTOR_CACHE_DIR"] == expected
+    assert conftest.CALLER_INDUCTOR_CACHE or expected != default_cache_dir()
