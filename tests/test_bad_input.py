@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import re
 import runpy
 import subprocess
@@ -23,15 +24,23 @@ def fails_with(proc, *fragments):
         assert fragment in proc.stderr, proc.stderr[-3000:]
 
 
-def test_missing_config_file(tmp_path, cache_dir):
+def test_missing_config_file(tmp_path, cache_dir, monkeypatch):
     # accelerate's own check names the file ...
     proc = launch(Path("accelerate_configs/nope.yaml"), "recipes/llama.py", cache_dir=cache_dir, device_guard=False,
                   check=False, timeout=120)
     fails_with(proc, "accelerate_configs/nope.yaml", "does not exist")
-    # ... and our shorthand also lists the configs there are.
-    proc = subprocess.run([sys.executable, "common/launch.py", "nope", "recipes/llama.py"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    fails_with(proc, "nope.yaml not found", "available: ddp, deepspeed_zero2, deepspeed_zero3", "fsdp, fsdp1", "single")
+    # ... and our shorthand also lists the configs there are: its exit message (what Python prints, exit status 1),
+    # in this process as test_help_of_every_entry_point runs it; it stops before starting the launcher
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", ["common/launch.py", "nope", "recipes/llama.py"])
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail(f"the shorthand started the launcher: {a}"))
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "common" / "launch.py"), run_name="__main__")
+    message = exit_info.value.code
+    assert isinstance(message, str), message
+    for fragment in ("nope.yaml not found", "available: ddp, deepspeed_zero2, deepspeed_zero3", "fsdp, fsdp1",
+                     "single"):
+        assert fragment in message, message
 
 
 def test_unknown_model_config(tmp_path, monkeypatch):

@@ -25,9 +25,10 @@ from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 STEPS, SAVE = 16, 10  # 7 optimizer steps per epoch (56 blocks / global batch 8): step 10 is mid-epoch 2
 
 # Resumed runs against the uninterrupted one, relative: measured 0 (bit-exact, fp32) at every
-# comparison of test_exact_resume_mid_epoch and the rotation test this session (the FSDP2
-# damaged-checkpoint resume not re-measured). metrics.jsonl holds full floats, so 1e-6 is not a print
-# precision: it is ~10 fp32 ulps (an ulp is 6e-8..1.2e-7 relative), far under any resume fault.
+# comparison of test_exact_resume_mid_epoch and of a 2-rank DDP resume past a damaged checkpoint
+# (the rotation test's, before it became a refusal) this session. metrics.jsonl holds full floats,
+# so 1e-6 is not a print precision: it is ~10 fp32 ulps (an ulp is 6e-8..1.2e-7 relative), far
+# under any resume fault.
 RESUME_RTOL = 1e-6
 
 
@@ -112,7 +113,6 @@ def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, s
     shutil.copytree(rotated, out)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
     assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
-    straight = {r["step"]: r["loss"] for r in read_metrics(out)[0]}
 
     # Weights zeroed on disk, the file's size kept: an explicit resume names the file (the recipe's
     # call, without the launch; test_resume_from_a_checkpoint_that_is_not_there launches its refusal)...
@@ -123,17 +123,24 @@ def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, s
     with pytest.raises(ValueError, match=f"checkpoint file {re.escape(str(victim))} does not match the sha256 "
                                          "recorded when it was saved"):
         resolve_checkpoint(out, str(out / "checkpoint-16"))
-    # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12.
+    # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12 (the
+    # recipe's call here; a launch that goes on from such a fallback, exactly, past a damaged FSDP2
+    # shard: tests/test_multinode.py).
     (out / "checkpoint-20.tmp").mkdir()
     (out / "checkpoint-24").mkdir()
-    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--resume_from_checkpoint", "latest"),
-                  cache_dir=cache_dir, mixed_precision="no")
-    assert f"skipping damaged checkpoint: checkpoint file {victim} does not match" in proc.stderr
-    assert "resumed from" in proc.stdout and "checkpoint-12 at step 12" in proc.stdout
-    got = read_metrics(out)[0]
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # 13-16 replaced, no duplicates
-    for r in got[12:]:  # the intact weights: the uninterrupted run's losses (zeroed ones give ln 4096 = 8.318)
-        assert r["loss"] == pytest.approx(straight[r["step"]], rel=RESUME_RTOL), r["step"]
+    with pytest.warns(UserWarning, match=f"skipping damaged checkpoint: checkpoint file {re.escape(str(victim))}"):
+        path, marker = resolve_checkpoint(out, "latest")
+    assert path == out / "checkpoint-12" and marker["step"] == 12
+    # The launch: `latest` skips checkpoint-16 the same way, and checkpoint-12 is past the end of a
+    # 6-step run: refused, nothing written (the end of a run: test_the_end_of_a_run_on_resume).
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--max_steps", 6, "--save_steps", 6,
+                  "--resume_from_checkpoint", "latest"), cache_dir=cache_dir, check=False)
+    assert proc.returncode != 0
+    assert f"skipping damaged checkpoint: checkpoint file {victim} does not match" in proc.stderr, proc.stderr[-3000:]
+    assert (f"error: cannot resume from {out / 'checkpoint-12'}: it is at step 12 of a 16-step run, and this run "
+            "ends at step 6") in proc.stderr, proc.stderr[-3000:]
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     # A truncated file fails on its size, before any hashing; a marker without sums (an older
     # checkpoint) is checked by size only, with a warning.
     truncated = out / "checkpoint-12" / "optimizer.bin"
@@ -148,42 +155,15 @@ def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, s
         assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
 
 
-def test_a_damaged_sharded_checkpoint_is_skipped(tmp_path, cache_dir, small_corpus, reference_run):
-    # A copy of the session's 30-step FSDP2 run (checkpoints 10, 20, 30), one rank's model shard's values
-    # zeroed (it still loads): `latest` skips checkpoint-30 naming the file and continues from 20, exactly.
-    reference = reference_run("fsdp", *corpus_args(small_corpus), *RUN30)
-    out = tmp_path / "run"
-    shutil.copytree(reference, out)
-    shard = sorted((out / "checkpoint-30").glob("pytorch_model_fsdp_0/*.distcp"))[-1]
-    zero_tensor_bytes(shard)
-    proc = launch("fsdp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
-                  "--resume_from_checkpoint", "latest", cache_dir=cache_dir, mixed_precision="no")
-    assert f"skipping damaged checkpoint: checkpoint file {shard} does not match" in proc.stderr
-    assert f"resumed from {out / 'checkpoint-20'} at step 20" in proc.stdout
-    want = {r["step"]: r for r in read_metrics(reference)[0]}
-    got = read_metrics(out)[0]
-    assert [r["step"] for r in got] == list(range(1, 31))
-    for r in got[20:]:
-        assert r["loss"] == pytest.approx(want[r["step"]]["loss"], rel=RESUME_RTOL), r["step"]
-    assert verify_checkpoint(out / "checkpoint-30")["step"] == 30  # saved again, whole
-
-
-def test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused(rotated, cache_dir, small_corpus):
+def test_overwrite_deletes_the_earlier_run(rotated):
     # The earlier run's files all went (checkpoint-30 too, which `latest` would take): only this run's remain.
+    # (A resume past the end, refused: test_rotation_latest_and_damaged_checkpoints.)
     out = rotated
     assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-12", "checkpoint-16", "final",
                                                      "metrics.jsonl", "run_info.json", "sample_ids"]
     assert json.loads((out / "sample_ids/rank0.json").read_text())["world_size"] == 2  # this run's, not the "{}"
     exported = load_file(out / "final/model.safetensors")
     assert exported["model.norm.weight"].shape == (256,)  # this run's export, whole
-    # A checkpoint at the end of a 16-step run, resumed as a 6-step one: refused, nothing written.
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
-    proc = launch("ddp", "recipes/llama.py", *args(out, small_corpus, "--max_steps", 6, "--save_steps", 6,
-                  "--resume_from_checkpoint", "latest"), cache_dir=cache_dir, check=False)
-    assert proc.returncode != 0
-    assert (f"error: cannot resume from {out / 'checkpoint-16'}: it is at step 16 of a 16-step run, and this run "
-            "ends at step 6") in proc.stderr, proc.stderr[-3000:]
-    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
 
 
 def test_the_end_of_a_run_on_resume():
@@ -453,57 +433,62 @@ def torch_close(got, want, name, key):
     assert float((got - want).abs().max()) <= MOMENT_RTOL * scale, (name, key, float((got - want).abs().max()), scale)
 
 
-def test_a_zero3_checkpoint_on_another_world_size_is_refused(tmp_path, cache_dir, small_corpus, reference_run):
-    # The session's 2-rank ZeRO-3 checkpoint (the flags of test_exact_resume_mid_epoch's runs) on 1
-    # ZeRO-3 rank with the same global batch 8: refused at start-up, in one line, naming why and the
-    # way out. (A ZeRO state on another strategy: test_a_sharded_state_resumes_only_on_its_own_...)
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, cache_dir, small_corpus, reference_run):
+    """One launch that the next two tests read: the session's 2-rank ZeRO-3 checkpoint-10 (the flags of
+    test_exact_resume_mid_epoch's runs) resumed on 1 ZeRO-3 rank, with the data order, the LR, the
+    warmup, the precision and --max_steps changed too. Returns (the checkpoint, the output dir, the launch)."""
     zero3 = reference_run("deepspeed_zero3", *args(None, small_corpus, *batch_args("deepspeed_zero3"))[2:])
-    proc = launch("deepspeed_zero3", "recipes/llama.py", *args(tmp_path / "one", small_corpus, *batch_args("single"),
-                  "--resume_from_checkpoint", zero3 / f"checkpoint-{SAVE}"), num_processes=1, cache_dir=cache_dir,
-                  mixed_precision="no", check=False)
+    ckpt, out = zero3 / f"checkpoint-{SAVE}", tmp_path_factory.mktemp("refused") / "run"
+    proc = launch("deepspeed_zero3", "recipes/llama.py", *args(out, small_corpus, "--per_device_train_batch_size", 4,
+                  "--seed", 7, "--block_size", 32, "--gradient_accumulation_steps", 4, "--packing", "documents",
+                  "--learning_rate", 1e-3, "--warmup_steps", 5, "--max_steps", 20, "--resume_from_checkpoint", ckpt),
+                  num_processes=1, cache_dir=cache_dir, mixed_precision="bf16", check=False)
+    return ckpt, out, proc
+
+
+def refusal(refused):
+    """The refused launch's one error line (the whole of what it says), after checking that it wrote nothing."""
+    _, out, proc = refused
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert ("a DEEPSPEED_ZERO3 state of 2 rank(s), this run has 1: DeepSpeed loads ZeRO-3 optimizer partitions on "
+    assert not (out / "metrics.jsonl").exists()
+    return errors[0]
+
+
+def test_a_zero3_checkpoint_on_another_world_size_is_refused(refused):
+    # A 2-rank ZeRO-3 checkpoint on 1 ZeRO-3 rank: refused at start-up, in one line, naming why and the
+    # way out, after every other difference (`refused`; the world size alone: test_a_sharded_state_...,
+    # which also covers a ZeRO state on another strategy).
+    error = refusal(refused)
+    assert ("; a DEEPSPEED_ZERO3 state of 2 rank(s), this run has 1: DeepSpeed loads ZeRO-3 optimizer partitions on "
             "the number of ranks that wrote them only, and its universal checkpoint does not continue a ZeRO-3 run "
-            "exactly") in errors[0]
-    assert "(resume on 2 ranks, or convert it with tools/consolidate.py" in errors[0]
-    assert not (tmp_path / "one" / "metrics.jsonl").exists()
+            "exactly") in error
+    assert "(resume on 2 ranks, or convert it with tools/consolidate.py and start from its weights). Resume with " \
+           "the saved settings" in error, error  # the last difference named
 
 
-def test_resume_refuses_another_data_order(tmp_path, cache_dir, small_corpus, reference_run):
-    # The step count only locates the data position under the same seed and blocks. The checkpoint:
-    # step 10 of the session's 16-step DDP run.
-    ckpt = reference_run("ddp", *args(None, small_corpus, *batch_args("ddp"))[2:]) / f"checkpoint-{SAVE}"
+def test_resume_refuses_another_data_order(refused):
+    # The step count only locates the data position under the same seed and blocks.
+    ckpt = refused[0]
     marker = verify_checkpoint(ckpt)
     assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, "stream")
     assert marker["train_blocks"] > 0
-    # Seven changes, one launch: the refusal names every difference in one line. The data order
-    # (the global batch 8 -> 16 too: the step count would point at another sample); then what would
+    # Eight changes, one launch (`refused`): the refusal names every difference in one line. The data
+    # order (the global batch 8 -> 16 too: the step count would point at another sample); then what would
     # make it another run: the LR (the optimizer state would silently bring back the saved one), the
-    # warmup and the precision.
-    proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "changed", small_corpus, *batch_args("ddp"), "--seed", 7,
-                  "--block_size", 32, "--gradient_accumulation_steps", 4, "--packing", "documents",
-                  "--learning_rate", 1e-3, "--warmup_steps", 5, "--resume_from_checkpoint", ckpt),
-                  cache_dir=cache_dir, mixed_precision="bf16", check=False)
-    assert proc.returncode != 0
-    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
-    assert len(errors) == 1, proc.stderr[-3000:]
-    error = errors.pop()
-    assert f"cannot resume from {ckpt}: global_batch 8 -> 16 (--per_device_train_batch_size x " \
-           "--gradient_accumulation_steps x world size); seed 42 -> 7; block_size 64 -> 32; packing stream " \
-           "-> documents" in error, error
+    # warmup and the precision; and a longer run: past the 5 warmup steps (this run's, as the recipe
+    # passes them) the cosine LR of steps 1-10 was the 16-step run's, so no 20-step run trains them
+    # (within the warmup: test_a_longer_run_...).
+    error = refusal(refused)
+    assert error.startswith(f"error: cannot resume from {ckpt}: global_batch 8 -> 16 (--per_device_train_batch_size "
+                            "x --gradient_accumulation_steps x world size); seed 42 -> 7; block_size 64 -> 32; "
+                            "packing stream -> documents"), error
     assert "--block_size, --packing); data_digest " in error and error.count("--packing") == 1, error  # (once)
-    assert "(the data); learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5; mixed_precision no -> bf16." in error, error
-    assert not (tmp_path / "changed" / "metrics.jsonl").exists()
-    # Unchanged data, a longer run: past the 4 warmup steps the cosine LR of steps 1-10 was the 16-step
-    # run's, so no 20-step run trains them: refused too (within the warmup: test_a_longer_run_...).
-    proc = launch("ddp", "recipes/llama.py", *args(tmp_path / "longer", small_corpus, *batch_args("ddp"), "--max_steps",
-                  20, "--resume_from_checkpoint", ckpt), cache_dir=cache_dir, mixed_precision="no", check=False)
-    assert proc.returncode != 0
-    assert f"cannot resume from {ckpt}: max_steps {STEPS} -> 20 (the LR decays over --max_steps after 4 warmup " \
-           f"steps, and the checkpoint's {SAVE} steps went past them)." in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "longer" / "metrics.jsonl").exists()
+    assert "(the data); learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5; mixed_precision no -> bf16; max_steps " \
+           f"{STEPS} -> 20 (the LR decays over --max_steps after 5 warmup steps, and the checkpoint's {SAVE} steps " \
+           "went past them); a DEEPSPEED_ZERO3 state" in error, error
 
 
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])

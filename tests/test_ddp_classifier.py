@@ -267,20 +267,30 @@ def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_e
         assert sum(ids, []) == sum(full["ids"][r], [])[16:]
 
 
-def test_resume_with_other_settings_is_refused(uninterrupted, cache_dir):
-    # the data position is recomputed from the step: another seed would continue in another order;
-    # the optimizer state would silently bring back the old LR; dropout masks follow the batch split
+@pytest.fixture(scope="module")
+def refused(uninterrupted, cache_dir):
+    """One launch that changes what a resume must keep, into the uninterrupted run's own folder from its
+    checkpoint-3 (mid-epoch, past the 0 warmup steps): another seed, LR and split of the same global batch
+    32, and --max_steps 6 -> 8. `resume_error` checks each setting on its own and lists every change in
+    one line; the two tests below read their parts. Returns (the CompletedProcess, metrics.jsonl before)."""
     out = uninterrupted["out"]
     before = (out / "metrics.jsonl").read_text()
     proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--seed", 43, "--learning_rate",
-                  2e-3, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1,
+                  2e-3, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1, "--max_steps", 8,
                   "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
                   mixed_precision="no", check=False)
+    return proc, before
+
+
+def test_resume_with_other_settings_is_refused(uninterrupted, refused):
+    # the data position is recomputed from the step: another seed would continue in another order;
+    # the optimizer state would silently bring back the old LR; dropout masks follow the batch split
+    out, (proc, before) = uninterrupted["out"], refused
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}  # the same line from each rank
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert (f"cannot resume from {out / 'checkpoint-3'}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
             "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1") in errors.pop()
-    assert (out / "metrics.jsonl").read_text() == before
+    assert (out / "metrics.jsonl").read_text() == before  # refused at start-up: the log is not even reopened
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -327,17 +337,17 @@ def test_fsdp_trains_like_ddp(launched, uninterrupted):
     assert len(AutoTokenizer.from_pretrained(final)) == model.config.vocab_size
 
 
-def test_a_longer_resume_past_the_warmup_is_refused(uninterrupted, tmp_path, cache_dir):
+def test_a_longer_resume_past_the_warmup_is_refused(uninterrupted, refused):
     """--max_steps 6 -> 8 from checkpoint-3: the LR decays linearly over --max_steps from step 1 (no
     warmup), so steps 1-3 and the LR the checkpoint holds for step 4 belong to the 6-step schedule,
-    and no 8-step run trains them: refused at start-up, in one line, naming the change."""
-    checkpoint = uninterrupted["out"] / "checkpoint-3"
-    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", tmp_path / "longer", *SHORT, "--max_steps", 8,
-                  "--resume_from_checkpoint", checkpoint, cache_dir=cache_dir, num_processes=WORLD,
-                  mixed_precision="no", check=False)
+    and no 8-step run trains them: refused at start-up, in one line, naming the change (after the
+    other settings the `refused` launch changes, each named on its own)."""
+    checkpoint, (proc, before) = uninterrupted["out"] / "checkpoint-3", refused
     assert proc.returncode != 0
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
-    assert errors == {f"error: cannot resume from {checkpoint}: max_steps 6 -> 8 (the LR decays over --max_steps "
+    assert errors == {f"error: cannot resume from {checkpoint}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
+                      "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1; "
+                      "max_steps 6 -> 8 (the LR decays over --max_steps "
                       "after 0 warmup steps, and the checkpoint's 3 steps went past them). Resume with the saved "
                       "settings, or start a new run (into another --output_dir) from its weights"}, proc.stderr[-3000:]
-    assert not (tmp_path / "longer" / "metrics.jsonl").exists()
+    assert (uninterrupted["out"] / "metrics.jsonl").read_text() == before

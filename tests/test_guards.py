@@ -19,17 +19,15 @@ FL = ["--block_size", 64, "--report_to", "none", "--eval_steps", 1000, "--loggin
       "--max_eval_samples", 8, "--sample_tokens", 0, "--ddp_timeout", 120]
 
 
-@pytest.mark.parametrize("config, resumed_split", [
-    ("ddp", (1, 4)),  # the reported case: skipping by the saved accumulation shifted every window
-    ("fsdp", (4, 1)),
-])
-def test_resume_with_another_split_of_the_global_batch(config, resumed_split, tmp_path, cache_dir, small_corpus,
-                                                       reference_run):
-    """The session's 16-step fp32 run (2 per device x 2 accumulation x 2 ranks, tests/test_checkpoint.py)
-    resumed from checkpoint-10, 3 steps into epoch 2, with the same global batch 8 split otherwise:
-    it must skip 3 x 4 blocks per rank of the epoch, whatever micro batches they come in."""
+def test_resume_with_another_split_of_the_global_batch(tmp_path, cache_dir, small_corpus, reference_run):
+    """The session's 16-step fp32 DDP run (2 per device x 2 accumulation x 2 ranks, tests/test_checkpoint.py)
+    resumed from checkpoint-10, 3 steps into epoch 2, with the same global batch 8 split otherwise (the
+    reported case: skipping by the saved accumulation shifted every window): it must skip 3 x 4 blocks
+    per rank of the epoch, whatever micro batches they come in. The skip is llama.py's one line for
+    every strategy (`skip_first_batches` by the new accumulation), so DDP stands for all; FSDP2's and
+    ZeRO's resumes of this same run at checkpoint-10 (same split) are launched in tests/test_multinode.py."""
+    config, (per_device, accumulation) = "ddp", (1, 4)
     straight = reference_run(config, *ckpt_args(None, small_corpus, *batch_args(config))[2:])
-    per_device, accumulation = resumed_split
     split = ["--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", accumulation]
     resumed = tmp_path / "resumed"
     launch(config, "recipes/llama.py", *ckpt_args(resumed, small_corpus, *split, "--resume_from_checkpoint",
@@ -96,9 +94,10 @@ def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(tmp_p
     assert proc.returncode != 0 and "error: step 18: the fp16 loss scale fell to 0.5" in proc.stderr
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp"])
-def test_windows_without_target_tokens_are_skipped_and_logged(config, tmp_path, cache_dir):
+def test_windows_without_target_tokens_are_skipped_and_logged(tmp_path, cache_dir):
     # 24 rows, 20 of them empty, one padded row each (--packing false): some windows hold no target.
+    # Under DDP: the count of targets is all-reduced (every rank skips the same windows) and the skip
+    # is strategy-free code (llama.py, common/precision.StepHealth), the same under FSDP.
     real = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
             "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles",
             "And by opposing end them. To die, to sleep, no more; and by a sleep to say we end",
@@ -107,7 +106,7 @@ def test_windows_without_target_tokens_are_skipped_and_logged(config, tmp_path, 
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     (tmp_path / "valid.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in real))
     out = tmp_path / "run"
-    proc = launch(config, "recipes/llama.py", "--output_dir", out, "--packing", "false", "--max_steps", 6,
+    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, "--packing", "false", "--max_steps", 6,
                   "--warmup_steps", 0, "--per_device_train_batch_size", 2, "--train_file", tmp_path / "train.jsonl",
                   "--validation_file", tmp_path / "valid.jsonl", *FL, cache_dir=cache_dir, mixed_precision="no")
     lines = strict_lines(out / "metrics.jsonl")
@@ -137,7 +136,7 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path, monkeypatch):
     assert "--resume_from_checkpoint latest" not in message  # it holds no checkpoint to resume
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
     # (With --overwrite_output_dir everything of the earlier run goes, its checkpoints too:
-    # tests/test_checkpoint.py's test_overwrite_deletes_the_earlier_run_and_a_resume_past_the_end_is_refused.)
+    # tests/test_checkpoint.py's test_overwrite_deletes_the_earlier_run.)
 
 
 def test_deepspeed_flags_of_the_launch_line_are_refused_where_they_would_not_run(tmp_path, cache_dir, monkeypatch):

@@ -3,7 +3,8 @@ per "machine" (`--num_machines 2 --machine_rank {0,1}`, 1 process each), train `
 under FSDP2, ZeRO-2 and ZeRO-3. The per-step fp32 losses and gradient norms must equal
 those of the same run on 1 machine x 2 processes, and a checkpoint saved across the two machines
 mid-way through an epoch must resume there (`--resume_from_checkpoint latest`, new processes) to
-the same steps again: this is the sharded strategies' 2-rank exact-resume test. Left out to keep CI
+the same steps again: this is the sharded strategies' 2-rank exact-resume test (FSDP2's past a newer
+checkpoint with one rank's shard damaged, which `latest` skips, and unfinished saves). Left out to keep CI
 short: DDP, whose 2-node job, preempted and requeued, ends with the 1-machine run's losses in
 tests/test_slurm.py; and FSDP1, which launches and checkpoints (torch.distributed.checkpoint) as
 FSDP2 does, and whose 2-rank checkpoint resumes exactly on 3 ranks in tests/test_checkpoint.py.
@@ -22,7 +23,7 @@ import pytest
 
 from common.checkpoint import verify_checkpoint
 from conftest import REPO, launch_command, launch_env, read_metrics, strict_json
-from test_checkpoint import SAVE, STEPS, args, batch_args
+from test_checkpoint import SAVE, STEPS, args, batch_args, zero_tensor_bytes
 
 CONFIGS = ["fsdp", "deepspeed_zero2", "deepspeed_zero3"]
 EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP", "fsdp1": "FSDP", "deepspeed_zero2": "DEEPSPEED",
@@ -116,8 +117,11 @@ def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_co
     assert per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch  # the checkpoint is mid-way through epoch 2
     want = {r["step"]: r for r in read_metrics(straight)[0]}
     out = tmp_path / "run"
+    # FSDP2 saves every 5th step, whose saves the losses must not notice, for a damaged newer checkpoint.
+    damaged = config == "fsdp"
+    saves = ["--save_steps", 5] if damaged else []
 
-    launch_two_machines(config, out, *flags, cache_dir=cache_dir, logs=tmp_path / "logs-first")
+    launch_two_machines(config, out, *flags, *saves, cache_dir=cache_dir, logs=tmp_path / "logs-first")
     info = strict_json((out / "run_info.json").read_text())
     assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
     got = {r["step"]: r for r in read_metrics(out)[0]}
@@ -125,16 +129,27 @@ def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_co
     assert_same_steps(got, want, range(1, STEPS + 1), config)
     marker = verify_checkpoint(out / f"checkpoint-{SAVE}")
     assert (marker["step"], marker["world_size"], marker["distributed_type"]) == (SAVE, 2, EXPECTED_STRATEGY[config])
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{SAVE}"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == \
+        sorted(f"checkpoint-{s}" for s in ([5, SAVE, 15] if damaged else [SAVE]))
+    if damaged:  # machine 1's model shard of checkpoint-15 zeroed (it still loads); two saves without a marker
+        shard = sorted((out / "checkpoint-15").glob("pytorch_model_fsdp_0/*.distcp"))[-1]
+        zero_tensor_bytes(shard)
+        (out / "checkpoint-20.tmp").mkdir()
+        (out / "checkpoint-24").mkdir()
 
-    # Both machines again, into the same directory: `latest` is checkpoint-10, saved by the first pair.
-    stdouts = launch_two_machines(config, out, *flags, "--resume_from_checkpoint", "latest", cache_dir=cache_dir,
-                                  logs=tmp_path / "logs-resumed")
+    # Both machines again, into the same directory: `latest` is checkpoint-10, saved by the first pair
+    # (FSDP2: `latest` ignores the unfinished saves and skips checkpoint-15, naming the file).
+    stdouts = launch_two_machines(config, out, *flags, *saves, "--resume_from_checkpoint", "latest",
+                                  cache_dir=cache_dir, logs=tmp_path / "logs-resumed")
     for machine, text in enumerate(stdouts):  # accelerator.print: each machine's first process says it
         assert f"resumed from {out / f'checkpoint-{SAVE}'} at step {SAVE}" in text, (config, machine)
+    if damaged:
+        stderr = "".join((tmp_path / "logs-resumed" / f"machine{r}.err").read_text() for r in (0, 1))
+        assert f"skipping damaged checkpoint: checkpoint file {shard} does not match" in stderr, stderr[-3000:]
+        assert verify_checkpoint(out / "checkpoint-15")["step"] == 15  # saved again, whole
     info = strict_json((out / "run_info.json").read_text())
     assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
     records, summaries = read_metrics(out)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and len(summaries) == 1
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and len(summaries) == 1  # 11-16 replaced
     assert records[SAVE]["epoch"] == 1  # step 11: the resumed run went on in epoch 2 (0-based 1)
     assert_same_steps({r["step"]: r for r in records}, want, range(SAVE + 1, STEPS + 1), config)

@@ -7,6 +7,7 @@ tests/test_checkpoint.py resumes (logged every step)."""
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 
@@ -136,10 +137,12 @@ def documents_run(tmp_path_factory, cache_dir, small_corpus):
     return run
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero3"])
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_zero3"])
 def test_documents_packing_parity(strategy, documents_run):
-    """--packing documents passes its position ids through every strategy's forward: the same loss,
-    grad norm and eval loss as one process (FP32_RTOL), on blocks of several documents."""
+    """--packing documents passes its position ids through the sharded strategies' forwards (FSDP2's
+    hooks, DeepSpeed's engine): the same loss, grad norm and eval loss as one process (FP32_RTOL), on
+    blocks of several documents. DDP's forward hands its keywords to the model as they are (its
+    counted-target path under padding: tests/test_token_weighted.py)."""
     reference = documents_run("single")
     data = json.loads((reference / "run_info.json").read_text())["data"]["train"]
     assert data["rows"] > data["blocks"] > 0 and data["split_documents"] > 0  # measured 87 documents in 55 blocks
@@ -186,8 +189,9 @@ def test_clip_grad_norm_is_exact_and_clips():
     assert clipped == pytest.approx(1.0, rel=1e-5)
 
 
-def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path):
-    """The by-hand check's exit status: 0 within the bound, 1 over it (named), or when a run is missing."""
+def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path, monkeypatch, capsys):
+    """The by-hand check's exit status: 0 within the bound, 1 over it (named), or when a run is missing.
+    Once as the real command; the other cases run its __main__ in this process."""
     def metrics(name, loss, lr=1e-3):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text(
@@ -196,14 +200,20 @@ def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path):
 
     ref, close, off, lr_off = (metrics("ref", 8.0), metrics("close", 8.0 * (1 + 1e-6)),
                                metrics("off", 8.0 * (1 + 1e-3)), metrics("lr_off", 8.0, lr=1.1e-3))
+    script = str(REPO / "tests/scripts/compare_runs.py")
 
     def compare(*argv):
-        return subprocess.run([sys.executable, REPO / "tests/scripts/compare_runs.py", *map(str, argv)],
-                              capture_output=True, text=True)
+        """(exit status, stdout) of `compare_runs.py ARGV`, in this process."""
+        monkeypatch.setattr(sys, "argv", [script, *map(str, argv)])
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_path(script, run_name="__main__")
+        return exc.value.code, capsys.readouterr().out
 
-    assert compare(ref, close).returncode == 0
-    proc = compare(ref, close, off)
+    proc = subprocess.run([sys.executable, script, ref, close, off], capture_output=True, text=True)
     assert proc.returncode == 1 and "OVER: loss" in proc.stdout.splitlines()[-1]
-    assert compare("--rtol", 2.5e-2, ref, off).returncode == 0  # the bf16 bound
-    assert compare("--rtol", 2.5e-2, ref, lr_off).returncode == 1  # another schedule, at any bound
-    assert compare(ref, tmp_path / "absent").returncode == 1
+    assert compare(ref, close)[0] == 0
+    status, out = compare(ref, close, off)  # in process as by the command: the same line
+    assert status == 1 and out.splitlines()[-1] == proc.stdout.splitlines()[-1]
+    assert compare("--rtol", 2.5e-2, ref, off)[0] == 0  # the bf16 bound
+    assert compare("--rtol", 2.5e-2, ref, lr_off)[0] == 1  # another schedule, at any bound
+    assert compare(ref, tmp_path / "absent")[0] == 1

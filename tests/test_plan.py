@@ -159,9 +159,10 @@ def cli(capsys, monkeypatch):
 
 
 def test_cli_table_json_and_bad_input(cli):
-    # the real command line once (a subprocess); the rest through plan.main in this process
-    proc = run_cli("--all", "--model_config", "llama-3-8b", "--block_size", 2048, "--per_device_train_batch_size", 1,
-                   "--num_processes", 8, "--device_memory", "80GB", "--gpu", "h100", "--format", "json")
+    # through plan.main in this process; the real command line (a subprocess) once, below: one refusal, which
+    # also shows that the script hands its arguments to main
+    proc = cli("--all", "--model_config", "llama-3-8b", "--block_size", 2048, "--per_device_train_batch_size", 1,
+               "--num_processes", 8, "--device_memory", "80GB", "--gpu", "h100", "--format", "json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     plans = result["plans"]

@@ -44,14 +44,16 @@ def recipe_functions():
     return runpy.run_path(str(REPO / RECIPE), run_name="sharded_data_in_tests")
 
 
-def prepare(out, *args, cache_dir, real=False):
-    """`sharded_data.py prepare` into `out`: with `real`, the command line (a subprocess); else its
-    function in this process (the same work without an interpreter start). Returns the manifest."""
+def prepare(out, *args, cache_dir, cli=False):
+    """`sharded_data.py prepare` into `out`, in this process (the same work without an interpreter start): with
+    `cli`, the command line (the script run as __main__ with `prepare ...` as its argv, as
+    `python recipes/sharded_data.py prepare ...` runs it: exit status 0); else its function. Returns the manifest."""
     argv = ["--output_dir", str(out), "--cache_dir", cache_dir, *map(str, args)]
-    if real:
-        proc = subprocess.run([sys.executable, str(REPO / RECIPE), "prepare", *argv], cwd=REPO, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    if cli:
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
+            mp.setattr(sys, "argv", [str(REPO / RECIPE), "prepare", *argv])
+            runpy.run_path(str(REPO / RECIPE), run_name="__main__")
+        assert exc.value.code == 0
     else:
         recipe = recipe_functions()
         recipe["prepare"](recipe["parse_prepare_args"](argv))
@@ -67,7 +69,7 @@ def train(config, data_dir, out, *args, cache_dir, check=True):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("shards") / "tiny"
-    return out, prepare(out, *TINY, cache_dir=cache_dir, real=True)  # the prepare command line, for real
+    return out, prepare(out, *TINY, cache_dir=cache_dir, cli=True)  # the prepare command line
 
 
 def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):

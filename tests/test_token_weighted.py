@@ -1,7 +1,7 @@
 """Token-weighted gradient accumulation: with padding and very unequal lengths (11 and 101
 target tokens), the loss is the sum of token losses over the target tokens of the whole window on
-all ranks, so 2 ranks x 1 sequence and 1 rank x 1 sequence x 2 accumulation steps train exactly
-like 1 rank x 2 sequences. A per-micro-batch mean would weight the 11 tokens like the 101."""
+all ranks, so 2 ranks x 1 sequence x 2 accumulation steps train exactly like 1 rank x 4 sequences,
+under DDP, FSDP2 and ZeRO-2. A per-micro-batch mean would weight the 11 tokens like the 101."""
 
 import json
 
@@ -21,7 +21,8 @@ def files(tmp_path_factory, cache_dir):
     tok.save_pretrained(root / "tokenizer")
     lengths = [len(tok(t)["input_ids"]) + 1 for t in (SHORT, LONG)]  # + eos; the model predicts n - 1 of them
     short = tok.decode(tok(SHORT)["input_ids"])
-    rows = {"train.jsonl": [short, tok.decode(tok(LONG)["input_ids"][:100])],
+    # each text twice: a window holds both lengths, or one rank both short rows and the other both long ones
+    rows = {"train.jsonl": [short, tok.decode(tok(LONG)["input_ids"][:100])] * 2,
             "valid.jsonl": [short, LONG[:200], LONG[:50]]}
     for name, texts in rows.items():
         (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -41,12 +42,15 @@ def run(root, tmp_path, cache_dir, config, per_device, accum):
 
 @pytest.fixture(scope="module")
 def reference(files, tmp_path_factory, cache_dir):
-    """1 rank, both sequences in one micro batch: the full-batch gradient."""
-    return run(files[0], tmp_path_factory.mktemp("ref"), cache_dir, "single", 2, 1)
+    """1 rank, all four sequences in one micro batch: the full-batch gradient."""
+    return run(files[0], tmp_path_factory.mktemp("ref"), cache_dir, "single", 4, 1)
 
 
-@pytest.mark.parametrize("config,per_device,accum", [
-    ("single", 1, 2), ("ddp", 1, 1), ("fsdp", 1, 1), ("deepspeed_zero2", 1, 1)])
+# Each case weights over the micro batches of a window and over the ranks at once (the recipe's one
+# code path: the window's target count summed over the ranks, the loss scaled by accumulation x world
+# size), under each strategy's own backward and gradient mean (DeepSpeed's engine divides by its
+# accumulation steps itself). One process with accumulation runs the same lines with a world of 1.
+@pytest.mark.parametrize("config,per_device,accum", [("ddp", 1, 2), ("fsdp", 1, 2), ("deepspeed_zero2", 1, 2)])
 def test_token_weighted_accumulation(files, reference, config, per_device, accum, tmp_path, cache_dir):
     root, lengths = files
     assert lengths[0] < 20 and lengths[1] > 90  # very unequal, both shorter than the 128-token block (padding)
