@@ -275,11 +275,13 @@ class RunLog:
                 f.writelines(kept)
         accelerator.init_trackers(project, config={k: v for k, v in vars(args).items() if v is not None})
 
-    def start_clock(self, device, flops_per_token: float | None = None, peak_tflops: float | None = None):
-        """Start timing the logging windows: tokens/s, the share spent waiting for data, MFU."""
+    def start_clock(self, device, flops_per_token: float | None = None, peak_tflops: float | None = None) -> float:
+        """Start timing the logging windows: tokens/s, the share spent waiting for data, MFU.
+        Returns the start, a `time.perf_counter()` value."""
         self.device, self.flops_per_token = device, flops_per_token
         self.peak = peak_flops(device, peak_tflops)
         self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()
+        return self.t_window
 
     def count(self, tokens: int = 0, data_wait: float = 0.0) -> None:
         """Add this rank's trained tokens (under tensor parallel its share: the tp group trains them

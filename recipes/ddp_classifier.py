@@ -19,12 +19,14 @@ Outputs in --output_dir: metrics.jsonl, checkpoint-N/, final/ (HF format, safete
 To change the data, model, loss or export, find the `# ADAPT:` markers.
 """
 
+import gc
 import math
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+gc.disable()  # the imports below run without it: launch.imports_done()
 import datasets
 import torch
 import torch.nn.functional as F
@@ -34,10 +36,11 @@ from accelerate.utils import set_seed
 from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common.args import flag  # noqa: E402
-from common import args as common_args, checkpoint, checks, data, grad_norm, launch  # noqa: E402
-from common import errors, metrics, models, precision, workarounds  # noqa: E402
-from common.errors import Stop  # noqa: E402
+from common.args import flag
+from common import args as common_args, checkpoint, checks, data, grad_norm, launch
+from common import errors, metrics, models, precision, workarounds
+from common.errors import Stop
+launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
 # Cressida and Cymbeline follow its placement. Pericles (not in the Folio) goes with the comedies,
@@ -135,8 +138,7 @@ def main() -> int:
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks

@@ -42,17 +42,17 @@ activation memory about L-fold, for one extra forward pass, about +33% compute (
 costs about two forwards); the table states the measured figures next to it.
 
 Flags: the core `transformers.TrainingArguments` flags (common/args.py) where a measurement has a
-use for them; a step is --gradient_accumulation_steps micro batches (step 1's first is the one
-measured), --max_steps counts steps per variant, depth and round (the first untimed), and
---weight_decay never applies to norm weights. It trains nothing worth keeping and has no LR
-schedule, so --warmup_steps, --num_train_epochs, --logging_steps, --save_steps,
---resume_from_checkpoint and --report_to are refused with an error rather than ignored.
+use for them; a step is --gradient_accumulation_steps micro batches (step 1's first is measured),
+--max_steps counts steps per variant, depth and round (the first untimed), and --weight_decay never
+applies to norm weights. It keeps no model and has no LR schedule, so it refuses --warmup_steps,
+--num_train_epochs, --logging_steps, --save_steps, --resume_from_checkpoint and --report_to.
 
 Outputs in --output_dir: results.json (every figure; standard JSON: a non-finite number is null,
 named in the row's "nonfinite" list) and table.md. `# ADAPT:` marks the data, model and loss.
 """
 
 import functools
+import gc
 import itertools
 import json
 import math
@@ -62,6 +62,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
@@ -70,11 +71,12 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checks, data, errors, grad_norm, launch, metrics, models  # noqa: E402
-from common import precision, workarounds  # noqa: E402
-from common.errors import Stop  # noqa: E402
-from common.args import flag, make_output_dir, parse_args, unsupported  # noqa: E402
-from common.memory import PeakTensorBytes, SavedTensorBytes  # noqa: E402
+from common import checks, data, errors, grad_norm, launch, metrics, models
+from common import precision, workarounds
+from common.errors import Stop
+from common.args import flag, make_output_dir, parse_args, unsupported
+from common.memory import PeakTensorBytes, SavedTensorBytes
+launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 MIB = 2 ** 20
 
@@ -218,8 +220,7 @@ def main() -> int:
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -341,8 +342,7 @@ def main() -> int:
                 "step_seconds": min(run["times"]),
                 "time_ratio": min(run["times"]) / min(ref["times"]),
                 "max_abs_grad_diff": diff, "max_abs_grad": scale, "losses": run["losses"],
-                "max_abs_loss_diff": loss_diff, "peak_bytes": run["peak_bytes"],
-            })
+                "max_abs_loss_diff": loss_diff, "peak_bytes": run["peak_bytes"]})
 
     # ---------------------------------------------------------------------------------------------
     # The table, with the rule of thumb next to the measurement. A = one block's saved bytes

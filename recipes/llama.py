@@ -2,8 +2,7 @@
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/llama.py
-    accelerate launch --config_file accelerate_configs/single.yaml --mixed_precision no \
-        recipes/llama.py --max_steps 30
+    accelerate launch --config_file accelerate_configs/single.yaml recipes/llama.py --max_steps 30
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py \
         --config_name my_qwen2/config.json --config_overrides num_hidden_layers=4 \
         --train_file my_text.txt
@@ -21,12 +20,14 @@ the split. Outputs in --output_dir: metrics.jsonl, run_info.json, checkpoint-N/ 
 final/ (HF format, safetensors), with --record_sample_ids sample_ids/rank{r}.json.
 """
 
+import gc
 import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
@@ -34,9 +35,10 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch  # noqa: E402
-from common import metrics, models, precision, schedule, workarounds  # noqa: E402
-from common.args import choice, flag, make_output_dir, parse_args  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import metrics, models, precision, schedule, workarounds
+from common.args import choice, flag, make_output_dir, parse_args
+launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
 @dataclass
@@ -125,8 +127,7 @@ def main() -> int:
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -239,8 +240,7 @@ def main() -> int:
     model.train()
     progress = tqdm(total=max_steps, initial=step, desc="train",
                     disable=not accelerator.is_local_main_process)
-    log.start_clock(device, flops_per_token, args.peak_tflops)
-    t_start = time.perf_counter()
+    t_start = log.start_clock(device, flops_per_token, args.peak_tflops)  # tokens/s, MFU
     epoch = step // updates_per_epoch
     health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
     seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty

@@ -22,6 +22,7 @@ Outputs in --output_dir: metrics.jsonl, summary.json (a row of the table), check
 To change the data, model or loss, find the `# ADAPT:` markers.
 """
 
+import gc
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs
@@ -39,12 +41,13 @@ from accelerate.utils import set_seed
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch, metrics  # noqa: E402
-from common import models, precision, workarounds  # noqa: E402
-from common.errors import Stop  # noqa: E402
-from common.args import changed_flags, flag, make_output_dir, parse_args  # noqa: E402
-from common.precision import MIN_LOSS_SCALE  # noqa: E402  (Args.precision hides the module)
-from common.memory import SavedTensorBytes, local_tensor_bytes  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch, metrics
+from common import models, precision, workarounds
+from common.errors import Stop
+from common.args import changed_flags, flag, make_output_dir, parse_args
+from common.precision import MIN_LOSS_SCALE  # (Args.precision hides the module)
+from common.memory import SavedTensorBytes, local_tensor_bytes
+launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
 @dataclass
@@ -165,8 +168,7 @@ def main() -> int:
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks

@@ -20,12 +20,14 @@ Depth (shards, resume, the `datasets` route, measurements): docs/sharded_data.md
 To change the data, model or loss, find the `# ADAPT:` markers.
 """
 
+import gc
 import hashlib
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.disable()  # the imports below run without it: launch.imports_done()
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -37,11 +39,12 @@ from datasets.distributed import split_dataset_by_node
 from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch  # noqa: E402
-from common import metrics, models, precision, workarounds  # noqa: E402
-from common.args import flag, make_output_dir, parse_args, parse_flags  # noqa: E402
-from common.data import SHARD_MANIFEST, own_shards  # noqa: E402
-from common.errors import Stop  # noqa: E402
+from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import metrics, models, precision, workarounds
+from common.args import flag, make_output_dir, parse_args, parse_flags
+from common.data import SHARD_MANIFEST, own_shards
+from common.errors import Stop
+launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
 @dataclass
@@ -180,8 +183,7 @@ def main() -> int:
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks

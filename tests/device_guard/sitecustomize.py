@@ -22,7 +22,13 @@ import sys
 atexit.register(gc.freeze)
 
 if "collective_guard" not in sys.modules:
+    # It imports torch and Accelerate before the recipe does: without garbage collection, frozen
+    # after, as the recipes' own imports (common/launch.py's imports_done).
+    gc.disable()
     import collective_guard
+
+    gc.freeze()
+    gc.enable()
 
     collective_guard.install()
     if os.environ.get("HOST_READS_DIR"):  # log reads of tensor values (host_reads.py), for the sync tests
