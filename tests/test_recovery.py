@@ -251,8 +251,9 @@ LONG_RUNS = {
 
 @pytest.mark.parametrize("recipe", LONG_RUNS)
 def test_a_sigkilled_launcher_takes_every_recipes_workers_with_it(recipe, tmp_path, cache_dir):
-    """llama.py's case above, for the other recipes that train under `accelerate launch` (sharded_data.py's:
-    tests/test_sharded_data.py): the kernel SIGKILLs each rank when its launcher dies (die_with_launcher).
+    """llama.py's case above, for the other recipes that train under `accelerate launch` (sharded_data.py
+    makes the same call, in the shared accelerator block that tests/test_skeleton.py keeps identical; no
+    launch of it here): the kernel SIGKILLs each rank when its launcher dies (die_with_launcher).
     Measured: gone 1.2-1.9 s after the launcher (a killed rank counts until PID 1 reaps it); without
     die_with_launcher, all three recipes' ranks still ran 30 s later."""
     with training(recipe, tmp_path, cache_dir) as (job, ranks, _):
