@@ -191,10 +191,13 @@ def imports_done() -> None:
 
     torch, transformers, Accelerate and datasets make some millions of objects at import, all
     alive until the process ends; collecting while they load only scans them again and again,
-    and once frozen no later collection scans them either. Measured on a 2-core Zen 4, a 1-step
-    2-rank `recipes/llama.py` launch, 3 interleaved pairs: 11.8 -> 9.4 s of CPU (launcher and
-    ranks), 13.7 -> 11.7 s wall.
+    and once frozen no later collection scans them either. One collection first: what is garbage
+    now (in a notebook or test that runs a recipe in its own process, its earlier cycles too)
+    must not be frozen with them. Measured on an idle 2-core Zen 4, a 1-step 2-rank
+    `recipes/llama.py` launch, 3 interleaved pairs: 12.2 -> 10.2 s of CPU (launcher and ranks),
+    9.6 -> 8.0 s wall.
     """
+    gc.collect()
     gc.freeze()
     gc.enable()
 

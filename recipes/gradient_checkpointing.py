@@ -44,8 +44,8 @@ costs about two forwards); the table states the measured figures next to it.
 Flags: the core `transformers.TrainingArguments` flags (common/args.py) where a measurement has a
 use for them; a step is --gradient_accumulation_steps micro batches (step 1's first is measured),
 --max_steps counts steps per variant, depth and round (the first untimed), and --weight_decay never
-applies to norm weights. It keeps no model and has no LR schedule, so it refuses --warmup_steps,
---num_train_epochs, --logging_steps, --save_steps, --resume_from_checkpoint and --report_to.
+applies to norm weights. It keeps no model and has no LR schedule: --warmup_steps, --save_steps,
+--num_train_epochs, --logging_steps, --resume_from_checkpoint, --report_to are refused, not ignored.
 
 Outputs in --output_dir: results.json (every figure; standard JSON: a non-finite number is null,
 named in the row's "nonfinite" list) and table.md. `# ADAPT:` marks the data, model and loss.

@@ -25,10 +25,12 @@ if "collective_guard" not in sys.modules:
     # It imports torch and Accelerate before the recipe does: without garbage collection, frozen
     # after, as the recipes' own imports (common/launch.py's imports_done).
     gc.disable()
-    import collective_guard
-
-    gc.freeze()
-    gc.enable()
+    try:
+        import collective_guard
+    finally:
+        gc.collect()
+        gc.freeze()
+        gc.enable()
 
     collective_guard.install()
     if os.environ.get("HOST_READS_DIR"):  # log reads of tensor values (host_reads.py), for the sync tests
