@@ -172,7 +172,8 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
 
     A recipe default never overrides a flag the user gave: `--num_train_epochs` without
     `--max_steps` sets `max_steps` to -1 (the epochs decide); with both, `--max_steps` wins, as in
-    `TrainingArguments`, and rank 0 says so.
+    `TrainingArguments`, and rank 0 says so. A recipe's `per_device_eval_batch_size` left at None
+    takes `--per_device_train_batch_size`.
 
     On a restart (torchrun's `--max_restarts`, a SLURM requeue: `checkpoint.restart_note`), a run
     without `--resume_from_checkpoint` resumes as with `auto`, and `--overwrite_output_dir`
@@ -188,6 +189,8 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
                       f"--max_steps wins (as in transformers.TrainingArguments)")
         else:
             args.max_steps = -1  # the recipe's default step count must not override the epochs the user asked for
+    if getattr(args, "per_device_eval_batch_size", 1) is None:  # a recipe's flag(None, ...)
+        args.per_device_eval_batch_size = args.per_device_train_batch_size
     if args.max_steps == 0:
         raise Stop(f"--max_steps must be positive, or -1 to train --num_train_epochs, got {args.max_steps}")
     if args.max_steps == -1 and args.num_train_epochs <= 0:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes
 gc.disable()  # the imports below run without it: launch.imports_done()
 import datasets
 import torch

@@ -62,6 +62,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes
 gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
@@ -234,9 +235,8 @@ def main() -> int:
     variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])
                 if args.variants == "auto" else args.variants.split(","))
     if not set(variants) <= {"none", "hf", "manual", "fsdp"} or variants[0] != "none":
-        raise Stop(f"--variants {args.variants!r}: a comma-separated list starting with none, "
-                   "drawn from none,hf,manual,fsdp "
-                   "(the reference for gradients and ratios comes first)")
+        raise Stop(f"--variants {args.variants!r}: a comma-separated list of none,hf,manual,fsdp, "
+                   "none first (the reference for gradients and ratios)")
     if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
         raise Stop("--variants fsdp needs an FSDP2 launch (accelerate_configs/fsdp.yaml); "
                    f"this one is {accelerator.distributed_type}")

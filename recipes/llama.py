@@ -2,7 +2,8 @@
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/llama.py
-    accelerate launch --config_file accelerate_configs/single.yaml recipes/llama.py --max_steps 30
+    accelerate launch --config_file accelerate_configs/single.yaml --mixed_precision no \
+        recipes/llama.py --max_steps 30
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py \
         --config_name my_qwen2/config.json --config_overrides num_hidden_layers=4 \
         --train_file my_text.txt
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes
 gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
@@ -104,8 +106,6 @@ def main() -> int:
                       per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
                       warmup_steps=15, max_steps=150, logging_steps=10, report_to="tensorboard")
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
-    args.per_device_eval_batch_size = args.per_device_eval_batch_size or \
-        args.per_device_train_batch_size
     from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
     checks.llama_flags(args, from_scratch)
     startup = {"compiles": True, "tensor_parallel": True}  # compile: eager keys; tp.yaml: TP

@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes
 gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
@@ -110,8 +111,6 @@ def main() -> int:
     # one `error:` line for a bad flag or a non-empty --output_dir, before anything is written
     args = parse_args(Args, description=__doc__, **DEFAULTS)
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
-    if args.per_device_eval_batch_size is None:
-        args.per_device_eval_batch_size = args.per_device_train_batch_size
     checks.mixed_precision_flags(args)  # --precision, the scales; with --compare, its launch
 
     # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Shared fixtures: launch a recipe for real with `accelerate launch`, read what it wrote."""
 
+import gc
 import json
 import os
 import re
@@ -47,6 +48,15 @@ def restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def collectable_heap():
+    """A recipe run in this process freezes the whole heap at its imports (`launch.imports_done`): hand
+    it back to the collector, so the session's later cyclic garbage is freed."""
+    yield
+    gc.unfreeze()
+    gc.enable()
 
 
 def launch_command(config, script, *args, num_processes=None, mixed_precision=None, launcher_args=(), root=REPO):

@@ -162,6 +162,7 @@ def test_fsdp1_settings_the_recipes_cannot_use(variable, value, message, tmp_pat
 class Own:
     """A recipe's own flags."""
     block_size: int = flag(64, low=2)
+    per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
 
 
 def test_core_flags_are_checked_in_one_place(tmp_path):
@@ -187,6 +188,10 @@ def test_core_flags_are_checked_in_one_place(tmp_path):
     assert (args.max_steps, args.num_train_epochs) == (-1, 2.0)
     assert parse_args(Own, argv=[*out, "--num_train_epoch", "2", "--max_step", "5"], max_steps=300).max_steps == 5
     assert parse_args(Own, argv=out, max_steps=300).max_steps == 300
+    # an eval micro batch left at None is the train micro batch, as the recipes' flags say
+    args = parse_args(Own, argv=[*out, "--per_device_train_batch_size", "3"])
+    assert (args.per_device_train_batch_size, args.per_device_eval_batch_size) == (3, 3)
+    assert parse_args(Own, argv=[*out, "--per_device_eval_batch_size", "5"]).per_device_eval_batch_size == 5
 
 
 def test_an_integer_flag_without_a_range_does_not_build():

@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 from common.checkpoint import (SETTING_SOURCES, atomic_export, complete_checkpoints, resolve_checkpoint, resume_error,
                                strategy_name, verify_checkpoint)
 from conftest import REPO, RUN30, corpus_args, launch, read_metrics
+from tools.consolidate import consolidate
 
 STEPS, SAVE = 16, 10  # 7 optimizer steps per epoch (56 blocks / global batch 8): step 10 is mid-epoch 2
 
 # Resumed runs against the uninterrupted one, relative: measured 0 (bit-exact, fp32) at every
-# comparison of test_exact_resume_mid_epoch and of a 2-rank DDP resume past a damaged checkpoint
-# (the rotation test's, before it became a refusal) this session. metrics.jsonl holds full floats,
+# comparison of test_exact_resume_mid_epoch and of test_hsdp's 2-machine resume. metrics.jsonl holds full floats,
 # so 1e-6 is not a print precision: it is ~10 fp32 ulps (an ulp is 6e-8..1.2e-7 relative), far
 # under any resume fault.
 RESUME_RTOL = 1e-6
@@ -475,9 +475,9 @@ def test_resume_refuses_another_data_order(refused):
     marker = verify_checkpoint(ckpt)
     assert (marker["seed"], marker["block_size"], marker["packing"]) == (42, 64, "stream")
     assert marker["train_blocks"] > 0
-    # Eight changes, one launch (`refused`): the refusal names every difference in one line. The data
-    # order (the global batch 8 -> 16 too: the step count would point at another sample); then what would
-    # make it another run: the LR (the optimizer state would silently bring back the saved one), the
+    # The world size and eight flags changed, one launch (`refused`): the refusal names every difference in
+    # one line. The data order (the global batch 8 -> 16 too: the step count would point at another sample);
+    # then what would make it another run: the LR (the optimizer state would silently bring back the saved one), the
     # warmup and the precision; and a longer run: past the 5 warmup steps (this run's, as the recipe
     # passes them) the cosine LR of steps 1-10 was the 16-step run's, so no 20-step run trains them
     # (within the warmup: test_a_longer_run_...).
@@ -517,6 +517,10 @@ def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpu
     subprocess.run([sys.executable, REPO / "tools/consolidate.py", out / f"checkpoint-{last}", tmp_path / "hf"],
                    check=True, capture_output=True)
     assert (tmp_path / "hf/private.safetensors").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError) as again:  # its weights would mix with an earlier model's shards or index
+        consolidate(out / f"checkpoint-{last}", tmp_path / "hf")
+    assert str(again.value) == f"{tmp_path / 'hf'} holds a model already (config.json, model.safetensors): give a " \
+        "new folder or remove it"
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
     assert merged.keys() == exported.keys()
     modes = {str(f): f.stat().st_mode & 0o777 for f in (tmp_path / "hf/model.safetensors", tmp_path / "hf/config.json",

@@ -164,7 +164,7 @@ def test_load_pretrained_names_missing_and_unexpected_weights(small_export):
 
 def test_partial_pretrained_load_stops_every_rank(tmp_path, small_export, small_corpus, cache_dir):
     """Fine-tuning the 4-layer export with a --config_name that unties the embeddings, under FSDP2,
-    where rank 0 alone loads: before, it trained (a random output head, loss ln V at the start).
+    where rank 0 alone loads: unchecked, it would train (a random output head, loss ln V at the start).
     Rank 0 runs `load_pretrained` as every rank does under DDP, and rank 1, which loads nothing,
     stops on its error too; the message of a missing layer (a 6-layer config) is
     test_load_pretrained_names_missing_and_unexpected_weights's."""

@@ -35,8 +35,8 @@ def test_resume_with_another_split_of_the_global_batch(tmp_path, cache_dir, smal
     want = {r["step"]: r for r in read_metrics(straight)[0]}
     got = read_metrics(resumed)[0]
     assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
-    # before the fix: 0.97% in loss, 55% in grad norm; now measured 7.9e-8 (another micro-batch split sums the
-    # accumulated gradients in another order: ~1 fp32 ulp); 1e-6 is ~13x that
+    # skipping by the saved accumulation: 0.97% off in loss, 55% in grad norm; measured 7.9e-8 (another micro-batch
+    # split sums the accumulated gradients in another order: ~1 fp32 ulp); 1e-6 is ~13x that
     for r in got:
         for key in ("loss", "grad_norm", "lr"):
             assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-6), (config, r["step"], key)

@@ -1,8 +1,11 @@
-"""Token-weighted gradient accumulation: with padding and very unequal lengths (11 and 101
+"""Token-weighted gradient accumulation: with padding and four unequal lengths (14, 30, 50 and 100
 target tokens), the loss is the sum of token losses over the target tokens of the whole window on
 all ranks, so 2 ranks x 1 sequence x 2 accumulation steps train exactly like 1 rank x 4 sequences,
-under DDP, FSDP2 and ZeRO-2. A per-micro-batch mean would weight the 11 tokens like the 101."""
+under DDP, FSDP2 and ZeRO-2. A per-micro-batch mean would weight the 14 tokens like the 100, and a
+per-rank count would weight the ranks alike: however the four rows fall on two ranks, their counts
+differ."""
 
+import itertools
 import json
 
 import pytest
@@ -19,14 +22,12 @@ def files(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("tw")
     tok = data.get_tokenizer(None, data.load_text_dataset(), 4096, cache_dir)
     tok.save_pretrained(root / "tokenizer")
-    lengths = [len(tok(t)["input_ids"]) + 1 for t in (SHORT, LONG)]  # + eos; the model predicts n - 1 of them
-    short = tok.decode(tok(SHORT)["input_ids"])
-    # each text twice: a window holds both lengths, or one rank both short rows and the other both long ones
-    rows = {"train.jsonl": [short, tok.decode(tok(LONG)["input_ids"][:100])] * 2,
-            "valid.jsonl": [short, LONG[:200], LONG[:50]]}
+    ids = tok(LONG)["input_ids"]
+    train = [tok.decode(tok(SHORT)["input_ids"])] + [tok.decode(ids[:n]) for n in (30, 50, 100)]
+    rows = {"train.jsonl": train, "valid.jsonl": [SHORT, LONG[:200], LONG[:50]]}
     for name, texts in rows.items():
         (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return root, lengths
+    return root, [len(tok(t)["input_ids"]) for t in train]  # target tokens: + eos, - the first token
 
 
 def run(root, tmp_path, cache_dir, config, per_device, accum):
@@ -52,8 +53,10 @@ def reference(files, tmp_path_factory, cache_dir):
 # accumulation steps itself). One process with accumulation runs the same lines with a world of 1.
 @pytest.mark.parametrize("config,per_device,accum", [("ddp", 1, 2), ("fsdp", 1, 2), ("deepspeed_zero2", 1, 2)])
 def test_token_weighted_accumulation(files, reference, config, per_device, accum, tmp_path, cache_dir):
-    root, lengths = files
-    assert lengths[0] < 20 and lengths[1] > 90  # very unequal, both shorter than the 128-token block (padding)
+    root, targets = files
+    assert targets == [14, 30, 50, 100]  # all shorter than the 128-token block (padding)
+    # every global batch is the four rows; any two of them on one rank hold 34+ more or fewer targets
+    assert min(abs(2 * (a + b) - sum(targets)) for a, b in itertools.combinations(targets, 2)) == 34
     ref_steps = reference
     steps = run(root, tmp_path, cache_dir, config, per_device, accum)
     # fp32; the split regroups the token sums (rounding only); the fault this guards, a mean of per-micro-batch

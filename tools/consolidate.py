@@ -55,9 +55,15 @@ def consolidated_state_dict(checkpoint_dir: Path) -> dict:
 def consolidate(checkpoint_dir: str, output_dir: str) -> None:
     """Write `output_dir` as a Hugging Face model (safetensors + config + tokenizer).
 
+    Other files in `output_dir` are left as they are.
+
     Raises:
-        ValueError: the weights do not fit the stored config (names the missing/unexpected keys).
+        ValueError: `output_dir` holds a model already (its shards or index would mix with the new
+            weights), or the weights do not fit the stored config (names the missing/unexpected keys).
     """
+    earlier = sorted(p.name for glob in ("config.json", "model*.safetensors*") for p in Path(output_dir).glob(glob))
+    if earlier:
+        raise ValueError(f"{output_dir} holds a model already ({', '.join(earlier)}): give a new folder or remove it")
     ckpt = Path(checkpoint_dir)
     state_dict = consolidated_state_dict(ckpt)
     config = AutoConfig.from_pretrained(ckpt / "hf")

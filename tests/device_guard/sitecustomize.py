@@ -23,12 +23,12 @@ atexit.register(gc.freeze)
 
 if "collective_guard" not in sys.modules:
     # It imports torch and Accelerate before the recipe does: without garbage collection, frozen
-    # after, as the recipes' own imports (common/launch.py's imports_done).
+    # after, as the recipes' own imports (common/launch.py's imports_done). Nothing to collect
+    # first: this runs at interpreter start-up.
     gc.disable()
     try:
         import collective_guard
     finally:
-        gc.collect()
         gc.freeze()
         gc.enable()
 
