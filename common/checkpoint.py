@@ -137,8 +137,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     accelerator.wait_for_everyone()  # every shard is written before anyone lists them
     if accelerator.is_main_process:
         workarounds.safetensors_mode_from_umask(tmp)  # (safetensors writes 0600)
-        for obj in hf_files:
-            obj.save_pretrained(tmp / "hf")
+        for obj in hf_files:  # (a config with its KV cache on, as every export)
+            models.inference_ready(obj).save_pretrained(tmp / "hf")
     sizes = _manifest(tmp) if accelerator.is_main_process else None
     if accelerator.num_processes > 1:  # (waits for rank 0's hf files)
         from accelerate.utils import broadcast_object_list
@@ -642,16 +642,23 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     Replicated runs (single, DDP) save the bare model's own state dict: Accelerate's
     `get_state_dict` returned the DDP wrapper's ("module." keys) under regional compilation, and
     the export reloaded untrained. Tied embeddings are stored once, as Hugging Face does (gathered
-    copies no longer share storage).
+    copies no longer share storage). The configs are written ready for inference
+    (`models.inference_ready`: the KV cache that training turns off is on).
     """
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     state_dict = full_state_dict(accelerator, model) if sharded else unwrapped.state_dict()
     if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # (other ranks may hold none)
         state_dict.pop("lm_head.weight", None)
+    live = unwrapped.config, unwrapped.generation_config
     with atomic_export(accelerator, output_dir) as export_dir:  # final/ is never half written
-        unwrapped.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
-                                  save_function=accelerator.save, state_dict=state_dict)
+        # configs ready for inference (the KV cache on), then the live ones back
+        unwrapped.config, unwrapped.generation_config = map(models.inference_ready, live)
+        try:
+            unwrapped.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
+                                      save_function=accelerator.save, state_dict=state_dict)
+        finally:
+            unwrapped.config, unwrapped.generation_config = live
         if accelerator.is_main_process:
             tokenizer.save_pretrained(export_dir)
     return os.path.join(output_dir, "final")

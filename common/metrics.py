@@ -255,11 +255,17 @@ class RunLog:
         project: the trackers' project name (TensorBoard: the folder under --output_dir).
         resumed_step: the step a resume starts from, or None for a fresh run.
         run_info: what the run really is (strategy, precision, batch, model), for run_info.json.
+        saved: the marker of the checkpoint resumed from: its token counts (`tokens_seen`) go on.
     """
 
     def __init__(self, accelerator, args, project: str, resumed_step: int | None = None,
-                 run_info: dict | None = None):
+                 run_info: dict | None = None, saved: dict | None = None):
         self.accelerator = accelerator
+        # the run's token counts before this launch (`tokens_seen`); None: a marker without them
+        saved = saved or {}
+        self.seen_before = [saved["input_tokens"], saved["target_tokens"]] if "target_tokens" in saved \
+            else [0, 0] if resumed_step is None else None
+        self.seen = torch.zeros(2, dtype=torch.int64, device=accelerator.device)  # this launch's
         config = getattr(accelerator, "parallelism_config", None)  # tensor parallel: a tp group trains one batch
         self.share = 1 / config.non_data_parallel_size if config is not None and config.tp_enabled else 1
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -283,19 +289,37 @@ class RunLog:
         self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()
         return self.t_window
 
-    def count(self, tokens: int = 0, data_wait: float = 0.0) -> None:
-        """Add this rank's trained tokens (under tensor parallel its share: the tp group trains them
-        together) and its seconds spent waiting for batches to the window."""
-        self.tokens += tokens * self.share
+    def count(self, window: list[dict] = (), data_wait: float = 0.0) -> None:
+        """Add the tokens of this rank's trained micro batches `window` (`input_tokens`: those fed
+        to the model, padding left out; `target_tokens`: those with a label, trained on) and its
+        seconds spent waiting for batches. Counts stay on the device: no host sync a step."""
+        for batch in window:
+            fed = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+            targets = (batch["labels"][:, 1:] != -100).sum()  # position t predicts label t + 1
+            self.seen += torch.stack([torch.as_tensor(fed, device=self.seen.device), targets])
+            self.tokens += fed * self.share  # tensor parallel: the tp group trains them together
         self.data_wait += data_wait
+
+    def tokens_seen(self) -> dict:
+        """The run's tokens so far, over all data-parallel ranks and the earlier launches of a
+        resumed run, {"input_tokens": n, "target_tokens": m} (for the records, the summary and a
+        checkpoint's marker); None where the checkpoint resumed from did not record them. A
+        collective."""
+        now = launch.data_parallel_sum(self.accelerator, self.seen).tolist()
+        if self.seen_before is None:
+            return {"input_tokens": None, "target_tokens": None}
+        return {"input_tokens": self.seen_before[0] + now[0], "target_tokens": self.seen_before[1] + now[1]}
 
     def record(self, **fields) -> dict:
         """`fields` (step, loss, ...: read them first, so a GPU's queued kernels count in the window)
-        plus the window's tokens_per_second (per device), data_wait_share, peak_memory_bytes and,
-        where the device's peak is known, mfu; then a new window starts."""
+        plus the run's input_tokens and target_tokens (`tokens_seen`: a collective), the window's
+        tokens_per_second (input tokens per device, padding left out), data_wait_share,
+        peak_memory_bytes and, where the device's peak is known, mfu (model FLOPs of the input
+        tokens: padding is no useful work); then a new window starts."""
+        seen = self.tokens_seen()
         elapsed = time.perf_counter() - self.t_window
-        record = {**fields, "tokens_per_second": self.tokens / elapsed, "data_wait_share": self.data_wait / elapsed,
-                  "peak_memory_bytes": peak_memory_bytes(self.device)}
+        record = {**fields, **seen, "tokens_per_second": float(self.tokens) / elapsed,
+                  "data_wait_share": self.data_wait / elapsed, "peak_memory_bytes": peak_memory_bytes(self.device)}
         if self.peak and self.flops_per_token:
             record["mfu"] = self.flops_per_token * record["tokens_per_second"] / self.peak
         self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()

@@ -4,6 +4,7 @@ the decoder blocks that FSDP must shard one by one."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -141,8 +142,12 @@ def set_token_ids(config, tokenizer, from_scratch: bool) -> list[str]:
 
     A model trained from scratch (a preset or `--config_name`) learns the tokenizer's ids, so
     they replace whatever the config held (GPT2Config's default 50256 lies outside a small
-    vocabulary). A pretrained model keeps its ids; only missing ones (None) are filled. bos and
-    pad fall back to eos when the tokenizer has none.
+    vocabulary). A pretrained model keeps its bos and pad ids where it has them; its eos becomes
+    the tokenizer's, the separator the data is packed with (what the model learns to emit at a
+    document's end), or joins its list of eos ids: the export then stops where training taught it
+    to. A tokenizer's own pad token (not its eos) replaces another pad id too: padded positions
+    train nothing either way. bos and pad fall back to eos when the model and tokenizer have none.
+    `align_generation_ids` does the same to a pretrained model's own generation config.
 
     Returns:
         One `"name: old -> new"` entry per id changed (empty when none).
@@ -154,10 +159,46 @@ def set_token_ids(config, tokenizer, from_scratch: bool) -> list[str]:
     changed = []
     for name, value in wanted.items():
         old = getattr(config, name, None)
-        if old != value and (from_scratch or old is None):
+        if not from_scratch and old is not None:
+            value = _pretrained_id(name, old, tokenizer)
+        if old != value:
             setattr(config, name, value)
             changed.append(f"{name}: {old} -> {value}")
     return changed
+
+
+def _pretrained_id(name: str, old, tokenizer):
+    """The id a pretrained model's `name` takes from `tokenizer` (`set_token_ids`), given `old`."""
+    eos = tokenizer.eos_token_id
+    if name == "eos_token_id" and eos is not None:
+        if isinstance(old, list):  # several stop tokens (chat models): keep them, add the trained one
+            return old if eos in old else [eos, *old]
+        return eos
+    # (not a pad that is the eos: the embedding's padding_idx would stop the eos row's training)
+    if name == "pad_token_id" and tokenizer.pad_token_id not in (None, eos):
+        return tokenizer.pad_token_id
+    return old
+
+
+def align_generation_ids(model, tokenizer) -> None:
+    """A pretrained model's generation config (its generation_config.json, which `generate()` and
+    the export use) given the eos and pad ids of `set_token_ids`, in place."""
+    generation = getattr(model, "generation_config", None)
+    for name in ("eos_token_id", "pad_token_id") if generation is not None else ():
+        old = getattr(generation, name, None)
+        setattr(generation, name, getattr(model.config, name) if old is None else
+                _pretrained_id(name, old, tokenizer))
+
+
+def inference_ready(obj):
+    """`obj` as an export writes it: a model or generation config (a copy) with the KV cache on
+    (`use_cache`: training turns it off, and a reloaded model decodes several times slower without
+    it); anything else (a tokenizer, None) as it is."""
+    if not hasattr(obj, "use_cache"):
+        return obj
+    obj = copy.deepcopy(obj)
+    obj.use_cache = True
+    return obj
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -323,8 +364,10 @@ def load_pretrained(name_or_path: str, config, allow_new_weights: bool = False) 
     return model, weights_mismatch([] if allow_new_weights else missing, unexpected, fix)
 
 
-def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_weights: bool) -> torch.nn.Module:
-    """`load_pretrained` on every rank, or on rank 0 alone where prepare broadcasts its weights.
+def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_weights: bool,
+                             tokenizer=None) -> torch.nn.Module:
+    """`load_pretrained` on every rank, or on rank 0 alone where prepare broadcasts its weights; with
+    `tokenizer`, its generation config takes the eos and pad ids (`align_generation_ids`).
 
     Under FSDP with `fsdp_cpu_ram_efficient_loading` (accelerate_configs/fsdp.yaml) `prepare` sends
     rank 0's weights to the others, so they only build the shapes, in storage nothing writes (no
@@ -353,6 +396,8 @@ def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_w
         error = f"{type(err).__name__}: {err}".splitlines()[0]
     if failures := [e for e in gather_object([error]) if e]:
         raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
+    if tokenizer is not None:
+        align_generation_ids(model, tokenizer)
     return tensor_parallel(accelerator, model)  # tp.yaml: each rank keeps its slices
 
 

@@ -187,7 +187,7 @@ def main() -> int:
     zero3_init = getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False)
     if args.model_name_or_path:  # missing or unexpected weights stop the run
         model = models.load_pretrained_on_ranks(accelerator, args.model_name_or_path, config,
-                                                args.allow_new_weights)
+                                                args.allow_new_weights, tokenizer)
     elif zero3_init:  # built sharded (deepspeed.zero.Init): another random init than below
         model = AutoModelForCausalLM.from_config(config)
     else:
@@ -234,7 +234,7 @@ def main() -> int:
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
         accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
-    log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info)
+    log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info, saved)
 
     # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()
@@ -289,8 +289,8 @@ def main() -> int:
             step += 1
             progress.update(1)
             health.after_step(step, has_targets, loss_total, norm_before_clip)  # fp16 skips
-            if has_targets:  # this rank's tokens; an empty window trained on nothing
-                log.count(tokens=sum(b["input_ids"].numel() for b in window))
+            if has_targets:  # this rank's tokens, padding left out; an empty window trained none
+                log.count(window)
             do_eval = step % args.eval_steps == 0 or step == max_steps
             if step % args.logging_steps == 0 or do_eval:
                 record = log.record(  # + tokens/s, data wait, memory, MFU of the window
@@ -309,7 +309,7 @@ def main() -> int:
             if save and not problem:
                 saved_to = checkpoint.save_checkpoint(
                     accelerator, args.output_dir, step, args.save_total_limit,
-                    {**run_state, **health.state()},
+                    {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
                     hf_files=(accelerator.unwrap_model(model, keep_torch_compile=False).config,
                               tokenizer))
             if preempt and not problem:
@@ -334,7 +334,7 @@ def main() -> int:
         metrics.save_logits_probe(accelerator, model, eval_set, args.output_dir)
     accelerator.wait_for_everyone()
     log.summary({"step": step, "wall_seconds": time.perf_counter() - t_start, **skipped,
-                 "total_tokens": (step - skipped["empty_windows"]) * global_batch * args.block_size,
+                 **log.tokens_seen(),  # input (padding left out) and target tokens, all ranks
                  **metrics.end_figures(accelerator, model)})  # peak memory, buffer dtypes
     # Proof that the export works: rank 0 reloads it with plain transformers and samples.
     sample_tokens = 40 if args.sample_tokens is None and n_params < 1e9 else args.sample_tokens or 0

@@ -522,6 +522,9 @@ def test_consolidate_sharded_checkpoint(config, tmp_path, cache_dir, small_corpu
         consolidate(out / f"checkpoint-{last}", tmp_path / "hf")
     assert str(again.value) == f"{tmp_path / 'hf'} holds a model already (config.json, model.safetensors): give a " \
         "new folder or remove it"
+    # every export is ready for inference: the KV cache that training turns off is on
+    for folder in (tmp_path / "hf", out / "final", out / f"checkpoint-{last}/hf"):
+        assert json.loads((folder / "config.json").read_text())["use_cache"] is True, folder
     merged, exported = load_file(tmp_path / "hf/model.safetensors"), load_file(out / "final/model.safetensors")
     assert merged.keys() == exported.keys()
     modes = {str(f): f.stat().st_mode & 0o777 for f in (tmp_path / "hf/model.safetensors", tmp_path / "hf/config.json",

@@ -270,9 +270,25 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     scratch = GPT2Config(vocab_size=4096)  # bos/eos 50256, pad None
     assert models.set_token_ids(scratch, tokenizer, from_scratch=True)
     assert (scratch.bos_token_id, scratch.eos_token_id, scratch.pad_token_id) == (eos, eos, eos)
-    pretrained = GPT2Config(vocab_size=4096)  # keeps its own ids, gets the missing pad
-    assert models.set_token_ids(pretrained, tokenizer, from_scratch=False) == [f"pad_token_id: None -> {eos}"]
-    assert pretrained.eos_token_id == 50256
+    # pretrained: keeps its bos, gets the missing pad and the eos the data separates documents with
+    pretrained = GPT2Config(vocab_size=4096)
+    assert models.set_token_ids(pretrained, tokenizer, from_scratch=False) == [
+        f"eos_token_id: 50256 -> {eos}", f"pad_token_id: None -> {eos}"]
+    assert (pretrained.bos_token_id, pretrained.eos_token_id, pretrained.pad_token_id) == (50256, eos, eos)
+    # several stop ids (chat models) keep theirs and gain the trained one; a pad of its own (not the
+    # eos, whose embedding row padding_idx would freeze) replaces the config's
+    chat = GPT2Config(vocab_size=4096, eos_token_id=[7, 8], pad_token_id=9)
+    assert models.set_token_ids(chat, tokenizer, from_scratch=False) == [f"eos_token_id: [7, 8] -> [{eos}, 7, 8]"]
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    pad = tokenizer.pad_token_id
+    assert pad != eos and models.set_token_ids(chat, tokenizer, from_scratch=False) == [f"pad_token_id: 9 -> {pad}"]
+    # its generation config (generation_config.json) follows: generate() stops on the trained eos
+    small = GPT2Config(vocab_size=4096, n_layer=1, n_embd=8, n_head=2, eos_token_id=7)
+    model = models.causal_lm_class(small)(small)
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (7, None)
+    models.set_token_ids(model.config, tokenizer, from_scratch=False)
+    models.align_generation_ids(model, tokenizer)
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (eos, pad)
 
 
 def test_a_title_never_becomes_the_whole_validation_split():

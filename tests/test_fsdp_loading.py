@@ -7,6 +7,7 @@ full fp32 copy per rank: 32 GB per rank for an 8B model, 256 GB on an 8-GPU host
 
 And a checkpoint that does not fit the model (missing or unexpected weights) stops the run."""
 
+import json
 import os
 import subprocess
 import sys
@@ -115,6 +116,14 @@ def test_fsdp2_fine_tune_loads_weights_on_rank_0_only(tmp_path, pretrained, smal
     assert peaks[0] - peaks[1] >= fp32_mib / 4, (
         f"peak host RSS after prepare: rank 0 {peaks[0]:.0f} MiB, rank 1 {peaks[1]:.0f} MiB; the model is "
         f"{fp32_mib:.0f} MiB in fp32: rank 1 loaded the weights itself")
+
+    # the checkpoint says eos 2 (LlamaConfig's), the tokenizer's is the separator the data is packed
+    # with: the exports' configs stop on that one, and start-up says so
+    eos = AutoTokenizer.from_pretrained(small_corpus[2]).eos_token_id
+    for out, text in ((ddp_out, ddp_output), (fsdp_out, "".join(output))):
+        assert f"eos_token_id: 2 -> {eos}" in text, text[-3000:]
+        for name in ("config.json", "generation_config.json"):
+            assert json.loads((out / "final" / name).read_text())["eos_token_id"] == eos, (out, name)
 
     gaps = worst_gaps(fsdp_out, ddp_out)
     assert gaps["steps"] == 2

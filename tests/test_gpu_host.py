@@ -128,7 +128,7 @@ def test_launched_ranks_refuse_without_the_suites_opt_in_and_train_with_it(tmp_p
     proc = launch("ddp", *args, "--output_dir", tmp_path / "cpu", cache_dir=cache_dir)
     assert "MULTI_CPU x2" in proc.stdout
     steps, (summary,) = read_metrics(tmp_path / "cpu")
-    assert steps[-1]["step"] == 2 and summary["total_tokens"] == 2 * 2 * 4 * 128  # steps x ranks x batch x block
+    assert steps[-1]["step"] == 2 and summary["input_tokens"] == 2 * 2 * 4 * 128  # steps x ranks x batch x block
 
 
 def test_deepspeed_with_use_cpu_is_refused(monkeypatch):

@@ -82,7 +82,10 @@ def test_every_config_trains_and_exports(config, short_run):
     assert steps[0]["loss"] > 7.5  # step 2, after a step at LR 0: untrained, about ln(4096) = 8.3 nats/token
     assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8  # measured: 8.36 -> 6.89 (steps 6-10)
     assert math.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] < steps[0]["loss"]
-    assert summary and summary[0]["total_tokens"] == 10 * 4 * 64
+    # the run's tokens, over both ranks: packed blocks have no padding, and a block's first token is
+    # no target; each record counts up to its step
+    assert summary and (summary[0]["input_tokens"], summary[0]["target_tokens"]) == (10 * 4 * 64, 10 * 4 * 63)
+    assert [r["input_tokens"] for r in steps] == [r["step"] * 4 * 64 for r in steps]
     # MFU with --peak_tflops 0.05 (no peak is known for a CPU): the PaLM count, 6N + 12 L H T FLOPs
     # per token (N: the tied head, not the embedding lookup), x tokens/s per device / peak
     hf = AutoConfig.from_pretrained(out / "final")
@@ -90,9 +93,12 @@ def test_every_config_trains_and_exports(config, short_run):
     for r in steps:
         assert r["mfu"] == pytest.approx(info["flops_per_token"] * r["tokens_per_second"] / 0.05e12, rel=1e-9)
 
-    # The export: full-size safetensors that plain transformers reloads to the live model's logits.
+    # The export: full-size safetensors that plain transformers reloads to the live model's logits,
+    # with configs ready for inference (the KV cache that training turns off is on).
     final = out / "final"
     config_hf = AutoConfig.from_pretrained(final)
+    assert config_hf.use_cache is True
+    assert json.loads((final / "generation_config.json").read_text())["use_cache"] is True
     with safe_open(final / "model.safetensors", "pt") as f:
         emb = f.get_slice("model.embed_tokens.weight").get_shape()
         assert emb == [config_hf.vocab_size, config_hf.hidden_size]

@@ -58,6 +58,10 @@ def test_token_weighted_accumulation(files, reference, config, per_device, accum
     assert targets == [14, 30, 50, 100]
     ref_steps = reference
     steps = run(root, tmp_path, cache_dir, config, per_device, accum)
+    # what trained: every step the four rows, 194 targets and 198 tokens (each row's first token is no
+    # target), not the 4 x 128 padded positions; counted over the ranks, as in the 1-rank reference
+    for r in [*steps, *ref_steps]:
+        assert (r["input_tokens"], r["target_tokens"]) == (r["step"] * 198, r["step"] * 194), (config, r)
     # fp32; the split regroups the token sums (rounding only); the fault this guards, a mean of per-micro-batch
     # means, weights these very unequal lengths differently: 1e-5 is a reason-based bound, not a measured one
     for r, q in zip(steps, ref_steps):
