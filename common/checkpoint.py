@@ -2,13 +2,18 @@
 
 Layout: `{output_dir}/checkpoint-{step}/`, holding what `save_state` writes (model, optimizer,
 scheduler, grad scaler, per-rank RNG states; one shard per rank under FSDP/ZeRO) plus
-`COMPLETE.json`, written last by rank 0 with the step and every file's size and sha256. Every
-file is fsynced before the marker is written, and the directory after it. A directory without
-that marker, or whose files do not match it (a truncated write, bytes damaged on disk or in a
-copy), is never resumed from. Checksums are computed and verified by all ranks together, each
-reading about 1/world_size of the bytes (sha256: about 0.6 GB/s per core here, with SHA-NI).
-Checkpoints written before checksums existed carry sizes only: they are verified by size, with
-a warning.
+`COMPLETE.json`, written last by rank 0 with the step, the save order, every file's size and
+sha256, and a sha256 of the marker's own other contents. Every file is fsynced before the marker
+is written, and the directory after it. A directory without that marker, or whose marker or files
+do not match it (a truncated write, bytes damaged on disk or in a copy, an edited marker), is
+never resumed from. Checksums are computed and verified by all ranks together, each reading about
+1/world_size of the bytes (sha256: about 0.6 GB/s per core here, with SHA-NI). Checkpoints
+written before checksums existed carry sizes only: they are verified by size, with a warning; a
+marker without its own sha256 is accepted, with a warning.
+
+Order: "newest" (rotation, `latest`, `auto`) is the order of the saves in `output_dir`, never a
+clock: each marker records `save_order`, 1 + the largest among the complete checkpoints already
+there (`complete_checkpoints`).
 
 Assumes `output_dir` is one filesystem seen by every rank (a shared disk on multi-node jobs);
 `check_shared_dir` refuses to start when it is not.
@@ -40,6 +45,8 @@ from common import launch, models, workarounds
 from common.errors import Stop
 
 MARKER = "COMPLETE.json"
+ORDER = "save_order"  # the marker's place in its output_dir's saves (`complete_checkpoints`)
+SEAL = "marker_sha256"  # the marker's sha256 of its other contents (`_marker_sha256`)
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM; never 0
 
@@ -116,9 +123,9 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     barrier, rank 0 writes `hf_files` (objects with `save_pretrained`, e.g. the model config and
     tokenizer, so `tools/consolidate.py` can rebuild an HF model offline); every rank fsyncs and
     hashes its share of the files (`_digests`); rank 0 fsyncs the folders, writes the marker
-    (sizes, sha256 sums and `run_state`: world size, global batch, ... for checks on resume), renames
-    `checkpoint-{step}.tmp` into place, and deletes the oldest complete checkpoints beyond
-    `save_total_limit` (never the new one).
+    (step, save order, sizes, sha256 sums and `run_state`: world size, global batch, ... for checks
+    on resume; sealed by `_marker_sha256`), renames `checkpoint-{step}.tmp` into place, and deletes
+    the oldest complete checkpoints beyond `save_total_limit` (`_rotate`: never the new one).
 
     Returns:
         The path of the finished checkpoint (the same on every rank, after a final barrier).
@@ -146,7 +153,10 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
         sizes = broadcast_object_list([sizes])[0]
     sums = _digests(accelerator, tmp, sizes)  # each rank fsyncs and hashes its share
     if accelerator.is_main_process:
-        marker = {"step": step, "saved_at": time.time(), **(run_state or {}), "files": sizes, "sha256": sums}
+        # saved_at is information only (and zero_universal's cache key): clocks differ between nodes
+        marker = {"step": step, ORDER: _next_save_order(out), "saved_at": time.time(), **(run_state or {}),
+                  "files": sizes, "sha256": sums}
+        marker[SEAL] = _marker_sha256(marker)
         _fsync_dirs(tmp)  # the names too, before the marker vouches for them
         with open(tmp / MARKER, "w") as f:
             f.write(json.dumps(marker, indent=1))
@@ -158,10 +168,17 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
         os.replace(tmp, final)
         _fsync(out)  # the rename
         if save_total_limit:
-            for old in complete_checkpoints(out)[:-save_total_limit]:
-                shutil.rmtree(old)
+            _rotate(out, final, save_total_limit)
     accelerator.wait_for_everyone()  # nobody reads it before the rename
     return final
+
+
+def _rotate(out: Path, new: Path, save_total_limit: int) -> None:
+    """Delete the oldest complete checkpoints in `out` so that `save_total_limit` remain, `new` among
+    them. `new` (the checkpoint just written) is left out of the candidates, whatever the order says."""
+    older = [p for p in complete_checkpoints(out) if p.name != new.name]
+    for old in older[:max(0, len(older) - (save_total_limit - 1))]:
+        shutil.rmtree(old)
 
 
 @contextmanager
@@ -197,26 +214,53 @@ def atomic_export(accelerator, output_dir: str):
     accelerator.wait_for_everyone()
 
 
+def _marker_sha256(marker: dict) -> str:
+    """sha256 of a marker's contents but its own sum, as canonical JSON (key order, spacing and
+    tuples-as-lists do not count, so the marker read back gives the sum written)."""
+    body = json.loads(json.dumps({k: v for k, v in marker.items() if k != SEAL}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _read_marker(marker: Path) -> dict:
+    """A marker's contents, checked against its own sha256 where it has one (older ones: a warning)."""
+    try:
+        info = json.loads(marker.read_text())
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        raise Stop(f"checkpoint marker {marker} is not a JSON object: damaged or altered")
+    if SEAL in info and info[SEAL] != _marker_sha256(info):
+        raise Stop(f"checkpoint marker {marker} does not match the sha256 recorded in it when it was saved: "
+                   "damaged or altered")
+    if SEAL not in info and "sha256" in info:  # (a marker without file sums gets verify_checkpoint's warning)
+        warnings.warn(f"{marker} was saved without a checksum of its own (an older version): its step and "
+                      "settings are not verified")
+    return info
+
+
 def verify_checkpoint(path: Path, accelerator=None) -> dict:
-    """Check a checkpoint against its marker: every file present, of its size and sha256.
+    """Check a checkpoint against its marker: the marker against its own sha256, then every file
+    present, of its size and sha256.
 
     Args:
         accelerator: share the hashing over its ranks (a collective: call on every rank); None
             hashes every file in this process. Markers without sums (checkpoints written before
-            they existed) are checked by size only, with a warning.
+            they existed) are checked by size only, with a warning; markers without their own sum,
+            with a warning.
 
     Returns:
-        The marker: `step` (optimizer steps done) plus the `run_state` given at save time.
+        The marker: `step` (optimizer steps done), `save_order`, plus the `run_state` given at save time.
 
     Raises:
-        FileNotFoundError / ValueError: naming the missing marker, missing file, the file whose
-            size differs from the one recorded (a truncated write), or whose bytes do not match
-            their sha256 (damaged on disk or in a copy).
+        FileNotFoundError / ValueError: naming the missing marker, a marker that is not the one
+            written (its step or settings edited, damaged), a missing file, the file whose size
+            differs from the one recorded (a truncated write), or whose bytes do not match their
+            sha256 (damaged on disk or in a copy).
     """
     marker = Path(path) / MARKER
     if not marker.is_file():
         raise Stop(f"{path} is not a complete checkpoint: {MARKER} missing (the save did not finish)")
-    info = json.loads(marker.read_text())
+    info = _read_marker(marker)
     for name, size in info["files"].items():
         f = Path(path) / name
         if not f.is_file():
@@ -233,20 +277,34 @@ def verify_checkpoint(path: Path, accelerator=None) -> dict:
     return info
 
 
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoint directories that carry a marker, oldest *save* first.
+def _lineage(path: Path) -> tuple[int, int]:
+    """(save order, step) of a checkpoint directory: its place among the saves in its output_dir.
 
-    Ordered by the marker's save time, not by step: after a resume from checkpoint-2, the new
-    checkpoint-3 is newer than an abandoned checkpoint-8, for rotation and for `latest` alike.
+    A marker without a save order (an older version), or one that cannot be read, counts as 0: such
+    checkpoints come first, by step among themselves. The step is the directory's name.
+    """
+    try:
+        order = json.loads((path / MARKER).read_text()).get(ORDER, 0)
+    except (OSError, ValueError, AttributeError):
+        order = 0
+    return order if type(order) is int else 0, int(_CKPT.match(path.name).group(1))
+
+
+def _next_save_order(output_dir: Path) -> int:
+    """1 + the largest save order among the complete checkpoints in `output_dir` (1 in an empty one)."""
+    return 1 + max((_lineage(p)[0] for p in complete_checkpoints(output_dir)), default=0)
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint directories that carry a marker, oldest *save* first: by (save order, step).
+
+    The order of the saves in this folder, not the step: after a resume from checkpoint-2, the new
+    checkpoint-3 is newer than an abandoned checkpoint-8, for rotation and for `latest` alike. Not a
+    clock either: checkpoints written on a node whose clock runs ahead stay older than the ones
+    saved after them.
     """
     found = [p for p in Path(output_dir).glob("checkpoint-*") if _CKPT.match(p.name) and (p / MARKER).is_file()]
-
-    def saved_at(p):
-        try:
-            return json.loads((p / MARKER).read_text()).get("saved_at", 0.0), int(_CKPT.match(p.name).group(1))
-        except (OSError, ValueError):
-            return 0.0, int(_CKPT.match(p.name).group(1))
-    return sorted(found, key=saved_at)
+    return sorted(found, key=_lineage)
 
 
 def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
@@ -255,10 +313,10 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
 
     With `accelerator`, a collective (call on every rank): the ranks share the checksum reads.
 
-    `latest` takes the most recently saved complete checkpoint under `output_dir`, skipping
-    (with a warning) any that fail verification; finding none is an error, as in transformers'
-    Trainer. `auto` is the same, but finding none means a fresh start (the first attempt of a job
-    that may be restarted or requeued). An explicit PATH must verify.
+    `latest` takes the newest complete checkpoint under `output_dir` in save order
+    (`complete_checkpoints`), skipping (with a warning) any that fail verification; finding none is
+    an error, as in transformers' Trainer. `auto` is the same, but finding none means a fresh start
+    (the first attempt of a job that may be restarted or requeued). An explicit PATH must verify.
 
     Returns:
         (path, marker) as `verify_checkpoint` gives it, or (None, {"step": 0}) for a fresh start.

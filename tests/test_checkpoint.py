@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.checkpoint import (SETTING_SOURCES, atomic_export, complete_checkpoints, resolve_checkpoint, resume_error,
-                               strategy_name, verify_checkpoint)
+                               save_checkpoint, strategy_name, verify_checkpoint)
+from common.errors import Stop
 from conftest import REPO, RUN30, corpus_args, launch, read_metrics
 from tools.consolidate import consolidate
 
@@ -149,7 +151,7 @@ def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, s
         verify_checkpoint(out / "checkpoint-12")
     marker = json.loads((out / "checkpoint-16" / "COMPLETE.json").read_text())
     assert marker["sha256"].keys() == marker["files"].keys() and "model.safetensors" in marker["sha256"]
-    del marker["sha256"]
+    del marker["sha256"], marker["marker_sha256"]  # an older version's marker: neither
     (out / "checkpoint-16" / "COMPLETE.json").write_text(json.dumps(marker))
     with pytest.warns(UserWarning, match="saved without checksums.*sizes checked only"):
         assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
@@ -292,20 +294,109 @@ class OneProcess:
         pass
 
 
-def test_latest_and_rotation_follow_the_save_order_not_the_step(tmp_path):
-    """After a resume from checkpoint-2, the new checkpoint-3 is newer than the abandoned
-    checkpoint-8 and checkpoint-10 (no marker: an unfinished save): `latest` is checkpoint-3, and
-    `--save_total_limit 2` (which deletes `complete_checkpoints(...)[:-2]`) keeps 8 and 3. Step
-    order would resume step 8 and delete the checkpoint just written."""
-    for step, saved_at in [(2, 100.0), (8, 200.0), (3, 300.0), (10, None)]:
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        if saved_at is not None:
-            (tmp_path / f"checkpoint-{step}" / "COMPLETE.json").write_text(
-                json.dumps({"step": step, "saved_at": saved_at, "files": {}, "sha256": {}}))
-    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8", "checkpoint-3"]
-    assert [p.name for p in complete_checkpoints(tmp_path)[:-2]] == ["checkpoint-2"]
+@pytest.fixture
+def accelerator():
+    """A real one-process Accelerator on the CPU that has prepared a small model and its AdamW, for
+    `save_checkpoint` in this process (a few ms a save). Accelerate's state is a per-process
+    singleton: reset before and after."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    reset()
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    yield accelerator
+    reset()
+
+
+def clock(monkeypatch, offset_s):
+    """This process's wall clock, `offset_s` seconds off: a node whose clock is wrong."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + offset_s)
+    return real
+
+
+def names(directory):
+    return sorted((p.name for p in Path(directory).iterdir()), key=lambda n: int(n.split("-")[1]))
+
+
+def test_latest_and_rotation_follow_the_save_order_not_the_step(accelerator, tmp_path, monkeypatch):
+    """After a resume from checkpoint-2 of a run that saved to checkpoint-8, the new checkpoint-3 is
+    newer than the abandoned checkpoint-8, and checkpoint-10 (no marker: an unfinished save) is not
+    one: `latest` is checkpoint-3, and `--save_total_limit 2` keeps 8 and 3. The resumed run's node
+    has a clock an hour behind: save time order would delete checkpoint-3 as it is written (and
+    keep 6 and 8), step order would resume step 8."""
+    for step in (2, 4, 6, 8):
+        save_checkpoint(accelerator, tmp_path, step)
+    (tmp_path / "checkpoint-10").mkdir()
+    clock(monkeypatch, -3600)
+    save_checkpoint(accelerator, tmp_path, 3, save_total_limit=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-8", "checkpoint-3"]
+    assert names(tmp_path) == ["checkpoint-3", "checkpoint-8", "checkpoint-10"]
     path, marker = resolve_checkpoint(str(tmp_path), "latest")
-    assert path == tmp_path / "checkpoint-3" and marker["step"] == 3
+    assert path == tmp_path / "checkpoint-3" and (marker["step"], marker["save_order"]) == (3, 5)
+
+
+def test_a_clock_ahead_does_not_reorder_the_saves(accelerator, tmp_path, monkeypatch):
+    """Checkpoints 3 and 6 written on a node whose clock ran an hour ahead, then resumed with
+    --save_total_limit 2 on a node with the right clock: each new save is kept, 3 and 6 go, and
+    `latest` is 12. (By save time, 9 and 12 were deleted as they were written and `latest` was 6.)"""
+    real = clock(monkeypatch, 3600)
+    saved_at = {}
+    for step in (3, 6, 9, 12):
+        if step == 9:
+            monkeypatch.setattr(time, "time", real)
+        save_checkpoint(accelerator, tmp_path, step, save_total_limit=2)
+        assert names(tmp_path) == [f"checkpoint-{s}" for s in (step - 3, step) if s > 0]
+        saved_at[step] = json.loads((tmp_path / f"checkpoint-{step}" / "COMPLETE.json").read_text())["saved_at"]
+    assert saved_at[3] - 3600 < saved_at[9] < saved_at[12] < saved_at[6] - 3500  # the older saves stamped later
+    path, marker = resolve_checkpoint(str(tmp_path), "latest")
+    assert path == tmp_path / "checkpoint-12" and (marker["step"], marker["save_order"]) == (12, 4)
+
+
+def test_checkpoints_of_an_older_version_come_first_by_step(accelerator, tmp_path, monkeypatch):
+    """Markers without a save order (an older version) count as 0: before every new save, by step
+    among themselves, whatever their save times (here 3's an hour ahead of 6's)."""
+    real = clock(monkeypatch, 3600)
+    save_checkpoint(accelerator, tmp_path, 3)
+    monkeypatch.setattr(time, "time", real)
+    save_checkpoint(accelerator, tmp_path, 6)
+    for step in (3, 6):  # as the older version wrote them: no save order, no sum of the marker
+        marker = tmp_path / f"checkpoint-{step}" / "COMPLETE.json"
+        old = {k: v for k, v in json.loads(marker.read_text()).items() if k not in ("save_order", "marker_sha256")}
+        marker.write_text(json.dumps(old))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-6"]
+    save_checkpoint(accelerator, tmp_path, 9, save_total_limit=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-6", "checkpoint-9"]
+    with pytest.warns(UserWarning, match="COMPLETE.json was saved without a checksum of its own"):
+        assert verify_checkpoint(tmp_path / "checkpoint-6")["step"] == 6
+
+
+def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path):
+    """The marker is covered by its own sha256: its step edited (every file still matching), it fails
+    verification in one line and `latest` falls back past it; rewritten with the same contents in
+    another layout (key order, spacing), it still verifies."""
+    for step in (4, 8):
+        save_checkpoint(accelerator, tmp_path, step)
+    path = tmp_path / "checkpoint-8" / "COMPLETE.json"
+    marker = json.loads(path.read_text())
+    path.write_text(json.dumps(marker, sort_keys=True))
+    assert verify_checkpoint(tmp_path / "checkpoint-8")["step"] == 8
+    path.write_text(json.dumps({**marker, "step": 12}, indent=1))
+    refusal = f"checkpoint marker {path} does not match the sha256 recorded in it when it was saved: damaged or altered"
+    with pytest.raises(Stop) as err:
+        verify_checkpoint(tmp_path / "checkpoint-8")
+    assert str(err.value) == refusal
+    with pytest.warns(UserWarning, match=f"^skipping damaged checkpoint: {re.escape(refusal)}$"):
+        found, saved = resolve_checkpoint(str(tmp_path), "latest")
+    assert found == tmp_path / "checkpoint-4" and saved["step"] == 4
+    path.write_text("[]")  # not a marker at all
+    with pytest.raises(Stop, match=f"^checkpoint marker {re.escape(str(path))} is not a JSON object"):
+        verify_checkpoint(tmp_path / "checkpoint-8")
 
 
 def test_the_export_is_replaced_whole_or_not_at_all(tmp_path):
