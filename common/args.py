@@ -141,7 +141,9 @@ class TrainingFlags:
         "help": "a checkpoint path; 'latest' (the newest complete one); or 'auto' (the newest if there is one, else "
                 "a fresh start: for jobs that restart or are requeued). Restarts default to 'auto'"})
     max_grad_norm: float = flag(1.0, "clip to this global norm; 0 logs it, clips nothing", low=0)
-    report_to: str = field(default="none", metadata={"help": "Accelerate tracker(s), e.g. tensorboard, or 'none'"})
+    report_to: str = field(default="none", metadata={
+        "help": "Accelerate tracker(s): one name (e.g. tensorboard), a comma list, 'all' (the installed ones) or "
+                "'none'. One that is not installed is refused"})
 
 
 class Flags(SimpleNamespace):
@@ -165,10 +167,11 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
 
     Raises:
         Stop: one line for an unknown flag, a value of the wrong type or outside its
-            `flag` range, an `--output_dir` that is a file, or an `--output_dir` that already
-            holds files while neither `--overwrite_output_dir` nor `--resume_from_checkpoint` is
-            given (a fresh run would overwrite the earlier run's metrics, export and, through
-            `--save_total_limit`, its checkpoints).
+            `flag` range, a `--report_to` tracker unknown or not installed (`report_to`), an
+            `--output_dir` that is a file, or an `--output_dir` that already holds files while
+            neither `--overwrite_output_dir` nor `--resume_from_checkpoint` is given (a fresh run
+            would overwrite the earlier run's metrics, export and, through `--save_total_limit`,
+            its checkpoints).
 
     A recipe default never overrides a flag the user gave: `--num_train_epochs` without
     `--max_steps` sets `max_steps` to -1 (the epochs decide); with both, `--max_steps` wins, as in
@@ -195,12 +198,7 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
         raise Stop(f"--max_steps must be positive, or -1 to train --num_train_epochs, got {args.max_steps}")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise Stop(f"--num_train_epochs must be positive, got {args.num_train_epochs}")
-    from accelerate.utils import LoggerType
-
-    trackers = [t.strip() for t in args.report_to.split(",")]
-    if args.report_to != "none" and (bad := [t for t in trackers if t not in {k.value for k in LoggerType}]):
-        raise Stop(f"--report_to {args.report_to}: unknown tracker {', '.join(bad)}; choose 'none' or from "
-                 f"{', '.join(k.value for k in LoggerType)}")
+    args.report_to = report_to(args.report_to)
     if args.output_dir is None:
         raise Stop("--output_dir is required")
     restarted = bool(restart_note())
@@ -214,6 +212,43 @@ def parse_args(recipe_args: type, argv: list[str] | None = None, description: st
     if error := output_dir_error(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint, restarted):
         raise Stop(error)
     return args
+
+
+# pip's name for a tracker's package, where it is not the tracker's (Accelerate checks for aim < 4)
+TRACKER_PIP = {"comet_ml": "comet-ml", "aim": "'aim<4'"}
+
+
+def report_to(text: str) -> str:
+    """--report_to as `TrainingArguments` takes it (one tracker, a comma list, 'all', 'none'), checked
+    and resolved: the comma list of the trackers to start, or "none". 'all' is every installed
+    tracker Accelerate supports ("none" if there is none: rank 0 says so).
+
+    Raises:
+        Stop: an unknown name, 'none' with another name, or a tracker whose package is not installed
+            (Accelerate's own check, `accelerate.utils.is_{name}_available`: it would skip it silently).
+    """
+    import accelerate.utils
+    from accelerate.utils import LoggerType
+
+    names = list(dict.fromkeys(n.strip().lower() for n in text.split(",") if n.strip())) or ["none"]
+    known = [k.value for k in LoggerType if k.value != "all"]
+    if bad := [n for n in names if n not in (*known, "all", "none")]:
+        raise Stop(f"--report_to {text}: unknown tracker {', '.join(bad)}; choose 'none', 'all' or from "
+                   f"{', '.join(known)}")
+    if names == ["none"]:
+        return "none"
+    if "none" in names:
+        raise Stop(f"--report_to {text}: 'none' cannot be combined with a tracker")
+    installed = [n for n in known if getattr(accelerate.utils, f"is_{n}_available")()]
+    if missing := [n for n in names if n != "all" and n not in installed]:
+        packages = " and ".join(missing)
+        raise Stop(f"--report_to {text}: the {packages} package{'s are' if len(missing) > 1 else ' is'} not "
+                   f"installed (pip install {' '.join(TRACKER_PIP.get(n, n) for n in missing)})")
+    if "all" in names:
+        names = list(dict.fromkeys(m for n in names for m in (installed if n == "all" else [n])))
+        if not names and os.environ.get("RANK", "0") == "0":
+            print(f"--report_to {text}: no tracker Accelerate supports is installed; metrics.jsonl only")
+    return ",".join(names) or "none"
 
 
 def make_output_dir(output_dir: str) -> None:

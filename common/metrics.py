@@ -245,9 +245,10 @@ class RunLog:
 
     metrics.jsonl holds one JSON object per logged step, then a summary (`{"summary": true, ...}`).
     A resumed run keeps the step lines up to the step it resumes from and drops later ones and
-    the summaries, so the file reads as one run; a fresh run starts it empty. Only the main
-    process writes; `log` sends the finite numbers to the trackers from every rank (Accelerate
-    keeps the trackers on the main process).
+    the summaries, so the file reads as one run; a fresh run starts it empty. TensorBoard's history
+    follows the same rule (`purge_step`); run_info.json records the trackers started ("trackers").
+    Only the main process writes; `log` sends the finite numbers to the trackers from every rank
+    (Accelerate keeps the trackers on the main process).
 
     Args:
         accelerator: the run's `Accelerator`; args: the flags (output_dir; all of them go to the
@@ -269,17 +270,21 @@ class RunLog:
         config = getattr(accelerator, "parallelism_config", None)  # tensor parallel: a tp group trains one batch
         self.share = 1 / config.non_data_parallel_size if config is not None and config.tp_enabled else 1
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
+        # TensorBoard drops the events of earlier attempts past the resumed step (all of them on a fresh
+        # start), as metrics.jsonl does: SummaryWriter's purge_step, which EventAccumulator applies
+        purge = {"tensorboard": {"purge_step": 0 if resumed_step is None else resumed_step + 1}}
+        accelerator.init_trackers(project, config={k: v for k, v in vars(args).items() if v is not None},
+                                  init_kwargs=purge)
         if accelerator.is_main_process:
-            if run_info is not None:
+            if run_info is not None:  # the trackers started (main process only), not just asked for
                 with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
-                    json.dump(run_info, f, indent=1)
+                    json.dump({**run_info, "trackers": [t.name for t in accelerator.trackers]}, f, indent=1)
             kept = []
             if resumed_step is not None and os.path.exists(self.path):
                 kept = [line for line in open(self.path) if not (r := json.loads(line)).get("summary")
                         and r["step"] <= resumed_step]
             with open(self.path, "w") as f:
                 f.writelines(kept)
-        accelerator.init_trackers(project, config={k: v for k, v in vars(args).items() if v is not None})
 
     def start_clock(self, device, flops_per_token: float | None = None, peak_tflops: float | None = None) -> float:
         """Start timing the logging windows: tokens/s, the share spent waiting for data, MFU.

@@ -220,7 +220,7 @@ def main() -> int:
         dataloader_config=DataLoaderConfiguration(
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
-        log_with=None if args.report_to == "none" else args.report_to,
+        log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir, kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir

@@ -194,6 +194,42 @@ def test_core_flags_are_checked_in_one_place(tmp_path):
     assert parse_args(Own, argv=[*out, "--per_device_eval_batch_size", "5"]).per_device_eval_batch_size == 5
 
 
+def test_report_to_takes_what_training_arguments_takes(tmp_path, monkeypatch, capsys):
+    # one name, a comma list, 'all' (the installed trackers Accelerate supports) or 'none', resolved to the
+    # comma list the recipes pass to the Accelerator; a tracker that is not installed is one error line
+    # (Accelerate would skip it silently, and a comma list reached it as one unknown name)
+    import accelerate.utils
+
+    def resolved(value):
+        return parse_args(Own, argv=["--output_dir", str(tmp_path / "out"), "--report_to", value]).report_to
+
+    def error(value):
+        with pytest.raises(Stop) as exit_info:
+            resolved(value)
+        return f"error: {exit_info.value}"
+
+    for name in ("wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"):  # this host's
+        monkeypatch.setattr(accelerate.utils, f"is_{name}_available", lambda: False)  # tensorboard only
+    assert error("wandb") == "error: --report_to wandb: the wandb package is not installed (pip install wandb)"
+    assert error("tensorboard,wandb") == ("error: --report_to tensorboard,wandb: the wandb package is not installed "
+                                          "(pip install wandb)")
+    assert error("wandb,mlflow,comet_ml") == ("error: --report_to wandb,mlflow,comet_ml: the wandb and mlflow and "
+                                              "comet_ml packages are not installed (pip install wandb mlflow comet-ml)")
+    assert error("tensorboard,bogus").startswith("error: --report_to tensorboard,bogus: unknown tracker bogus;")
+    assert error("none,tensorboard") == "error: --report_to none,tensorboard: 'none' cannot be combined with a tracker"
+    assert (resolved("tensorboard"), resolved("none"), resolved("all")) == ("tensorboard", "none", "tensorboard")
+    assert resolved(" TensorBoard, tensorboard ") == "tensorboard"
+    monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: True)  # as if installed
+    assert resolved("wandb, tensorboard") == "wandb,tensorboard"
+    assert resolved("all") == resolved("tensorboard,all") == "tensorboard,wandb"  # LoggerType's order
+    for name in ("tensorboard", "wandb"):
+        monkeypatch.setattr(accelerate.utils, f"is_{name}_available", lambda: False)
+    capsys.readouterr()
+    assert resolved("all") == "none"
+    assert capsys.readouterr().out == ("--report_to all: no tracker Accelerate supports is installed; "
+                                       "metrics.jsonl only\n")
+
+
 def test_an_integer_flag_without_a_range_does_not_build():
     @dataclass
     class NoRange:

@@ -57,11 +57,28 @@ def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus, refer
     info = json.loads((straight / "run_info.json").read_text())
     per_epoch = info["updates_per_epoch"]
     assert per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch  # the stop is mid-way through epoch 2
-    # New processes, resuming from the step-10 checkpoint into another directory.
-    launch(config, "recipes/llama.py", *args(resumed, small_corpus, *batch_args(config),
-           "--resume_from_checkpoint", straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="no")
+    # TensorBoard events of an attempt that died after its checkpoint: the run's losses up to step 10, other
+    # values after it (a dead attempt's steps 11-16)
     want = {r["step"]: r for r in read_metrics(straight)[0]}
+    from torch.utils.tensorboard import SummaryWriter
+    with SummaryWriter(str(resumed / "llama")) as dead:
+        for step, r in want.items():
+            dead.add_scalar("loss", r["loss"] * (1 if step <= SAVE else 2), step)
+    # New processes, resuming from the step-10 checkpoint into another directory, with TensorBoard.
+    launch(config, "recipes/llama.py", *args(resumed, small_corpus, *batch_args(config), "--report_to", "tensorboard",
+           "--resume_from_checkpoint", straight / f"checkpoint-{SAVE}"), cache_dir=cache_dir, mixed_precision="no")
     got = read_metrics(resumed)[0]
+    # TensorBoard holds each step once: the dead attempt's past the checkpoint purged, the resumed run's
+    # values as metrics.jsonl has them (float32), so the uninterrupted run's
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(resumed / "llama"))
+    board.Reload()
+    logged = [(e.step, e.value) for e in board.Scalars("loss")]
+    assert [step for step, _ in logged] == list(range(1, STEPS + 1)), logged
+    for step, value in logged:
+        assert value == pytest.approx(want[step]["loss"], rel=1e-6), step
+    assert [value for step, value in logged if step > SAVE] == pytest.approx([r["loss"] for r in got], rel=1e-6)
+    assert json.loads((resumed / "run_info.json").read_text())["trackers"] == ["tensorboard"]
     assert [r["step"] for r in got] == list(range(SAVE + 1, STEPS + 1))
     assert got[0]["epoch"] == 1
     for r in got:
