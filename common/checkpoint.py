@@ -701,22 +701,29 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     `get_state_dict` returned the DDP wrapper's ("module." keys) under regional compilation, and
     the export reloaded untrained. Tied embeddings are stored once, as Hugging Face does (gathered
     copies no longer share storage). The configs are written ready for inference
-    (`models.inference_ready`: the KV cache that training turns off is on).
+    (`models.inference_ready`: the KV cache that training turns off is on). A LoRA model (peft)
+    writes its adapter to `final/adapter/` (peft's files) and the model with the adapter merged
+    (`models.merged_lora`) to `final/`.
     """
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     state_dict = full_state_dict(accelerator, model) if sharded else unwrapped.state_dict()
     if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # (other ranks may hold none)
         state_dict.pop("lm_head.weight", None)
-    live = unwrapped.config, unwrapped.generation_config
+    adapter = hasattr(unwrapped, "peft_config")  # LoRA (peft): the adapter, and the merged model
     with atomic_export(accelerator, output_dir) as export_dir:  # final/ is never half written
+        if adapter and accelerator.is_main_process:  # peft's own files, from the gathered weights
+            unwrapped.save_pretrained(os.path.join(export_dir, "adapter"), state_dict=state_dict)
+        whole = models.merged_lora(unwrapped, state_dict) if adapter and state_dict else unwrapped
+        live = whole.config, whole.generation_config
         # configs ready for inference (the KV cache on), then the live ones back
-        unwrapped.config, unwrapped.generation_config = map(models.inference_ready, live)
+        whole.config, whole.generation_config = map(models.inference_ready, live)
         try:
-            unwrapped.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
-                                      save_function=accelerator.save, state_dict=state_dict)
+            whole.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save,
+                                  state_dict=None if whole is not unwrapped else state_dict)
         finally:
-            unwrapped.config, unwrapped.generation_config = live
+            whole.config, whole.generation_config = live
         if accelerator.is_main_process:
             tokenizer.save_pretrained(export_dir)
     return os.path.join(output_dir, "final")

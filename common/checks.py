@@ -780,6 +780,15 @@ def llama_flags(args, from_scratch: bool) -> None:
         raise Stop("--allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none")
 
 
+def sft_flags(args) -> None:
+    """recipes/sft.py's flag combinations that cannot mean what they say (before any work)."""
+    if not args.model_name_or_path:
+        raise Stop("sft.py fine-tunes a pretrained model: pass --model_name_or_path (e.g. runs/llama/final, "
+                   "the export of recipes/llama.py)")
+    if not args.use_peft and (lora := sorted(f for f in args.given if f.startswith("lora_"))):
+        raise Stop(f"--{lora[0]} sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
+
+
 def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) -> None:
     """The tokenizer and the block size against the model config, before packing.
 
@@ -790,7 +799,7 @@ def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) 
     """
     from common import data
 
-    if source and (problem := data.tokenizer_error(tokenizer, source, raw["train"][:100]["text"])):
+    if source and (problem := data.tokenizer_error(tokenizer, source, data.sample_text(raw["train"]))):
         raise Stop(problem)
     if len(tokenizer) > config.vocab_size:
         raise Stop(f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
@@ -843,14 +852,14 @@ def classifier_flags(args) -> None:
                    f"{args.num_attention_heads}")
 
 
-def same_data(accelerator, raw, tokenizer, block_size: int, packing: str) -> str:
-    """Stop unless every rank packed the same data: train and validation text, tokenizer, block
-    size, packing mode (`data.packing_digest`). A collective. Each node reads --train_file from its own path,
-    and another copy there would train on other samples. Returns the digest, for the checkpoints
-    (a resume on other data is refused)."""
+def same_data(accelerator, raw, tokenizer, block_size: int, packing: str, rows_key: str | None = None) -> str:
+    """Stop unless every rank packed the same data: train and validation rows, tokenizer, block
+    size, packing mode and a recipe's own `rows_key` (`data.packing_digest`). A collective. Each node
+    reads --train_file from its own path, and another copy there would train on other samples.
+    Returns the digest, for the checkpoints (a resume on other data is refused)."""
     from common import data
 
-    digest = data.packing_digest(raw, tokenizer, block_size, packing)
+    digest = data.packing_digest(raw, tokenizer, block_size, packing, rows_key)
     same_on_every_rank(accelerator, "data (train and validation text, tokenizer, block size, packing)",
                        digest)
     return digest

@@ -65,19 +65,23 @@ def load_text_dataset(
     train_file: str | None = None,
     validation_file: str | None = None,
     validation_split_percentage: int = 5,
+    columns: tuple[tuple[str, ...], ...] = (("text",),),
+    bundled: tuple[str, str] | None = None,
 ) -> datasets.DatasetDict:
     """Raw text splits `train` and `validation`, as in transformers' `run_clm.py`.
 
     Sources, first match wins: a hub or local `datasets` name; `train_file`/`validation_file`
     (.txt, one document per file, newlines kept; .json/.jsonl or .parquet, one document per row;
-    both files of one format); else the bundled corpus (one document per work).
+    both files of one format); else the `bundled` (train, validation) files, or the bundled
+    corpus (one document per work). Each split must hold one of the `columns` sets (chat data:
+    `(("messages",), ("prompt", "completion"))`).
     Without a validation split, the first `validation_split_percentage`% of training rows
     are held out (at least one row). A lone .txt `train_file` is cut instead, at the blank
     line (or line end) nearest to `validation_split_percentage`% of its characters: the start
     becomes the validation document and the rest the training document (`split_text`).
 
     Returns:
-        `DatasetDict` with a `text` column in both splits.
+        `DatasetDict` with a `text` column (or one of the `columns` sets) in both splits.
 
     Raises:
         FileNotFoundError: a data file does not exist (names it).
@@ -85,7 +89,8 @@ def load_text_dataset(
     """
     if dataset_name:
         raw = datasets.load_dataset(dataset_name, dataset_config_name)
-    elif train_file:
+    elif train_file or bundled:
+        train_file, validation_file = (train_file, validation_file) if train_file else bundled
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
         for path in files.values():
             if not Path(path).is_file():
@@ -118,8 +123,9 @@ def load_text_dataset(
             "validation": raw["train"].select(range(n_val)),
         })
     for split in ("train", "validation"):
-        if "text" not in raw[split].column_names:
-            raise Stop(f"{split} split has no 'text' column (columns: {raw[split].column_names})")
+        if not any(set(names) <= set(raw[split].column_names) for names in columns):
+            wanted = " or ".join("+".join(f"'{n}'" for n in names) for names in columns)
+            raise Stop(f"{split} split has no {wanted} column (columns: {raw[split].column_names})")
     return raw
 
 
@@ -150,15 +156,41 @@ def split_text(text: str, validation_percentage: int, name: str = "the text") ->
 
 
 def _text_digest(*splits: datasets.Dataset) -> str:
-    """SHA-256 of the `text` columns: the same on every rank and every run (fingerprints of
-    in-memory datasets are random, so they cannot key a cache)."""
+    """SHA-256 of the rows: the same on every rank and every run (fingerprints of in-memory
+    datasets are random, so they cannot key a cache). A `text` column alone is hashed as its
+    strings; other columns (chat `messages`, ...) as each row's JSON."""
     h = hashlib.sha256()
     for split in splits:
         for i in range(0, len(split), 10_000):
-            for text in split[i:i + 10_000]["text"]:
-                h.update(text.encode() + b"\0")
+            part = split[i:i + 10_000]
+            if list(part) == ["text"]:
+                values = part["text"]
+            else:
+                values = [json.dumps(row, sort_keys=True, default=str) for row in _rows(part)]
+            for value in values:
+                h.update(value.encode() + b"\0")
         h.update(b"|split|")
     return h.hexdigest()
+
+
+def _rows(batch: dict[str, list]) -> list[dict]:
+    """A `datasets` batch (column -> values) as its rows (dicts)."""
+    return [dict(zip(batch, values)) for values in zip(*batch.values())]
+
+
+def sample_text(split: datasets.Dataset, rows: int = 100) -> list[str]:
+    """The text of the first `rows` rows, for tokenizer checks: the `text` column, else every
+    string a row holds (a chat row's contents), joined by newlines."""
+    part = split[:rows]
+    if "text" in part:
+        return part["text"]
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+            yield from strings(item)
+    return ["\n".join(strings(row)) for row in _rows(part)]
 
 
 def _atomic_dir(final: Path, build) -> Path:
@@ -183,7 +215,9 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
 
     The trained tokenizer is deterministic for a given corpus and vocabulary (`tokenizers` BPE
     breaks ties by pair order), saved as `tokenizer.json` and loadable by `AutoTokenizer`. Its
-    single special token `<|endoftext|>` serves as bos, eos, pad and unk.
+    single special token `<|endoftext|>` serves as bos, eos, pad and unk; its chat template is
+    `data/chat_template.jinja`, in plain text, so that a model trained with it can be fine-tuned
+    on conversations (recipes/sft.py).
 
     Returns:
         A `PreTrainedTokenizerFast` with `eos_token_id` set.
@@ -204,7 +238,9 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
         tok.save_pretrained(tmp)
 
     path = _atomic_dir(Path(cache_dir) / f"tokenizer-bpe{vocab_size}-{digest}", build)
-    return AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = (REPO_ROOT / "data" / "chat_template.jinja").read_text()
+    return tok
 
 
 MIN_TOKENIZER_ENTRIES = 256  # a byte-level BPE starts with 256 bytes; no working tokenizer has fewer
@@ -249,14 +285,16 @@ PACKING = ("stream", "documents", "none")  # --packing; `PACKING_ALIASES` keeps 
 PACKING_ALIASES = {"true": "stream", "false": "none"}
 
 
-def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: str = "stream") -> str:
-    """16 hex digits of SHA-256 over the train and validation text, the tokenizer, `block_size` and
-    `packing` (one of `PACKING`): what decides the blocks `pack_dataset` makes (its cache key; the
+def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: str = "stream",
+                   rows_key: str | None = None) -> str:
+    """16 hex digits of SHA-256 over the train and validation rows, the tokenizer, `block_size`,
+    `packing` (one of `PACKING`) and `rows_key` (what a recipe's own `to_rows` does: its template,
+    its label rule): what decides the blocks `pack_dataset` makes (its cache key; the
     version tag changes whenever the packing does, so no older cache is reused). Equal on two ranks
     means the same training and validation blocks; compare it across nodes, which each read
     their own copy of the data."""
     key = json.dumps(["v4", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
-                      block_size, packing])
+                      block_size, packing] + ([rows_key] if rows_key else []))
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -307,7 +345,8 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
     on disk.
 
     Args:
-        tokens: one row per document, column `ids` (token ids, eos included).
+        tokens: one row per document, column `ids` (token ids, eos included) and, if a recipe made
+            its own, `labels` (-100 where a token is no target; else the labels are the ids).
         cache_file: where the blocks are written (an `.arrow` file in a scratch directory).
         fingerprint: the result's `datasets` fingerprint (hashing the stream would read it all).
         documents: also `position_ids`, 0 at each row's first token and at each block's first token
@@ -325,6 +364,7 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
     if tokens._indices is not None:  # a select()ed view: its table holds other rows too
         tokens = tokens.flatten_indices()
     stream = pc.list_flatten(tokens.data.column("ids"))  # a view: no copy of the tokens
+    own = pc.list_flatten(tokens.data.column("labels")) if "labels" in tokens.column_names else None
     n_blocks = len(stream) // block_size
     lengths = pc.list_value_length(tokens.data.column("ids")).to_numpy()
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # each row's first token
@@ -334,12 +374,14 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
         first, count = batch["block"][0], len(batch["block"])  # consecutive block numbers
         ids = stream.slice(first * block_size, count * block_size).to_numpy().astype(np.int64)
         blocks = ids.reshape(count, block_size)
+        labels = blocks if own is None else \
+            own.slice(first * block_size, count * block_size).to_numpy().astype(np.int64).reshape(count, block_size)
         if not documents:
-            return {"input_ids": blocks, "labels": blocks}
+            return {"input_ids": blocks, "labels": labels}
         at = np.arange(first * block_size, (first + count) * block_size, dtype=np.int64)
         row_start = starts[np.searchsorted(starts, at, side="right") - 1]
         positions = (at - np.maximum(row_start, at // block_size * block_size)).reshape(count, block_size)
-        return {"input_ids": blocks, "labels": np.where(positions == 0, -100, blocks), "position_ids": positions}
+        return {"input_ids": blocks, "labels": np.where(positions == 0, -100, labels), "position_ids": positions}
 
     index = datasets.Dataset.from_dict({"block": np.arange(n_blocks, dtype=np.int64)})
     blocks = index.map(cut, batched=True, batch_size=1000, remove_columns=["block"], new_fingerprint=fingerprint,
@@ -370,9 +412,11 @@ def pack_stats(lm_data: datasets.DatasetDict) -> dict:
 
 
 def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,
-                 packing: str = "stream") -> datasets.DatasetDict:
-    """Tokenize every row into one document (`document_ids`: one eos at its end) and make fixed
-    `block_size`-token training examples, as `packing` says (one of `PACKING`):
+                 packing: str = "stream", to_rows=None, rows_key: str | None = None,
+                 length_flag: str = "--block_size") -> datasets.DatasetDict:
+    """Tokenize every row into one document (`document_ids`: one eos at its end; or a recipe's own
+    `to_rows`) and make fixed `block_size`-token training examples, as `packing` says (one of
+    `PACKING`):
 
     - "stream" (pretraining; run_clm's grouping): concatenate all rows of a split, in order, and
       cut the stream into blocks (`pack_blocks`); every token attends to every earlier token of
@@ -391,6 +435,13 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     in the text are encoded as text, and a warning (rank 0) counts them. Cached on disk by
     `packing_digest`.
 
+    A recipe's data stage makes its own documents and labels with `to_rows(batch) -> {"ids": [...],
+    "labels": [...]}` (a `datasets` batch of raw rows in; one document per row out, labels -100
+    where a token is no target, e.g. all but a chat's assistant turns), named by `rows_key` (what
+    it does: template, label rule), which joins the cache key and the data digest
+    (`packing_digest`); the packing, the cache and the statistics are the same. `length_flag` is
+    the flag the warnings name.
+
     Returns:
         `DatasetDict` (`train`, `validation`) with `input_ids`, `labels` (documents: and
         `position_ids`; none: and `attention_mask`): int64 lists of length `block_size`. Labels
@@ -401,11 +452,16 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
-    digest = packing_digest(raw, tokenizer, block_size, packing)
+    digest = packing_digest(raw, tokenizer, block_size, packing, rows_key)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
     def tokenize(batch):
+        if to_rows is not None:  # the recipe's own documents and labels; no empty one
+            rows = to_rows(batch)
+            keep = [i for i, ids in enumerate(rows["ids"]) if ids]
+            return {"ids": [rows["ids"][i] for i in keep], "labels": [rows["labels"][i] for i in keep],
+                    "found": [""] * len(keep)}
         ids, found = document_ids(tokenizer, batch["text"])
         if packing != "none":  # an empty row would add a second separator
             ids = [row for row, text in zip(ids, batch["text"]) if text]
@@ -413,9 +469,10 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
 
     def pad_rows(batch):
         rows = [ids[:block_size] for ids in batch["ids"]]
+        labels = [r[:block_size] for r in batch["labels"]] if "labels" in batch else rows
         fill = [block_size - len(r) for r in rows]
         return {"input_ids": [r + [pad] * k for r, k in zip(rows, fill)],
-                "labels": [r + [-100] * k for r, k in zip(rows, fill)],
+                "labels": [r + [-100] * k for r, k in zip(labels, fill)],
                 "attention_mask": [[1] * len(r) + [0] * k for r, k in zip(rows, fill)]}
 
     def special_text(split_tokens) -> dict[str, int]:
@@ -430,7 +487,7 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         found = {split: special_text(tokens[split]) for split in tokens}
         tokens = tokens.remove_columns("found")
         if packing == "none":
-            tokens.map(pad_rows, batched=True, remove_columns=["ids"]).save_to_disk(str(tmp))
+            tokens.map(pad_rows, batched=True, remove_columns=tokens["train"].column_names).save_to_disk(str(tmp))
             lengths = {split: [len(ids) for ids in tokens[split]["ids"]] for split in tokens}
             cut = {split: {"rows": len(n), "cut_rows": sum(k > block_size for k in n),
                            "cut_tokens": sum(max(k - block_size, 0) for k in n), "special_text": found[split]}
@@ -440,10 +497,10 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         for split in ("train", "validation"):
             n_tokens = sum(len(ids) for ids in tokens[split]["ids"])
             if n_tokens < block_size:
-                fix = ("lower --block_size, or add text" if split == "train" else "lower --block_size, raise "
+                fix = (f"lower {length_flag}, or add text" if split == "train" else f"lower {length_flag}, raise "
                        "--validation_split_percentage, or pass --validation_file")
-                raise Stop(f"{split} split has {n_tokens} tokens, fewer than one block (--block_size "
-                                 f"{block_size}): {fix}")
+                raise Stop(f"{split} split has {n_tokens} tokens, fewer than one block ({length_flag} "
+                           f"{block_size}): {fix}")
         with tempfile.TemporaryDirectory(dir=tmp.parent, prefix=f".{tmp.name}.") as scratch:
             packed = {split: pack_blocks(tokens[split], block_size, Path(scratch) / f"{split}.arrow",
                                          f"{digest}-{split}", documents=packing == "documents")
@@ -463,10 +520,10 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
                         "eos after each document", main_process_only=True)
         if packing == "none" and c["cut_rows"]:
             log.warning(
-                f"--packing none: {c['cut_rows']} of {c['rows']} {split} rows are longer than --block_size "
+                f"--packing none: {c['cut_rows']} of {c['rows']} {split} rows are longer than {length_flag} "
                 f"{block_size} and lose their tail ({c['cut_tokens']} tokens never "
                 f"{'trained on' if split == 'train' else 'evaluated'}); raise "
-                "--block_size or pack them (--packing documents)", main_process_only=True)
+                f"{length_flag} or pack them (--packing documents)", main_process_only=True)
     return datasets.load_from_disk(str(path))
 
 

@@ -190,6 +190,20 @@ def align_generation_ids(model, tokenizer) -> None:
                 _pretrained_id(name, old, tokenizer))
 
 
+def merged_lora(peft_model, state_dict: dict) -> torch.nn.Module:
+    """The plain model with its LoRA adapter merged (W + B A alpha / r, peft's `merge_and_unload`),
+    rebuilt from `state_dict`, the peft model's full (gathered) state dict: a fresh copy in host
+    memory, so any strategy's sharded model exports the same way. Call on the rank that holds it."""
+    from peft import get_peft_model
+
+    config = peft_model.get_base_model().config
+    fresh = get_peft_model(causal_lm_class(config)(config), peft_model.peft_config["default"])
+    fresh.load_state_dict({k: v.float() for k, v in state_dict.items()})
+    merged = fresh.merge_and_unload()
+    merged.generation_config = peft_model.get_base_model().generation_config
+    return merged
+
+
 def inference_ready(obj):
     """`obj` as an export writes it: a model or generation config (a copy) with the KV cache on
     (`use_cache`: training turns it off, and a reloaded model decodes several times slower without
@@ -401,10 +415,11 @@ def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_w
     return tensor_parallel(accelerator, model)  # tp.yaml: each rank keeps its slices
 
 
-def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device) -> str:
+def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device,
+                       prompt_tokens: int | None = 16) -> str:
     """Reload `export_dir` with plain transformers (no project code) and sample `max_new_tokens`
-    (top-k 50) after the first 16 tokens of `first_block` (a validation block): proof that the
-    export works. Returns the lines to print."""
+    (top-k 50) after the first `prompt_tokens` tokens (None: all) of `first_block` (a validation
+    block): proof that the export works. Returns the lines to print."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import unset_hf_deepspeed_config
 
@@ -413,7 +428,7 @@ def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_to
     ids = first_block["input_ids"]
     if "attention_mask" in first_block:
         ids = ids[first_block["attention_mask"].bool()]
-    prompt = ids[:16].to(device)
+    prompt = ids[:prompt_tokens].to(device)
     sample = reloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
                                max_new_tokens=max_new_tokens, do_sample=True, top_k=50,
                                pad_token_id=reloaded.config.pad_token_id)
