@@ -11,6 +11,7 @@ is one conversation, a `messages` column (the Hugging Face chat format) or `prom
 The loss is on the assistant's tokens only (--assistant_only_loss false: on every token). Rows
 are padded to --max_length (longer ones lose their tail, counted) or packed without attending to
 each other (--packing documents). --use_peft trains LoRA adapters (peft) on the frozen base.
+To adapt the code, find the `# ADAPT:` markers: data, model, loss, export.
 
 Defaults: the bundled chat set (data/chat/, made from the bundled corpus by data/make_chat.py),
 60 optimizer steps of a 16-conversation global batch. Outputs in --output_dir: as llama.py's,
