@@ -157,13 +157,13 @@ def split_text(text: str, validation_percentage: int, name: str = "the text") ->
 
 def _text_digest(*splits: datasets.Dataset) -> str:
     """SHA-256 of the rows: the same on every rank and every run (fingerprints of in-memory
-    datasets are random, so they cannot key a cache). A `text` column alone is hashed as its
-    strings; other columns (chat `messages`, ...) as each row's JSON."""
+    datasets are random, so they cannot key a cache). A `text` column is hashed as its strings
+    (what the text recipes train on); without one, each row as JSON (chat `messages`, ...)."""
     h = hashlib.sha256()
     for split in splits:
         for i in range(0, len(split), 10_000):
             part = split[i:i + 10_000]
-            if list(part) == ["text"]:
+            if "text" in part:
                 values = part["text"]
             else:
                 values = [json.dumps(row, sort_keys=True, default=str) for row in _rows(part)]

@@ -73,12 +73,14 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
     Returns:
         Two groups for `torch.optim.AdamW`: `{"params": matrices, "weight_decay": weight_decay}`
-        and `{"params": vectors, "weight_decay": 0.0}`; shared (tied) parameters appear once.
+        and `{"params": vectors, "weight_decay": 0.0}`, each where it has any trainable parameter;
+        shared (tied) parameters appear once.
     """
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
     vectors = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
-    return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # (LoRA trains no vectors: DeepSpeed drops an empty group)
 
 
 def apply_overrides(config, overrides: str):

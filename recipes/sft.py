@@ -238,7 +238,10 @@ def main() -> int:
                               "lora_dropout": args.lora_dropout, "target_modules":
                               targets if targets == "all-linear" else targets.split(",")}
     if lora:
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        try:  # (peft says which target modules the model lacks)
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        except ValueError as err:
+            raise errors.Stop(f"--lora_target_modules {targets}: {err}") from None
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.max_length)
