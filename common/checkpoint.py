@@ -703,7 +703,7 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     copies no longer share storage). The configs are written ready for inference
     (`models.inference_ready`: the KV cache that training turns off is on). A LoRA model (peft)
     writes its adapter to `final/adapter/` (peft's files) and the model with the adapter merged
-    (`models.merged_lora`) to `final/`.
+    to `final/` (`models.lora_copy`).
     """
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -712,9 +712,11 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
         state_dict.pop("lm_head.weight", None)
     adapter = hasattr(unwrapped, "peft_config")  # LoRA (peft): the adapter, and the merged model
     with atomic_export(accelerator, output_dir) as export_dir:  # final/ is never half written
-        if adapter and accelerator.is_main_process:  # peft's own files, from the gathered weights
-            unwrapped.save_pretrained(os.path.join(export_dir, "adapter"), state_dict=state_dict)
-        whole = models.merged_lora(unwrapped, state_dict) if adapter and state_dict else unwrapped
+        whole = unwrapped
+        if adapter and accelerator.is_main_process:  # a fresh copy of the gathered weights
+            copy = models.lora_copy(unwrapped, state_dict)
+            copy.save_pretrained(os.path.join(export_dir, "adapter"))  # peft's own files
+            whole = copy.merge_and_unload()
         live = whole.config, whole.generation_config
         # configs ready for inference (the KV cache on), then the live ones back
         whole.config, whole.generation_config = map(models.inference_ready, live)

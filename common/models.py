@@ -192,18 +192,19 @@ def align_generation_ids(model, tokenizer) -> None:
                 _pretrained_id(name, old, tokenizer))
 
 
-def merged_lora(peft_model, state_dict: dict) -> torch.nn.Module:
-    """The plain model with its LoRA adapter merged (W + B A alpha / r, peft's `merge_and_unload`),
-    rebuilt from `state_dict`, the peft model's full (gathered) state dict: a fresh copy in host
-    memory, so any strategy's sharded model exports the same way. Call on the rank that holds it."""
+def lora_copy(peft_model, state_dict: dict) -> torch.nn.Module:
+    """A fresh peft model in host memory, fp32, holding `state_dict`: the live peft model's full
+    (gathered) state dict, base and adapters, loaded strictly (a key missing or left over stops
+    it: an adapter exported empty is a known failure under FSDP1). Its `save_pretrained` writes
+    the adapter (peft's files) and its `merge_and_unload()` the plain model (W + B A alpha / r),
+    the same way under every strategy. Call on the rank that holds the state dict."""
     from peft import get_peft_model
 
     config = peft_model.get_base_model().config
     fresh = get_peft_model(causal_lm_class(config)(config), peft_model.peft_config["default"])
     fresh.load_state_dict({k: v.float() for k, v in state_dict.items()})
-    merged = fresh.merge_and_unload()
-    merged.generation_config = peft_model.get_base_model().generation_config
-    return merged
+    fresh.get_base_model().generation_config = peft_model.get_base_model().generation_config
+    return fresh
 
 
 def inference_ready(obj):
