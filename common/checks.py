@@ -789,6 +789,17 @@ def sft_flags(args) -> None:
         raise Stop(f"--{lora[0]} sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
 
 
+def lora_targets_found(model, targets: str) -> None:
+    """Stop unless each name of --lora_target_modules (a comma list, or all-linear) adapted some
+    module of `model`, a peft model: peft stops only when no name matches, so a misspelt one would
+    leave its modules untrained, silently."""
+    adapted = model.targeted_module_names
+    names = [] if targets == "all-linear" else targets.split(",")
+    if missing := [t for t in names if not any(n == t or n.endswith(f".{t}") for n in adapted)]:
+        raise Stop(f"--lora_target_modules {targets}: no module named {', '.join(missing)} in the model "
+                   f"(adapted: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in adapted}))})")
+
+
 def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) -> None:
     """The tokenizer and the block size against the model config, before packing.
 

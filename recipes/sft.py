@@ -242,6 +242,7 @@ def main() -> int:
             model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
         except ValueError as err:
             raise errors.Stop(f"--lora_target_modules {targets}: {err}") from None
+        checks.lora_targets_found(model, targets)  # peft adapts what it finds, names it does not
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.max_length)

@@ -173,3 +173,32 @@ def test_full_fine_tuning_under_every_strategy(config, base, reference, tmp_path
     out = sft_run(tmp_path / config, config, base, cache_dir)
     assert_same_answer(out, reference["full"])
     assert not (out / "final" / "adapter").exists()
+
+
+def test_refusals_are_one_line(monkeypatch, base, tmp_path, cache_dir):
+    from conftest import run_in_process
+
+    assert run_in_process(monkeypatch, "recipes/sft.py", "--output_dir", tmp_path / "a") == (
+        "error: sft.py fine-tunes a pretrained model: pass --model_name_or_path (e.g. runs/llama/final, the export "
+        "of recipes/llama.py)")
+    assert run_in_process(monkeypatch, "recipes/sft.py", "--output_dir", tmp_path / "b", "--model_name_or_path",
+                          base, "--lora_alpha", 8) == (
+        "error: --lora_alpha sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
+    # a module the model does not have: peft's reason, in one line on every rank
+    proc = launch("single", "recipes/sft.py", "--output_dir", tmp_path / "c", "--model_name_or_path", base, *FLAGS,
+                  "--use_peft", "--lora_target_modules", "q_proj,attn_out", cache_dir=cache_dir, mixed_precision="no",
+                  check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # (peft itself stops only when no name matches: it adapted q_proj alone, silently)
+    assert proc.returncode != 0 and lines == [
+        "error: --lora_target_modules q_proj,attn_out: no module named attn_out in the model (adapted: q_proj)"
+    ], proc.stderr[-3000:]
+    # a resume under other LoRA settings would train another model: the checkpoint's are named
+    from common.checkpoint import resume_error
+
+    lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+    saved = {"step": 2, "lora": lora, "distributed_type": "MULTI_CPU", "world_size": 2}
+    error = resume_error(tmp_path / "checkpoint-2", saved, {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
+                         ["lora"])
+    assert error == (f"cannot resume from {tmp_path / 'checkpoint-2'}: lora.r 8 -> 16. Resume with the saved "
+                     "settings, or start a new run (into another --output_dir) from its weights")
