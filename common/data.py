@@ -396,6 +396,48 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
     return blocks, stats
 
 
+def chat_rows(tokenizer, template_file: str | None, assistant_only: bool):
+    """`pack_dataset`'s `to_rows` and `rows_key`: each conversation through the chat template
+    (`template_file`'s, else the tokenizer's), as token ids and labels (-100 but on the assistant's
+    turns, with assistant_only). A turn's tokens are what the template adds for it: the
+    assistant's are those after the generation prompt (its header)."""
+    if template_file:
+        if not Path(template_file).is_file():
+            raise Stop(f"--chat_template {template_file}: no such file")
+        tokenizer.chat_template = Path(template_file).read_text()
+    if not tokenizer.chat_template:
+        raise Stop("the tokenizer has no chat template: pass --chat_template FILE (a Jinja "
+                          "template; data/chat_template.jinja is a plain-text one)")
+
+    def render(messages, prompt=False) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
+                                                  tokenize=True, return_dict=False))
+
+    def to_rows(batch: dict) -> dict:
+        rows = {"ids": [], "labels": []}
+        for messages in batch.get("messages") or [
+                [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                for p, c in zip(batch["prompt"], batch["completion"])]:
+            ids = render(messages)
+            labels = [-100] * len(ids) if assistant_only else list(ids)
+            for k, turn in enumerate(messages if assistant_only else []):
+                if turn["role"] != "assistant":
+                    continue
+                which = f"the conversation that starts {messages[0]['content'][:40]!r}"
+                if k == 0:
+                    raise Stop(f"{which} starts with an assistant turn: it answers nothing")
+                prompt, whole = render(messages[:k], prompt=True), render(messages[:k + 1])
+                if ids[:len(whole)] != whole or whole[:len(prompt)] != prompt:
+                    raise Stop(f"the chat template is not prefix-stable: in {which}, "
+                                      f"turn {k} changes the tokens before it")
+                start, end = len(prompt), len(whole)
+                labels[start:end] = ids[start:end]  # the reply and what closes it (the eos)
+            rows["ids"].append(ids)
+            rows["labels"].append(labels)
+        return rows
+    return to_rows, json.dumps([tokenizer.chat_template, assistant_only])
+
+
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     """What `pack_dataset` kept of each split, read from its cache: packed, `{split: {"rows", "tokens",
     "blocks", "dropped_tokens", "special_text"}}` (documents: and "split_documents"); padded, `{split: {"rows",

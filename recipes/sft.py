@@ -19,7 +19,6 @@ and with --use_peft, final/ holds the merged model and final/adapter/ the adapte
 """
 
 import gc
-import json
 import math
 import sys
 import time
@@ -80,48 +79,6 @@ class Args:
     save_logits_probe: bool = flag(False, "write final_logits.safetensors (tests of the export)")
     sample_tokens: int = flag(None, "tokens sampled from the export (default 40; 0 from 1B)", low=0)
     record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
-
-
-def chat_rows(tokenizer, template_file: str | None, assistant_only: bool):
-    """`data.pack_dataset`'s `to_rows` and `rows_key`: each conversation through the chat template
-    (`template_file`'s, else the tokenizer's), as token ids and labels (-100 but on the assistant's
-    turns, with assistant_only). A turn's tokens are what the template adds for it: the
-    assistant's are those after the generation prompt (its header)."""
-    if template_file:
-        if not Path(template_file).is_file():
-            raise errors.Stop(f"--chat_template {template_file}: no such file")
-        tokenizer.chat_template = Path(template_file).read_text()
-    if not tokenizer.chat_template:
-        raise errors.Stop("the tokenizer has no chat template: pass --chat_template FILE (a Jinja "
-                          "template; data/chat_template.jinja is a plain-text one)")
-
-    def render(messages, prompt=False) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
-                                                  tokenize=True, return_dict=False))
-
-    def to_rows(batch: dict) -> dict:
-        rows = {"ids": [], "labels": []}
-        for messages in batch.get("messages") or [
-                [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-                for p, c in zip(batch["prompt"], batch["completion"])]:
-            ids = render(messages)
-            labels = [-100] * len(ids) if assistant_only else list(ids)
-            for k, turn in enumerate(messages if assistant_only else []):
-                if turn["role"] != "assistant":
-                    continue
-                which = f"the conversation that starts {messages[0]['content'][:40]!r}"
-                if k == 0:
-                    raise errors.Stop(f"{which} starts with an assistant turn: it answers nothing")
-                prompt, whole = render(messages[:k], prompt=True), render(messages[:k + 1])
-                if ids[:len(whole)] != whole or whole[:len(prompt)] != prompt:
-                    raise errors.Stop(f"the chat template is not prefix-stable: in {which}, "
-                                      f"turn {k} changes the tokens before it")
-                start, end = len(prompt), len(whole)
-                labels[start:end] = ids[start:end]  # the reply and what closes it (the eos)
-            rows["ids"].append(ids)
-            rows["labels"].append(labels)
-        return rows
-    return to_rows, json.dumps([tokenizer.chat_template, assistant_only])
 
 
 # >>> shared: evaluate (tests/test_skeleton.py keeps the shared blocks identical across recipes)
@@ -193,7 +150,7 @@ def main() -> int:
                                      bundled=(f"{CHAT}/train.jsonl", f"{CHAT}/validation.jsonl"))
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, 0, args.cache_dir)
-        to_rows, rows_key = chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
+        to_rows, rows_key = data.chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
         checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.max_length)
         ids = models.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
         lm_data = data.pack_dataset(raw, tokenizer, args.max_length, args.cache_dir, args.packing,

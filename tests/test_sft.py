@@ -3,7 +3,6 @@ assistant's (an independent count: the template's text, not its tokens); the pac
 labels; every strategy gives one process's answer; a resume is exact; the exports (the adapter,
 the merged model) give the live model's logits; each refusal is one line."""
 
-import runpy
 import sys
 
 import pytest
@@ -22,12 +21,6 @@ CHAT_COLUMNS = (("messages",), ("prompt", "completion"))
 
 
 @pytest.fixture(scope="module")
-def sft():
-    """recipes/sft.py's module-level names (its functions), without running main()."""
-    return runpy.run_path(str(REPO / "recipes" / "sft.py"), run_name="sft_under_test")
-
-
-@pytest.fixture(scope="module")
 def chat(cache_dir):
     """The bundled chat set and the bundled tokenizer (with its plain-text chat template)."""
     tokenizer = data.get_tokenizer(None, data.load_text_dataset(), 4096, cache_dir)
@@ -35,12 +28,12 @@ def chat(cache_dir):
     return raw, tokenizer
 
 
-def test_the_targets_are_the_assistant_tokens(sft, chat, tmp_path):
+def test_the_targets_are_the_assistant_tokens(chat, tmp_path):
     from accelerate import PartialState
 
     PartialState()  # Accelerate's logger (pack_dataset's warnings) needs the (one-process) state
     raw, tokenizer = chat
-    to_rows, rows_key = sft["chat_rows"](tokenizer, None, True)
+    to_rows, rows_key = data.chat_rows(tokenizer, None, True)
     for split in ("train", "validation"):
         conversations = raw[split][:]["messages"]
         rows = to_rows(raw[split][:])
@@ -52,7 +45,7 @@ def test_the_targets_are_the_assistant_tokens(sft, chat, tmp_path):
             assert [y for y in labels if y != -100] == [t for t, y in zip(ids, labels) if y != -100]
             assert ids == list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
     # --assistant_only_loss false: every token; prompt/completion rows: one exchange
-    every, key = sft["chat_rows"](tokenizer, None, False)
+    every, key = data.chat_rows(tokenizer, None, False)
     rows = every(raw["validation"][:3])
     assert rows["labels"] == rows["ids"] and key != rows_key
     pair = to_rows({"prompt": ["Who is there?"], "completion": ["Nay, answer me."]})
@@ -75,20 +68,20 @@ def test_the_targets_are_the_assistant_tokens(sft, chat, tmp_path):
             assert 0 < made - kept <= stats["dropped_tokens"] + stats["split_documents"], (made, kept, stats)
 
 
-def test_a_template_that_is_not_prefix_stable_is_refused(sft, chat):
+def test_a_template_that_is_not_prefix_stable_is_refused(chat):
     raw, tokenizer = chat
     tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     # a closing separator after each reply: the next turn's header merges with it into other tokens
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}"
                                "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
-    to_rows, _ = sft["chat_rows"](tokenizer, None, True)
+    to_rows, _ = data.chat_rows(tokenizer, None, True)
     with pytest.raises(ValueError, match="the chat template is not prefix-stable: in the conversation that starts"):
         to_rows(raw["train"][:8])
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template: pass --chat_template FILE"):
-        sft["chat_rows"](tokenizer, None, True)
+        data.chat_rows(tokenizer, None, True)
     with pytest.raises(ValueError, match="--chat_template nope.jinja: no such file"):
-        sft["chat_rows"](tokenizer, "nope.jinja", True)
+        data.chat_rows(tokenizer, "nope.jinja", True)
 
 
 # ---- Launched: every strategy against one process, LoRA and full, fp32 ---------------------------
