@@ -481,8 +481,9 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     "labels": [...]}` (a `datasets` batch of raw rows in; one document per row out, labels -100
     where a token is no target, e.g. all but a chat's assistant turns), named by `rows_key` (what
     it does: template, label rule), which joins the cache key and the data digest
-    (`packing_digest`); the packing, the cache and the statistics are the same. `length_flag` is
-    the flag the warnings name.
+    (`packing_digest`); the packing, the cache and the statistics are the same, but for "stream",
+    refused: its loss count (llama.py's) takes every position of a block as a target.
+    `length_flag` is the flag the warnings name.
 
     Returns:
         `DatasetDict` (`train`, `validation`) with `input_ids`, `labels` (documents: and
@@ -494,6 +495,9 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
+    if to_rows is not None and packing == "stream":  # (llama.py's loss count assumes it)
+        raise Stop("--packing stream trains on every token of a block: a recipe's own labels need "
+                   "--packing documents or none")
     digest = packing_digest(raw, tokenizer, block_size, packing, rows_key)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

@@ -52,6 +52,9 @@ def test_the_targets_are_the_assistant_tokens(chat, tmp_path):
     targets = [t for t, y in zip(pair["ids"][0], pair["labels"][0]) if y != -100]
     assert tokenizer.decode(targets) == "Nay, answer me." + tokenizer.eos_token
 
+    # stream packing would attend across conversations, and llama.py counts every position a target
+    with pytest.raises(ValueError, match="a recipe's own labels need --packing documents or none"):
+        data.pack_dataset(raw, tokenizer, 256, str(tmp_path), "stream", to_rows, rows_key)
     # the labels go through the packing as they are: padded rows, and packed documents (whose
     # first token is no target either way: "###" of a header)
     small = raw.map(lambda b: b, batched=True).filter(lambda _, i: i < 40, with_indices=True)
