@@ -72,7 +72,7 @@ class Args:
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     gradient_checkpointing: bool = False
-    eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
+    eval_steps: int = flag(20, "evaluate every N optimizer steps, and at the end", low=1)
     save_total_limit: int = flag(None, "keep only the newest N complete checkpoints", low=1)
     peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
@@ -105,7 +105,7 @@ def evaluate(model, eval_loader, accelerator) -> float:
 
 def main() -> int:
     args = parse_args(Args, description=__doc__, output_dir="runs/sft",
-                      per_device_train_batch_size=8, learning_rate=3e-4, weight_decay=0.0,
+                      per_device_train_batch_size=8, learning_rate=1e-3, weight_decay=0.0,
                       warmup_steps=6, max_steps=60, logging_steps=10, report_to="tensorboard")
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     checks.sft_flags(args)  # a model to fine-tune; LoRA flags only with --use_peft
