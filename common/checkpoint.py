@@ -26,8 +26,10 @@ Kubernetes, torchrun and users send before they kill into a checkpoint at the ne
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -127,6 +129,10 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     on resume; sealed by `_marker_sha256`), renames `checkpoint-{step}.tmp` into place, and deletes
     the oldest complete checkpoints beyond `save_total_limit` (`_rotate`: never the new one).
 
+    A model with frozen parameters (LoRA: the pretrained base) is saved without them: the trainable
+    parameters and their optimizer state only (`_state_kwargs`, for every strategy), and the marker
+    records each trainable parameter's `trainable_sums`, which `load_checkpoint` checks after the load.
+
     Returns:
         The path of the finished checkpoint (the same on every rank, after a final barrier).
 
@@ -140,7 +146,10 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # debris of a save that crashed
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    partial = trainable_only(accelerator)  # frozen parameters (LoRA): left out, fingerprinted
+    with _state_kwargs(accelerator, partial, load=False) as kwargs:
+        accelerator.save_state(str(tmp), **kwargs)
+    trainable = trainable_sums(accelerator) if partial else None  # (a collective)
     accelerator.wait_for_everyone()  # every shard is written before anyone lists them
     if accelerator.is_main_process:
         workarounds.safetensors_mode_from_umask(tmp)  # (safetensors writes 0600)
@@ -155,7 +164,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     if accelerator.is_main_process:
         # saved_at is information only (and zero_universal's cache key): clocks differ between nodes
         marker = {"step": step, ORDER: _next_save_order(out), "saved_at": time.time(), **(run_state or {}),
-                  "files": sizes, "sha256": sums}
+                  **({TRAINABLE: trainable} if trainable is not None else {}), "files": sizes, "sha256": sums}
         marker[SEAL] = _marker_sha256(marker)
         _fsync_dirs(tmp)  # the names too, before the marker vouches for them
         with open(tmp / MARKER, "w") as f:
@@ -356,10 +365,125 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
         The names of the workarounds applied.
     """
     applied = workarounds.fill_fsdp1_optimizer_state(accelerator, model, optimizer)
-    with zero_universal(accelerator, path, model) as load_from:
-        accelerator.load_state(str(load_from))
+    partial = trainable_only(accelerator)
+    with zero_universal(accelerator, path, model) as load_from, \
+            _state_kwargs(accelerator, partial, load=True, applied=applied) as kwargs:
+        accelerator.load_state(str(load_from), **kwargs)
+    if partial and (saved := _read_marker(Path(path) / MARKER).get(TRAINABLE)) is not None:
+        if error := trainable_error(saved, trainable_sums(accelerator)):  # (a collective)
+            raise Stop(f"cannot resume from {path}: {error}")
     applied += workarounds.relink_offload_lr_scheduler(accelerator)
     return applied + workarounds.micro_steps_from_optimizer_steps(accelerator, optimizer_steps)
+
+
+TRAINABLE = "trainable_sums"  # the marker's {name: [elements, sum, sum of squares]} (`trainable_sums`)
+
+
+def trainable_only(accelerator) -> bool:
+    """Whether a prepared model has frozen parameters (LoRA: the pretrained base), which its
+    checkpoints leave out."""
+    return any(not p.requires_grad for model in accelerator._models for p in model.parameters())
+
+
+def _clean_name(name: str) -> str:
+    """A parameter's name without the wrappers' parts (DDP's or DeepSpeed's `module.`, FSDP1's
+    `_fsdp_wrapped_module.`, activation checkpointing's, torch.compile's)."""
+    for part in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(part, "")
+    return name.removeprefix("module.")
+
+
+@contextmanager
+def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None = None):
+    """Yields the keyword arguments of `save_state` (load=False) or `load_state` that keep frozen
+    parameters out of a checkpoint when `partial`, and back it in exactly; {} otherwise.
+
+    DeepSpeed: its engine's `exclude_frozen_parameters` on save, `load_module_strict=False` on load
+    (Accelerate passes both through). FSDP1 and FSDP2: `workarounds.fsdp_trainable_state_only`
+    for the block (its name is added to `applied`). Single process and DDP: a save hook of
+    Accelerate's, for the block, drops the frozen weights from `model.safetensors` (by the bare
+    model's names, which its keys carry; a save that would keep fewer than every trainable
+    parameter stops), and the load is not strict. Optimizers hold the trainable parameters only.
+    """
+    if not partial:
+        yield {}
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        yield {"load_module_strict": False} if load else {"exclude_frozen_parameters": True}
+    elif accelerator.distributed_type == DistributedType.FSDP:
+        with workarounds.fsdp_trainable_state_only(accelerator) as names:
+            if applied is not None:
+                applied += names
+            yield {}
+    elif load:
+        yield {"strict": False}
+    else:
+        def drop_frozen(models, weights, output_dir):
+            for model, weights_of_model in zip(models, weights):
+                bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+                trainable = {name for name, p in bare.named_parameters() if p.requires_grad}
+                for key in [key for key in weights_of_model if _clean_name(key) not in trainable]:
+                    del weights_of_model[key]
+                if missing := trainable - set(map(_clean_name, weights_of_model)):
+                    raise Stop(f"a checkpoint would lack {len(missing)} of the {len(trainable)} trainable "
+                               f"parameters (first: {sorted(missing)[0]})")
+        handle = accelerator.register_save_state_pre_hook(drop_frozen)
+        try:
+            yield {}
+        finally:
+            handle.remove()
+
+
+def trainable_sums(accelerator) -> dict[str, list]:
+    """{name: [elements, sum, sum of squares]} of every trainable parameter of the prepared models,
+    whole (over every rank's shard), in fp64: what a checkpoint of a model with frozen parameters
+    records, so that a load which silently left a parameter as it was is caught. A collective.
+
+    Cheap for LoRA (the adapters only): ZeRO-3 gathers the trainable parameters, FSDP2 each
+    trainable DTensor whole; FSDP1 adds up its ranks' local views (`use_orig_params`); replicated
+    strategies (single, DDP, ZeRO-2) read their own copy.
+    """
+    import torch
+
+    sums, deepspeed = {}, accelerator.distributed_type == DistributedType.DEEPSPEED
+    fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
+    for index, model in enumerate(accelerator._models):
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        gather = contextlib.nullcontext()
+        if deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed as ds
+
+            gather = ds.zero.GatheredParameters([p for _, p in named])
+        rows = []
+        with gather:
+            for _, p in named:
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a DTensor
+                values = whole.detach().double()
+                rows.append(torch.stack([values.new_tensor(float(values.numel())), values.sum(),
+                                         values.square().sum()]))
+        table = torch.stack(rows) if rows else torch.zeros((0, 3), dtype=torch.float64, device=accelerator.device)
+        if fsdp1 and accelerator.num_processes > 1:  # each rank holds a slice of each parameter
+            torch.distributed.all_reduce(table)
+        prefix = f"model_{index}." if index else ""
+        sums.update({prefix + _clean_name(name): row for (name, _), row in zip(named, table.tolist())})
+    return sums
+
+
+def trainable_error(saved: dict, loaded: dict) -> str | None:
+    """Why the trainable parameters after a load are not the ones a checkpoint recorded
+    (`trainable_sums`), as one clause; None if they are (fp64 sums: 1e-9 relative, room for
+    another summation order on another number of ranks)."""
+    if missing := sorted(set(saved) ^ set(loaded)):
+        return (f"its trainable parameters are not this model's: {len(missing)} names differ (first: "
+                f"{missing[0]}); resume with the --lora_* and model settings it was saved with")
+
+    def differs(a, b):
+        (n, total, squares), (_, total_now, squares_now) = a, b
+        return not (math.isclose(squares, squares_now, rel_tol=1e-9, abs_tol=1e-30)
+                    and abs(total - total_now) <= 1e-9 * math.sqrt(max(squares, 1e-60) * max(n, 1)))
+    if wrong := [name for name in saved if differs(saved[name], loaded[name])]:
+        return (f"{len(wrong)} of its {len(saved)} trainable parameters did not load (first: {wrong[0]}: "
+                f"sum of squares {saved[wrong[0]][2]:.9g} saved, {loaded[wrong[0]][2]:.9g} after the load)")
+    return None
 
 
 @contextmanager
@@ -433,6 +557,7 @@ SETTING_SOURCES = {
     "train_passages": "the data: --tokenizer_name_or_path, --block_size, --validation_split_percentage, "
                       "--max_train_samples",
     "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
+    "frozen_base": "the frozen base model's weights: --model_name_or_path",
 }
 
 
@@ -796,7 +921,9 @@ def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
     scaling), decay, betas and warmup, --max_grad_norm, the precision (`precision_state`: another
     precision is another run) and the model config; with dropout, also the split of the global
     batch over micro batches and ranks, on which its masks depend. Recorded besides, for
-    `resume_error`: the world size and strategy (`strategy_name`), and `max_steps`.
+    `resume_error`: the world size and strategy (`strategy_name`), and `max_steps`. A model with
+    frozen parameters (LoRA) must also keep its base: `frozen_base`, the digest of the pretrained
+    weights (`models.weights_digest`), as the checkpoint does not hold them.
 
     Returns:
         (the run state, the keys of it that must match, data position first).
@@ -806,9 +933,21 @@ def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
                                                  "adam_epsilon", "warmup_steps")},
                 **precision_state(accelerator),
                 "model_config": models.config_state(model.config),
+                **_frozen_base(args, model),
                 **({"per_device_train_batch_size": args.per_device_train_batch_size,
                     "gradient_accumulation_steps": args.gradient_accumulation_steps,
                     "world_size": accelerator.num_processes} if models.uses_dropout(model) else {})}
     state = {"world_size": accelerator.num_processes, "max_steps": max_steps,
              "distributed_type": strategy_name(accelerator), **data_position, **same_run}
     return state, [*data_position, *same_run]
+
+
+def _frozen_base(args, model) -> dict:
+    """{"frozen_base": the digest of the pretrained weights} for a model with frozen parameters
+    (`models.weights_digest` of --model_name_or_path, else of the config's source); {} otherwise,
+    or where no weight files are found."""
+    if all(p.requires_grad for p in model.parameters()):
+        return {}
+    source = getattr(args, "model_name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    digest = models.weights_digest(source)
+    return {"frozen_base": digest} if digest else {}

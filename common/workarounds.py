@@ -46,6 +46,9 @@ run_info.json is written: `fsdp1_cpu_state_dict` returns the state dict instead,
 |   unwrap                   |                  | non-DeepSpeed export         | unwrap any module     |
 | safetensors_mode_from_     | safetensors 0.8  | exports unreadable by the    | writes files with     |
 |   umask                    |                  | group (0600)                 | mode 0600             |
+| fsdp_trainable_state_only  | Accelerate 1.15, | LoRA checkpoints hold the    | saves the whole model;|
+|                            | torch 2.13 FSDP1 | frozen base; FSDP1's         | adapter_only loads    |
+|                            |                  | adapter_only loads nothing   | FSDP1 by wrapped names|
 
 The canary of each is `test_<workaround>` in tests/test_workarounds.py; the last column says
 what it checks upstream still does.
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -373,6 +377,50 @@ def relink_offload_lr_scheduler(accelerator) -> list[str]:
             held.param_groups = base.param_groups
             applied = ["relink_offload_lr_scheduler"]
     return applied
+
+
+@contextmanager
+def fsdp_trainable_state_only(accelerator):
+    """FSDP1 / FSDP2: inside the block, `save_state` and `load_state` write and read the model's
+    trainable parameters only (a LoRA model's adapters, not its frozen base).
+
+    Accelerate 1.15's `save_state` and `load_state` call `save_fsdp_model` / `load_fsdp_model`
+    without `adapter_only`, so a LoRA checkpoint held the whole base; and its `adapter_only` load
+    under FSDP1 (torch 2.13) matched peft's key names against FSDP1's wrapped ones and loaded
+    nothing, silently: the resume restarted from the initial adapters. For the block, the names
+    `accelerate.accelerator` imported are rebound to functions that save and load through torch's
+    `get_model_state_dict` / `set_model_state_dict` with `ignore_frozen_params` (DCP, in the same
+    `pytorch_model_fsdp_{i}` folder), then restored. The optimizer's state is Accelerate's own
+    (it holds the trainable parameters only). Other strategies: nothing. Canary: `save_state` and
+    `load_state` still call those names without `adapter_only`.
+
+    Yields:
+        ["fsdp_trainable_state_only"], or [] where this is not FSDP.
+    """
+    if accelerator.distributed_type != DistributedType.FSDP:
+        yield []
+        return
+    import accelerate.accelerator as accelerator_module
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    trainable = StateDictOptions(ignore_frozen_params=True)
+
+    def save_trainable(fsdp_plugin, accelerator, model, output_dir, model_index=0, **_):
+        dcp.save({"model": get_model_state_dict(model, options=trainable)},
+                 checkpoint_id=os.path.join(output_dir, f"pytorch_model_fsdp_{model_index}"))
+
+    def load_trainable(fsdp_plugin, accelerator, model, input_dir, model_index=0, **_):
+        state_dict = get_model_state_dict(model, options=trainable)
+        dcp.load({"model": state_dict}, checkpoint_id=os.path.join(input_dir, f"pytorch_model_fsdp_{model_index}"))
+        set_model_state_dict(model, state_dict, options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
+    accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = save_trainable, load_trainable
+    try:
+        yield ["fsdp_trainable_state_only"]
+    finally:
+        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
 
 
 def fsdp1_cpu_state_dict(accelerator, model: torch.nn.Module) -> dict | None:

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -166,6 +167,28 @@ def test_fill_fsdp1_optimizer_state():
         upstream("fill_fsdp1_optimizer_state")
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     assert fresh.state_dict()["state"] == {}, upstream("fill_fsdp1_optimizer_state")
+
+
+def test_fsdp_trainable_state_only():
+    """`save_state` and `load_state` still call the `save_fsdp_model` / `load_fsdp_model` names that
+    accelerate.accelerator imported, without `adapter_only`: a LoRA checkpoint would hold the frozen base.
+    The workaround rebinds them for its block only."""
+    import accelerate.accelerator as accelerator_module
+    from accelerate.utils import fsdp_utils
+
+    saves, loads = inspect.getsource(Accelerator.save_state), inspect.getsource(Accelerator.load_state)
+    assert "save_fsdp_model(self.state.fsdp_plugin, self, model, output_dir, i)" in saves and \
+        "load_fsdp_model(self.state.fsdp_plugin, self, model, input_dir, i)" in loads and \
+        accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model, upstream("fsdp_trainable_state_only")
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with workarounds.fsdp_trainable_state_only(fsdp) as applied:
+        assert applied == ["fsdp_trainable_state_only"]
+        assert accelerator_module.save_fsdp_model is not fsdp_utils.save_fsdp_model
+        assert accelerator_module.load_fsdp_model is not fsdp_utils.load_fsdp_model
+    assert accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model
+    assert accelerator_module.load_fsdp_model is fsdp_utils.load_fsdp_model
+    with workarounds.fsdp_trainable_state_only(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)) as applied:
+        assert applied == [] and accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model
 
 
 def test_micro_steps_from_optimizer_steps(fresh_state, tmp_path):
