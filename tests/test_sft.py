@@ -295,10 +295,10 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
 
     moved, other = tmp_path / "moved", tmp_path / "other"
     shutil.copytree(base, moved)
-    base = AutoModelForCausalLM.from_pretrained(base)
+    changed = AutoModelForCausalLM.from_pretrained(base)
     with torch.no_grad():
-        base.model.layers[1].mlp.down_proj.weight.mul_(1.01)
-    base.save_pretrained(other)
+        changed.model.layers[1].mlp.down_proj.weight.mul_(1.01)
+    changed.save_pretrained(other)
     digest = models.weights_digest(str(base))
     assert digest and models.weights_digest(str(moved)) == digest != models.weights_digest(str(other))
     state = {"frozen_base": models.weights_digest(str(other)), "world_size": 1, "distributed_type": "NO",
