@@ -136,6 +136,21 @@ def assert_same_answer(run, ref):
         assert gaps[key] is not None and gaps[key] <= bound, (key, gaps)
 
 
+def assert_exact_resume(out, config, base, tmp_path, cache_dir, *args):
+    """New processes resume `out`'s checkpoint-2 into another folder: steps 3-4 as the uninterrupted
+    run's (measured: bit-equal under every strategy, LoRA and full; 1e-7 relative allowed)."""
+    resumed = sft_run(tmp_path / "resumed", config, base, cache_dir, *args, "--resume_from_checkpoint",
+                      out / "checkpoint-2")
+    want = {r["step"]: r for r in read_metrics(out)[0]}
+    got = read_metrics(resumed)[0]
+    assert [r["step"] for r in got] == [3, 4]
+    timing = {"tokens_per_second", "data_wait_share", "peak_memory_bytes"}
+    for r in got:
+        assert r.keys() - timing == want[r["step"]].keys() - timing
+        for key in {"loss", "grad_norm", "lr", "eval_loss", "input_tokens", "target_tokens"} & r.keys():
+            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-7, abs=1e-12), (r["step"], key)
+
+
 @pytest.mark.parametrize("config", STRATEGIES)
 def test_lora_under_every_strategy(config, base, reference, tmp_path, cache_dir):
     """LoRA trains the adapters only and gives one process's answer; its checkpoint holds the
@@ -143,18 +158,7 @@ def test_lora_under_every_strategy(config, base, reference, tmp_path, cache_dir)
     base, and the merged export give the live model's logits."""
     out = sft_run(tmp_path / config, config, base, cache_dir, *LORA, "--save_logits_probe", "--save_steps", 2)
     assert_same_answer(out, reference["lora"])
-    # new processes resume checkpoint-2 into another folder: steps 3-4 as the uninterrupted run's
-    # (measured: bit-equal on all five; 1e-7 relative allowed)
-    resumed = sft_run(tmp_path / "resumed", config, base, cache_dir, *LORA, "--resume_from_checkpoint",
-                      out / "checkpoint-2")
-    want = {r["step"]: r for r in read_metrics(out)[0]}
-    got = read_metrics(resumed)[0]
-    assert [r["step"] for r in got] == [3, 4]
-    for r in got:
-        assert r.keys() - {"tokens_per_second", "data_wait_share", "peak_memory_bytes"} == \
-            want[r["step"]].keys() - {"tokens_per_second", "data_wait_share", "peak_memory_bytes"}
-        for key in {"loss", "grad_norm", "lr", "eval_loss", "input_tokens", "target_tokens"} & r.keys():
-            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-7, abs=1e-12), (r["step"], key)
+    assert_exact_resume(out, config, base, tmp_path, cache_dir, *LORA)
     # the checkpoint's model files, read in their own formats: every adapter tensor (28), no base
     # weight (measured 58-247 kB, ZeRO-3 to FSDP, against the base's 2.43 MB)
     from peft import LoraConfig, get_peft_model
@@ -190,8 +194,9 @@ def test_lora_under_every_strategy(config, base, reference, tmp_path, cache_dir)
 
 @pytest.mark.parametrize("config", STRATEGIES)
 def test_full_fine_tuning_under_every_strategy(config, base, reference, tmp_path, cache_dir):
-    out = sft_run(tmp_path / config, config, base, cache_dir)
+    out = sft_run(tmp_path / config, config, base, cache_dir, "--save_steps", 2)
     assert_same_answer(out, reference["full"])
+    assert_exact_resume(out, config, base, tmp_path, cache_dir)
     assert not (out / "final" / "adapter").exists()
 
 
