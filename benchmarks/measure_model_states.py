@@ -21,14 +21,18 @@ each rank holds:
 | Adam moments    | `optimizer.state` tensors         | the inner optimizer's `state` (torch or CPU Adam)    |
 
 Each byte is counted once: tensors are reduced to byte ranges of their storage and a range
-already claimed by an earlier category is not counted again (ZeRO-3 in fp32, for instance,
-uses the parameter partition itself as the master copy). Not counted: activations,
+already claimed by an earlier category is not counted again (a master copy that shared the
+parameter partition's storage would count once; ZeRO-3 in fp32 measured a separate copy). Not counted: activations,
 communication buckets (DDP's reducer buckets, DeepSpeed's `reduce_bucket_size` buffers) and
 FSDP's transient all-gather buffers. The DeepSpeed attribute names are those of deepspeed 0.19.8.
 
 Only the main process writes `--output_file` (JSON, per-rank lists gathered from all ranks). With
 several shapes in `--config_overrides` ("num_hidden_layers=8;num_key_value_heads=2", each measured
 with a fresh Accelerator in the same process group) it holds one such object per shape, a list.
+An entry may also set `lora_r=R`: that model then trains LoRA adapters of rank R on every Linear but
+the head (recipes/sft.py's `--use_peft --lora_r R`, its default all-linear targets, alpha 2R, dropout
+0.05) on the frozen base, and the optimizer holds the adapters only (";lora_r=8": the same model, full
+and LoRA, in one launch).
 """
 
 import json
@@ -55,7 +59,8 @@ class Args:
     model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
     config_overrides: str = field(default="", metadata={"help": (
         "LlamaConfig changes, 'key=value,key=value' (as recipes/llama.py); several model shapes measured in this "
-        "one launch: separate them with ';' (an empty entry is the preset itself); --output_file then holds a list"
+        "one launch: separate them with ';' (an empty entry is the preset itself); --output_file then holds a list. "
+        "lora_r=R in an entry: LoRA adapters of rank R on every Linear but the head, the base frozen"
     )})
     vocab_size: int = flag(4096, low=256)
     block_size: int = flag(256, low=2)
@@ -181,17 +186,23 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
                                          drop_last=True)
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    if overrides:
+    kept = [kv for kv in overrides.split(",") if kv.strip() and not kv.strip().startswith("lora_r=")]
+    lora_r = next((int(kv.split("=")[1]) for kv in overrides.split(",") if kv.strip().startswith("lora_r=")), None)
+    if kept:
         try:
-            config = models.apply_overrides(config, overrides)
+            config = models.apply_overrides(config, ",".join(kept))
         except ValueError as err:
             sys.exit(f"error: {err}")
     model = LlamaForCausalLM(config)
     model.config.use_cache = False
+    if lora_r:  # as recipes/sft.py --use_peft: the base frozen, adapters on every Linear but the head
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=2 * lora_r,
+                                                 lora_dropout=0.05, target_modules="all-linear"))
     n_params = sum(p.numel() for p in model.parameters())
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     batches = iter(loader)
@@ -223,7 +234,8 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
         result = {
             "distributed_type": str(accelerator.distributed_type).split(".")[-1],
             "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
-            "config_overrides": overrides, "n_params": n_params, "loss": loss.item(),
+            "config_overrides": overrides, "n_params": n_params, "n_trainable": n_trainable, "lora_r": lora_r,
+            "loss": loss.item(),
             **{f"{c}_bytes": [rank[i] for rank in per_rank] for i, c in enumerate(categories)},
             "devices": {c: sorted(d) for c, d in ledger.devices.items()},  # of rank 0
             "optimizer": type(inner).__name__,

@@ -24,6 +24,12 @@ dtypes these configs really hold: measured by benchmarks/measure_model_states.py
 | ZeRO-2 (our JSON)   | 2Ψ bf16, whole  | 4Ψ/N fp32 (*) | 4Ψ/N        | 8Ψ/N             |
 | ZeRO-3 (our JSON)   | 2Ψ/N + 2P bf16  | 4Ψ/N fp32 (*) | 4Ψ/N        | 8Ψ/N             |
 
+LoRA (`--use_peft`, Ψt trainable adapter elements, r x (in + out) per adapted Linear): the params
+column is unchanged (Ψ counts base and adapters; the frozen base is stored, and sharded, as every
+parameter), the grads, fp32 master and Adam columns take Ψt for Ψ (`plan_strategy`). Measured by
+benchmarks/lora_states.py (benchmarks/results/lora_states_cpu2.md) and tests/test_plan.py.
+ZeRO-3 keeps its fp32 master as a copy also without mixed precision (measured, deepspeed 0.19.8).
+
 (*) "data_types.grad_accum_dtype": "fp32"; bf16 (2Ψ/N) without it. P = parameters of at most
 `stage3_param_persistence_threshold` elements ("auto": 10h), kept whole on every rank. Offload
 moves the master, Adam and (ZeRO-3) gradients, and with offload_param the params, to host RAM.
@@ -185,8 +191,13 @@ def comm_pattern(kind: str, grad_bytes: int, param_bytes: int | None = None) -> 
     return f"{reduce} + {'2×' if kind == 'zero3' else ''}AG Ψ×{param_bytes}B"
 
 
-def model_shape(config) -> dict:
+def model_shape(config, lora: dict | None = None) -> dict:
     """Shapes the planner needs, read from a model built on the meta device (no memory, any HF causal LM).
+
+    With `lora` ({"r": rank, "target_modules": "all-linear" or a list of names}, recipes/sft.py's
+    --use_peft meanings) peft adds its adapters to the meta model as sft.py does: the counts below are
+    then those of the adapted model (base and adapters), and "trainable" the adapters' elements, r x (in
+    + out) per adapted Linear (all-linear on a Llama: q, k, v, o, gate, up, down in every block).
 
     Returns a dict of ints: n_params (Ψ, tied weights once), param_dim0_rest (list of (dim 0, other
     elements) per parameter), linear_weights (elements of every nn.Linear weight, lm_head included),
@@ -194,16 +205,27 @@ def model_shape(config) -> dict:
     gathered_modules (modules owning more than 10h parameter elements: ZeRO-3's all-gathers),
     block_params (one decoder block), root_params (outside the blocks), small_params (elements of
     parameters of at most 10h elements: ZeRO-3's persistent ones), and hidden, layers, heads,
-    kv_dim, head_dim, intermediate, vocab.
+    kv_dim, head_dim, intermediate, vocab; trainable (elements that get gradients and optimizer state: Ψ,
+    or the adapters), trainable_dim0_rest, block_trainable, largest_trainable (most trainable elements
+    directly owned by one module), lora_r (0 without LoRA). linear_weights counts the base's Linears only.
 
     Raises:
-        ValueError: the config has no causal-LM class (from `models.causal_lm_class`).
+        ValueError: the config has no causal-LM class (from `models.causal_lm_class`), or peft refuses
+            `lora` (e.g. target modules the model lacks).
     """
     with torch.device("meta"):
         model = models.causal_lm_class(config)(config)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora["r"],
+                                                     target_modules=lora.get("target_modules", "all-linear")))
     params = list({id(p): p for p in model.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
     blocks = models.decoder_blocks(model)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None else 0
+    block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) if blocks is not None else 0
+    adapters = {id(m) for name, m in model.named_modules() if ".lora_" in name}
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -211,7 +233,8 @@ def model_shape(config) -> dict:
     return {
         "n_params": n,
         "param_dim0_rest": [(p.shape[0], p.numel() // p.shape[0]) for p in params],
-        "linear_weights": sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)),
+        "linear_weights": sum(m.weight.numel() for m in model.modules()
+                              if isinstance(m, torch.nn.Linear) and id(m) not in adapters),
         "largest_module": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         "block_params": block_params,
         "root_params": n - block_params * config.num_hidden_layers,
@@ -221,12 +244,20 @@ def model_shape(config) -> dict:
         "hidden": h, "layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
         "kv_dim": getattr(config, "num_key_value_heads", heads) * head_dim,
         "intermediate": getattr(config, "intermediate_size", 4 * h), "vocab": config.vocab_size,
+        "trainable": sum(p.numel() for p in trainable),
+        "trainable_dim0_rest": [(p.shape[0], p.numel() // p.shape[0]) for p in trainable],
+        "block_trainable": block_trainable,
+        "largest_trainable": max(sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+                                 for m in model.modules()),
+        "lora_r": lora["r"] if lora else 0,
     }
 
 
-def shard_elements(shape: dict, ranks: int) -> int:
-    """Parameter elements on the fullest rank when each tensor is split along dim 0 over `ranks`."""
-    return sum(math.ceil(d0 / ranks) * rest for d0, rest in shape["param_dim0_rest"])
+def shard_elements(shape: dict, ranks: int, trainable: bool = False) -> int:
+    """Parameter elements on the fullest rank when each tensor is split along dim 0 over `ranks`: all the
+    parameters, or (trainable) those that train (the LoRA adapters under LoRA)."""
+    return sum(math.ceil(d0 / ranks) * rest for d0, rest in shape["trainable_dim0_rest" if trainable
+                                                                    else "param_dim0_rest"])
 
 
 def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, compute_bytes: int,
@@ -400,27 +431,38 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
         (device, allocated), "reserved" (total x (1 + RESERVED_SLACK)), plus "comm_per_step" (ring
         collectives, bytes sent per rank), "comm_inter_node" (the part of it that crosses machines), "comm_pattern",
         and "activations_detail" (`activation_bytes`).
+
+    LoRA (`model_shape(config, lora)`): the frozen base is stored as every parameter is (fp32, sharded
+    under FSDP and ZeRO-3, whole under DDP, ZeRO-2 in the compute dtype: DeepSpeed casts the whole
+    module), while gradients, the fp32 master and Adam exist for the trainable elements only (torch
+    gives frozen parameters no .grad; the optimizer and DeepSpeed's partitions take only parameters
+    that require grad), and so do DDP's reducer buckets and the gradient reductions. FSDP and ZeRO-3
+    still all-gather every parameter, frozen or not, in forward and backward; ZeRO-2 all-gathers only
+    the updated (trainable) partitions. Measured by benchmarks/measure_model_states.py:
+    benchmarks/results/lora_states_cpu2.md.
     """
     kind, n, h = strategy["kind"], shape["n_params"], shape["hidden"]
+    t = shape.get("trainable", n)  # elements with gradients and optimizer state (the adapters under LoRA)
     low = 4 if mixed_precision == "no" else 2
     replicas = strategy.get("replicas", 1)  # HSDP: FSDP shards over ranks / replicas, replicates across
     shard = shard_elements(shape, ranks // replicas)
+    tshard = shard_elements(shape, ranks // replicas, trainable=True)
     zero = strategy["ds"]
-    states = {"params": 4 * n, "grads": 4 * n, "fp32_master": 0, "adam_moments": 8 * n}
+    states = {"params": 4 * n, "grads": 4 * t, "fp32_master": 0, "adam_moments": 8 * t}
     host = 0
     if kind == "single":
         ranks = 1
     if kind in ("fsdp", "fsdp1"):
-        states = {"params": 4 * shard, "grads": 4 * shard, "fp32_master": 0, "adam_moments": 8 * shard}
+        states = {"params": 4 * shard, "grads": 4 * tshard, "fp32_master": 0, "adam_moments": 8 * tshard}
         if accumulation > 1:  # unsharded fp32 gradients held between micro batches (no_sync)
-            states["grads"] += 4 * (n - shard)
+            states["grads"] += 4 * (t - tshard)
     elif kind in ("zero2", "zero3"):
-        part = math.ceil(n / ranks)
+        part, tpart = math.ceil(n / ranks), math.ceil(t / ranks)
         grad_bytes = strategy["grad_accum_bytes"] or low
         persistent = shape["small_params"] if kind == "zero3" else 0
         states = {"params": low * (part + persistent) if kind == "zero3" else low * n,
-                  "grads": grad_bytes * part, "fp32_master": 4 * part if low == 2 or kind == "zero2" else 0,
-                  "adam_moments": 8 * part}
+                  "grads": grad_bytes * tpart, "fp32_master": 4 * tpart,  # ZeRO-3 in fp32 too: a copy (measured)
+                  "adam_moments": 8 * tpart}
     if strategy["offload_optimizer"]:
         moved = ["fp32_master", "adam_moments"] + (["grads"] if kind == "zero3" else [])
         if kind in ("fsdp", "fsdp1"):
@@ -433,9 +475,10 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
 
     # communication buffers (transient)
     if kind in ("single", "ddp"):
-        buffers = 0 if kind == "single" else 4 * n  # DDP reducer buckets: a second copy of the grads
+        buffers = 0 if kind == "single" else 4 * t  # DDP reducer buckets: a second copy of the grads
     elif kind in ("fsdp", "fsdp1"):
-        buffers = low * shape["root_params"] + 2 * low * shape["block_params"] + 4 * shape["block_params"]
+        buffers = (low * shape["root_params"] + 2 * low * shape["block_params"]
+                   + 4 * shape.get("block_trainable", shape["block_params"]))  # one block's unsharded gradients
         if not strategy["reshard"]:  # every unit's gathered parameters stay from its forward to its backward
             buffers += low * (n - shard)
     elif kind == "zero2":
@@ -443,7 +486,7 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
     else:
         buffers = ((strategy["comm_bytes"] or low) * _ds_size(zero, "reduce_bucket_size", h * h)
                    + low * _ds_size(zero, "stage3_prefetch_bucket_size", 0.9 * h * h)
-                   + 2 * low * shape["largest_module"])
+                   + low * (shape["largest_module"] + shape.get("largest_trainable", shape["largest_module"])))
 
     residual = 4 if kind in ("single", "ddp") else low  # FSDP / DeepSpeed compute on low-precision params
     act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2,
@@ -465,32 +508,34 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
 
     # communication per optimizer step (ZeRO paper volumes, ring share (N-1)/N, each in its dtype)
     grad_comm = 4 if kind in ("single", "ddp", "fsdp", "fsdp1") else (strategy["comm_bytes"] or low)
+    g = "Ψ" if t == n else "Ψt"  # Ψt: the trainable elements (LoRA adapters)
     if kind in ("single", "ddp"):
-        comm, pattern = predicted_comm_bytes("ddp", n, grad_comm, world_size=ranks), f"AR 2Ψ×{grad_comm}B"
+        comm, pattern = predicted_comm_bytes("ddp", t, grad_comm, world_size=ranks), f"AR 2{g}×{grad_comm}B"
     else:
         gathers = 2 if kind == "zero3" or (kind.startswith("fsdp") and strategy["reshard"]) else 1
         # DeepSpeed 0.19.8's ZeRO-1/2 all-reduces the gradients (2Ψ) unless the JSON sets
         # use_multi_rank_bucket_allreduce: false; ZeRO-3 and FSDP reduce-scatter them (Ψ)
         allreduce = kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True)
         group = ranks // replicas  # the ranks a parameter is sharded over
-        reduce = predicted_comm_bytes("zero2_allreduce" if allreduce else "zero2", n, grad_comm, 0, group)
-        gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", n, 0, low, group)
+        reduce = predicted_comm_bytes("zero2_allreduce" if allreduce else "zero2", t, grad_comm, 0, group)
+        gathered = t if kind == "zero2" else n  # ZeRO-2 gathers the updated partitions; FSDP, ZeRO-3 every param
+        gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", gathered, 0, low, group)
         # DeepSpeed reduces every micro batch; FSDP (no_sync) once per step but gathers every micro batch
         reduces = accumulation if kind.startswith("zero") else 1
         gather_times = 1 if kind == "zero2" else accumulation
         comm = reduce * reduces + gather * gather_times
-        pattern = (f"{reduces}×{'AR 2Ψ' if allreduce else 'RS Ψ'}×{grad_comm}B + "
-                   f"{gather_times * gathers}×AG Ψ×{low}B")
+        pattern = (f"{reduces}×{f'AR 2{g}' if allreduce else f'RS {g}'}×{grad_comm}B + "
+                   f"{gather_times * gathers}×AG {g if kind == 'zero2' else 'Ψ'}×{low}B")
     # Across machines: a ring over all ranks (node by node) crosses a machine boundary in 1 of every
     # ranks-per-machine hops, so that share of each rank's bytes rides the network. HSDP keeps its
     # reduce-scatters and all-gathers inside a machine (shards: a machine's ranks) and all-reduces each
     # rank's gradient shard with its replicas on the other machines: 2 x Ψ/shards x 4B x (R-1)/R.
     inter = comm * machines / ranks if machines > 1 and kind != "single" else 0
     if replicas > 1:
-        across = predicted_comm_bytes("ddp", math.ceil(n / (ranks // replicas)), grad_comm, world_size=replicas)
+        across = predicted_comm_bytes("ddp", math.ceil(t / (ranks // replicas)), grad_comm, world_size=replicas)
         inter = across if machines > 1 else 0
         comm += across
-        pattern += f" + AR 2Ψ/{ranks // replicas}×{grad_comm}B across {replicas} replicas"
+        pattern += f" + AR 2{g}/{ranks // replicas}×{grad_comm}B across {replicas} replicas"
     out.update(comm_per_step=int(comm), comm_inter_node=int(inter), comm_pattern=pattern, activations_detail=act)
     return out
 
@@ -734,6 +779,11 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
     host (host_bandwidth) after the gradients go down and before the parameters come up over PCIe
     (4 + 2 bytes per element); offloaded parameters also cross PCIe at each gather.
 
+    LoRA (`shape["trainable"]` below Ψ): the gradient reductions and the AdamW cover the trainable
+    elements only, ZeRO-2's parameter all-gather too; FSDP's and ZeRO-3's all-gathers still carry every
+    parameter. The compute is not changed: it still counts the frozen weights' gradient matmuls (2kn
+    per token of the 4kn backward), which LoRA skips, so it overestimates a LoRA step's compute.
+
     Args:
         strategy: `read_strategy(...)`. shape: `model_shape(...)`. device: `device_spec(...)`.
         ranks: N. batch, seq: micro batch and block size; accumulation: micro batches per step.
@@ -746,6 +796,7 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
         "efficiency".
     """
     kind, n = strategy["kind"], shape["n_params"]
+    t = shape.get("trainable", n)  # LoRA: gradients reduced and AdamW run over the adapters only
     low = 4 if mixed_precision == "no" else 2
     work = compute_work(shape, seq, checkpointing, compiled, low)
     tokens = batch * seq
@@ -765,34 +816,37 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
     # per micro batch: (forward comm, backward comm, exposed extra); the last micro batch may differ
     micro, last, step_comm, count = (0.0, 0.0, 0.0), None, 0.0, 0
     if kind in ("single", "ddp"):
-        buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
-        last = (0.0, cs("all_reduce", 4 * n, buckets), cs("all_reduce", min(4 * n, DDP_BUCKET_BYTES)))
+        buckets = max(1, math.ceil(4 * t / DDP_BUCKET_BYTES))
+        last = (0.0, cs("all_reduce", 4 * t, buckets), cs("all_reduce", min(4 * t, DDP_BUCKET_BYTES)))
         count = buckets if ranks > 1 else 0
     elif kind in ("fsdp", "fsdp1"):
         units, blocks, root = shape["layers"] + 1, shape["block_params"] * shape["layers"], shape["root_params"]
+        tblocks = shape.get("block_trainable", shape["block_params"]) * shape["layers"]
+        troot = t - tblocks  # trainable elements outside the blocks
         gather_fwd = cs("all_gather", low * blocks, units - 1)
         gather_bwd = cs("all_gather", low * blocks, units - 1) if strategy.get("reshard", True) else 0.0
         first = cs("all_gather", low * root)
         micro = (gather_fwd, gather_bwd, first)
-        last = (gather_fwd, gather_bwd + cs("reduce_scatter", 4 * blocks, units - 1),
-                first + cs("reduce_scatter", 4 * root))
+        last = (gather_fwd, gather_bwd + cs("reduce_scatter", 4 * tblocks, units - 1),
+                first + cs("reduce_scatter", 4 * troot))
         if replicas > 1:  # HSDP: each block's gradient shard all-reduced with its replicas; beyond one node,
             # over each rank's own network link (the replicas are on other machines); the last one is exposed
             link = device if ranks <= device.gpus_per_node else Device({**device, "gpus_per_node": 1})
             shards = ranks // replicas
-            last = (last[0], last[1] + collective_seconds(link, "all_reduce", 4 * blocks / shards, replicas, units - 1),
-                    last[2] + collective_seconds(link, "all_reduce", 4 * root / shards, replicas))
+            last = (last[0],
+                    last[1] + collective_seconds(link, "all_reduce", 4 * tblocks / shards, replicas, units - 1),
+                    last[2] + collective_seconds(link, "all_reduce", 4 * troot / shards, replicas))
         count = (2 * units - 1) * accumulation + units if ranks > 1 else 0
     elif kind in ("zero2", "zero3"):
         bucket = _ds_size(zero, "reduce_bucket_size", shape["hidden"] ** 2)
-        buckets = max(1, math.ceil(n / bucket))
+        buckets = max(1, math.ceil(t / bucket))
         op = "all_reduce" if kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
-        reduce = cs(op, grad * n, buckets)
-        tail = cs(op, grad * min(n, bucket))
+        reduce = cs(op, grad * t, buckets)
+        tail = cs(op, grad * min(t, bucket))
         if kind == "zero2":
             micro = (0.0, reduce, tail)
-            gathers = max(1, math.ceil(n / DS_ALLGATHER_BUCKET))
-            step_comm = cs("all_gather", low * n, gathers)
+            gathers = max(1, math.ceil(t / DS_ALLGATHER_BUCKET))
+            step_comm = cs("all_gather", low * t, gathers)
             count = (buckets * accumulation + gathers) if ranks > 1 else 0
         else:
             modules = max(1, shape["gathered_modules"])
@@ -809,14 +863,14 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
     exposed_comm = (accumulation - 1) * exposed(micro) + exposed(last) + step_comm
     total_comm = (accumulation - 1) * sum(micro) + sum(last) + step_comm
 
-    shard = n if kind in ("single", "ddp") else n / ranks
+    shard = t if kind in ("single", "ddp") else t / ranks
     opt_bytes = (32 + (6 if kind in ("zero2", "zero3") else 0)) * shard
     if strategy.get("offload_optimizer"):
         optimizer = opt_bytes / device.host_bandwidth + (6 * shard / device.pcie if device.pcie else 0.0)
     else:
         optimizer = opt_bytes / mem_rate
     if strategy.get("offload_param") and device.pcie:  # parameters cross PCIe at each forward and backward gather
-        exposed_comm += accumulation * 2 * low * shard / device.pcie
+        exposed_comm += accumulation * 2 * low * (n if kind in ("single", "ddp") else n / ranks) / device.pcie
     compute = accumulation * (fwd + bwd)
     step = compute + exposed_comm + optimizer
     return {"compute": compute, "exposed_comm": exposed_comm, "optimizer": optimizer, "step": step,

@@ -191,13 +191,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calibrate", default=None, help="fit the efficiency on a measurement: compare_strategies.md/.json "
                    "or a recipes/llama.py --output_dir (run_info.json, metrics.jsonl)")
     p.add_argument("--calibrate_strategy", default=None, help="which row of --calibrate (default: the first)")
+    p.add_argument("--use_peft", action="store_true",
+                   help="as recipes/sft.py: LoRA adapters train on the frozen model (gradients and optimizer state "
+                        "for the adapters only)")
+    p.add_argument("--lora_r", type=int, default=None, help="LoRA rank (with --use_peft; default 16, as sft.py)")
+    p.add_argument("--lora_target_modules", default=None,
+                   help="comma list of module names, or all-linear (with --use_peft; the default, as sft.py)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     args = p.parse_args(argv)
     import yaml
 
     try:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "block_size", "vocab_size",
-                     "num_processes", "num_machines"):
+                     "num_processes", "num_machines", "lora_r"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
         paths = sorted(p for p in (REPO / "accelerate_configs").glob("*.yaml")  # (tp.yaml: not modelled)
@@ -208,8 +214,17 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"--config {c!r}: no such file {path}")
             paths.append(path)
         strategies = [read_strategy(path) for path in paths]
+        for name in ("lora_r", "lora_target_modules"):
+            if getattr(args, name) is not None and not args.use_peft:
+                raise ValueError(f"--{name} needs --use_peft")
+        targets = args.lora_target_modules or "all-linear"
+        lora = args.use_peft and {"r": args.lora_r or 16,
+                                  "target_modules": targets if targets == "all-linear" else targets.split(",")}
         config = load_model_config(args.model_config, args.vocab_size)
-        shape = model_shape(config)
+        try:
+            shape = model_shape(config, lora or None)
+        except ValueError as err:  # (peft names the target modules the model lacks)
+            raise ValueError(f"--lora_target_modules {targets}: {' '.join(str(err).split())}") from None
         problems: list[str] = []
         with torch.device("meta"):
             model_classes = {type(m).__name__ for m in models.causal_lm_class(config)(config).modules()}
@@ -264,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         sys.exit(f"error: {err}")
     if args.format == "json":
-        print(json.dumps({"model": args.model_config, "n_params": shape["n_params"], "device_memory": memory,
+        print(json.dumps({"model": args.model_config, "n_params": shape["n_params"],
+                          "n_trainable": shape["trainable"], "device_memory": memory,
                           "device_memory_source": source, "plans": plans, "problems": problems,
                           "time_model": {"device": device, "efficiency": efficiency, "source": time_source},
                           "recommendation": recommend(plans, memory)}, indent=1))
@@ -272,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         return
     first = next(iter(plans.values()))
-    header = (f"{args.model_config}: {shape['n_params']:,} parameters (Ψ), vocabulary {shape['vocab']:,}; "
+    adapters = (f" (LoRA r {shape['lora_r']} on {targets}: {shape['trainable']:,} of them train, Ψt)"
+                if shape["lora_r"] else "")
+    header = (f"{args.model_config}: {shape['n_params']:,} parameters (Ψ){adapters}, vocabulary {shape['vocab']:,}; "
               f"{first['ranks']} ranks, {first['mixed_precision']}, micro batch {args.per_device_train_batch_size} x "
               f"{args.block_size} tokens, accumulation {args.gradient_accumulation_steps}, checkpointing "
               f"{mode}{', compiled' if compiled else ''}; device memory {memory / 1e9:.1f} GB per rank ({source})")
