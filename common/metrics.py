@@ -384,8 +384,15 @@ def start_line(run_info: dict) -> str:
         zero = f" | ZeRO-{ds['zero_stage']}" + (f" (offload: {offload})" if offload else "")
     mesh = " (" + " x ".join(f"{dim} {n}" for dim, n in run_info["mesh"].items()) + ")" if run_info.get("mesh") else ""
     return (f"{run_info['distributed_type']} x{run_info['world_size']}{mesh}{zero} | {run_info['mixed_precision']} | "
-            f"{run_info['n_params'] / 1e6:.2f}M params | global batch {run_info['global_batch']} | "
+            f"{run_info['n_params'] / 1e6:.2f}M params{_trainable(run_info)} | "
+            f"global batch {run_info['global_batch']} | "
             f"{run_info['max_steps']} steps" + (f" | torch.compile {compiled['backend']}" if compiled else ""))
+
+
+def _trainable(run_info: dict) -> str:
+    """" (0.16M trainable)" where only some parameters train (LoRA), else ""."""
+    n = run_info.get("trainable_params")
+    return f" ({n / 1e6:.2f}M trainable)" if n is not None and n < run_info["n_params"] else ""
 
 
 def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:

@@ -48,7 +48,7 @@ class Args:
     model_name_or_path: str = flag(None, "the pretrained model to fine-tune (required)")
     tokenizer_name_or_path: str = flag(None, "default: the model's")
     chat_template: str = flag(None, "a Jinja chat template file, for a tokenizer that has none")
-    assistant_only_loss: bool = flag(True, "the loss on the assistant's tokens only")
+    assistant_only_loss: bool = flag(True, "loss on the assistant's tokens only; false: on all")
     dataset_name: str = None
     dataset_config_name: str = None
     train_file: str = flag(None, ".json/.jsonl/.parquet with a 'messages' column, or 'prompt' and "
@@ -201,6 +201,8 @@ def main() -> int:
             raise errors.Stop(f"--lora_target_modules {targets}: {err}") from None
         checks.lora_targets_found(model, targets)  # peft adapts what it finds, names it does not
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
+    n_trainable = sum(getattr(p, "ds_numel", p.numel())
+                      for p in model.parameters() if p.requires_grad)  # LoRA: the adapters
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.max_length)
 
@@ -227,7 +229,8 @@ def main() -> int:
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
         accelerator, model, args, precision=guard.precision, global_batch=global_batch,
-        n_params=n_params, updates_per_epoch=updates_per_epoch, max_steps=max_steps,
+        n_params=n_params, trainable_params=n_trainable, updates_per_epoch=updates_per_epoch,
+        max_steps=max_steps,
         model_type=config.model_type, model_class=model_cls.__name__, data=data.pack_stats(lm_data),
         flops_per_token=flops_per_token, flops_per_token_method=flops_method,
         **guard.prepared(accelerator, model, model_cls, global_batch))  # FSDP units, DeepSpeed
@@ -236,7 +239,7 @@ def main() -> int:
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
         accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
-    log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info, saved)
+    log = metrics.RunLog(accelerator, args, "sft", step if resume_path else None, run_info, saved)
 
     # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()
@@ -341,8 +344,9 @@ def main() -> int:
     # validation conversation: its tokens up to the first target, the assistant's header included.
     sample_tokens = 40 if args.sample_tokens is None and n_params < 1e9 else args.sample_tokens or 0
     if accelerator.is_main_process and sample_tokens > 0:
-        first = eval_set[0]
-        prompt = {"input_ids": first["input_ids"][:int((first["labels"] != -100).nonzero()[0])]}
+        first = eval_set[0]  # (a reply cut whole by --max_length: the conversation as it is)
+        end = next(iter((first["labels"] != -100).nonzero().flatten().tolist()), None)
+        prompt = {k: v[:end] for k, v in first.items() if k in ("input_ids", "attention_mask")}
         print(models.sample_from_export(final_dir, prompt, tokenizer, sample_tokens, device, None))
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group

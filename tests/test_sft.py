@@ -324,3 +324,12 @@ def test_lora_with_gradient_checkpointing_and_packed_conversations(base, tmp_pat
     assert_same_answer(out, ref)
     info = json.loads((out / "run_info.json").read_text())
     assert info["data"]["train"]["rows"] == 4000 and info["data"]["train"]["blocks"] > 0, info["data"]["train"]
+
+
+def test_a_reply_cut_whole_still_ends_the_run_with_a_sample(base, tmp_path, cache_dir):
+    """--max_length 32 cuts the first validation conversation before its reply: the end-of-run
+    sample takes the conversation as it is (it found no target to stop at, and crashed)."""
+    proc = launch("single", "recipes/sft.py", "--output_dir", tmp_path, "--model_name_or_path", base, *FLAGS,
+                  "--max_length", 32, "--max_steps", 1, "--sample_tokens", 4, cache_dir=cache_dir,
+                  mixed_precision="no")
+    assert "--- sample from" in proc.stdout and "done: 1 steps" in proc.stdout, proc.stdout[-2000:]
