@@ -842,15 +842,19 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
             copy = models.lora_copy(unwrapped, state_dict)
             copy.save_pretrained(os.path.join(export_dir, "adapter"))  # peft's own files
             whole = copy.merge_and_unload()
-        live = whole.config, whole.generation_config
-        # configs ready for inference (the KV cache on), then the live ones back
-        whole.config, whole.generation_config = map(models.inference_ready, live)
+        # configs ready for inference (the KV cache on), then the live ones back; a model that
+        # generates nothing (a classifier) has no generation config
+        names = [n for n in ("config", "generation_config") if getattr(whole, n, None) is not None]
+        live = {n: getattr(whole, n) for n in names}
+        for name in names:
+            setattr(whole, name, models.inference_ready(live[name]))
         try:
             whole.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
                                   save_function=accelerator.save,
                                   state_dict=None if whole is not unwrapped else state_dict)
         finally:
-            whole.config, whole.generation_config = live
+            for name in names:
+                setattr(whole, name, live[name])
         if accelerator.is_main_process:
             tokenizer.save_pretrained(export_dir)
     return os.path.join(output_dir, "final")
