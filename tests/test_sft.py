@@ -169,7 +169,7 @@ def test_lora_under_every_strategy(config, base, reference, tmp_path, cache_dir)
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     keys, size = checkpoint_model_keys(out / "checkpoint-2")
     assert keys == trainable and len(keys) == 28, (sorted(keys - trainable)[:3], sorted(trainable - keys)[:3])
-    assert size < (base / "model.safetensors").stat().st_size / 2, size
+    assert size < (base / "model.safetensors").stat().st_size / 4, size  # 2.5x the largest measured
     steps, (summary,) = read_metrics(out)
     assert steps[0]["loss"] > steps[-1]["loss"] + 0.05, steps  # it learns (measured 8.35 -> 8.23)
     # the targets are the assistant's tokens, counted over the ranks: about a third of the tokens
