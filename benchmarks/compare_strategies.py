@@ -55,20 +55,28 @@ STATE_CATEGORIES = ("params", "grads", "fp32_master", "adam_moments")
 @dataclass
 class Args:
     steps: int = flag(20, "optimizer steps per strategy (K)", low=1)
-    strategies: str = field(default="ddp,fsdp,deepspeed_zero2,deepspeed_zero3",
-                            metadata={"help": "comma-separated accelerate_configs/<name>.yaml names"})
+    strategies: str = field(
+        default="ddp,fsdp,deepspeed_zero2,deepspeed_zero3",
+        metadata={"help": "comma-separated accelerate_configs/<name>.yaml names"},
+    )
     output_dir: str = "runs/compare_strategies"
     num_processes: int = flag(2, "ranks per run (GPUs, or CPU processes)", low=1)
-    mixed_precision: str = field(default="auto", metadata={
-        "help": "no, bf16 or fp16 (forced on the launch line); auto: the config's bf16 where the device computes it, "
-                "else fp32 (common/precision.py)"})
+    mixed_precision: str = field(
+        default="auto",
+        metadata={
+            "help": "no, bf16 or fp16 (forced on the launch line); auto: the config's bf16 "
+            "where the device computes it, else fp32 (common/precision.py)"
+        },
+    )
     model_config: str = "debug"
     per_device_train_batch_size: int = flag(8, low=1)
     block_size: int = flag(256, low=2)
     timeout: int = flag(1800, "seconds allowed per launched run", low=1)
 
 
-def median_step_seconds(records: list[dict], tokens_per_step: int, skip: int = WARMUP_STEPS) -> float:
+def median_step_seconds(
+    records: list[dict], tokens_per_step: int, skip: int = WARMUP_STEPS
+) -> float:
     """Median step time in seconds from the recipe's per-step metrics.jsonl records.
 
     Args:
@@ -94,73 +102,151 @@ def describe_machine() -> str:
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     else:
-        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                      if line.startswith("model name")), platform.processor()) if os.path.exists("/proc/cpuinfo") \
+        model = (
+            next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")
+                ),
+                platform.processor(),
+            )
+            if os.path.exists("/proc/cpuinfo")
             else platform.processor()
+        )
         device = f"CPU only, {os.cpu_count()} cores ({model}), no GPU"
     return f"{device}; torch {torch.__version__}; {platform.system()} {platform.release()}"
 
 
-def accelerate_launch(config: str, script: str, script_args: list, args: Args, log_path: Path) -> None:
+def accelerate_launch(
+    config: str, script: str, script_args: list, args: Args, log_path: Path
+) -> None:
     """Run `accelerate launch --config_file accelerate_configs/{config}.yaml script ...`; exit with its log tail on
     failure."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(args.num_processes),
-           *(["--mixed_precision", args.mixed_precision] if args.mixed_precision != "auto" else []),
-           str(REPO / script), *map(str, script_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / f"{config}.yaml"),
+        "--num_processes",
+        str(args.num_processes),
+        *(["--mixed_precision", args.mixed_precision] if args.mixed_precision != "auto" else []),
+        str(REPO / script),
+        *map(str, script_args),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
         except subprocess.TimeoutExpired:
-            sys.exit(f"error: {script} under {config} ran past --timeout {args.timeout}s (log: {log_path})")
+            sys.exit(
+                f"error: {script} under {config} ran past --timeout {args.timeout}s (log: {log_path})"
+            )
     if proc.returncode != 0:
         tail = "".join(open(log_path).readlines()[-30:])
-        sys.exit(f"error: {script} under {config} exited {proc.returncode} (log: {log_path})\n{tail}")
+        sys.exit(
+            f"error: {script} under {config} exited {proc.returncode} (log: {log_path})\n{tail}"
+        )
 
 
 def run_strategy(name: str, args: Args) -> dict:
     """Train with recipes/llama.py, then measure model states, under accelerate_configs/{name}.yaml."""
     out = Path(args.output_dir) / name
     out.mkdir(parents=True, exist_ok=True)
-    shape = ["--model_config", args.model_config, "--per_device_train_batch_size", args.per_device_train_batch_size,
-             "--block_size", args.block_size]
+    shape = [
+        "--model_config",
+        args.model_config,
+        "--per_device_train_batch_size",
+        args.per_device_train_batch_size,
+        "--block_size",
+        args.block_size,
+    ]
     print(f"[{name}] training {args.steps} steps ...", flush=True)
-    accelerate_launch(name, "recipes/llama.py",
-                      ["--output_dir", out / "train", "--overwrite_output_dir",  # this benchmark's own folder
-                       "--max_steps", args.steps, "--logging_steps", 1,
-                       "--eval_steps", args.steps, "--max_eval_samples", 16, "--report_to", "none", *shape],
-                      args, out / "train.log")
+    accelerate_launch(
+        name,
+        "recipes/llama.py",
+        [
+            "--output_dir",
+            out / "train",
+            "--overwrite_output_dir",  # this benchmark's own folder
+            "--max_steps",
+            args.steps,
+            "--logging_steps",
+            1,
+            "--eval_steps",
+            args.steps,
+            "--max_eval_samples",
+            16,
+            "--report_to",
+            "none",
+            *shape,
+        ],
+        args,
+        out / "train.log",
+    )
     print(f"[{name}] measuring model states ...", flush=True)
-    accelerate_launch(name, "benchmarks/measure_model_states.py", ["--output_file", out / "states.json", *shape],
-                      args, out / "states.log")
+    accelerate_launch(
+        name,
+        "benchmarks/measure_model_states.py",
+        ["--output_file", out / "states.json", *shape],
+        args,
+        out / "states.log",
+    )
 
     info = json.loads((out / "train" / "run_info.json").read_text())
     lines = [json.loads(line) for line in open(out / "train" / "metrics.jsonl")]
     steps = [r for r in lines if not r.get("summary")]
     states = json.loads((out / "states.json").read_text())
     if states["n_params"] != info["n_params"]:  # the companion must measure the recipe's model
-        sys.exit(f"error: measure_model_states.py built {states['n_params']} parameters, "
-                 f"recipes/llama.py {info['n_params']}: they no longer build the same model")
-    tokens_per_step = args.per_device_train_batch_size * info["args"]["gradient_accumulation_steps"] * args.block_size
+        sys.exit(
+            f"error: measure_model_states.py built {states['n_params']} parameters, "
+            f"recipes/llama.py {info['n_params']}: they no longer build the same model"
+        )
+    tokens_per_step = (
+        args.per_device_train_batch_size
+        * info["args"]["gradient_accumulation_steps"]
+        * args.block_size
+    )
     step_s = median_step_seconds(steps, tokens_per_step)
     rank_max = {c: max(states[f"{c}_bytes"]) for c in STATE_CATEGORIES}  # the fullest rank
     return {
-        "strategy": name, "distributed_type": info["distributed_type"], "world_size": info["world_size"],
-        "mixed_precision": info["mixed_precision"], "n_params": info["n_params"],
-        "step_seconds": step_s, "tokens_per_second": info["world_size"] * tokens_per_step / step_s,
-        "final_loss": steps[-1]["loss"], "eval_loss": steps[-1].get("eval_loss"),
-        "local_param_elements": info["local_param_elements"], "optimizer": states["optimizer"],
+        "strategy": name,
+        "distributed_type": info["distributed_type"],
+        "world_size": info["world_size"],
+        "mixed_precision": info["mixed_precision"],
+        "n_params": info["n_params"],
+        "step_seconds": step_s,
+        "tokens_per_second": info["world_size"] * tokens_per_step / step_s,
+        "final_loss": steps[-1]["loss"],
+        "eval_loss": steps[-1].get("eval_loss"),
+        "local_param_elements": info["local_param_elements"],
+        "optimizer": states["optimizer"],
         **{f"{c}_bytes": rank_max[c] for c in STATE_CATEGORIES},
         "optimizer_state_bytes": rank_max["fp32_master"] + rank_max["adam_moments"],
-        "optimizer_state_device": ",".join(states["devices"].get("adam_moments", [])),  # e.g. cpu when offloaded
+        "optimizer_state_device": ",".join(
+            states["devices"].get("adam_moments", [])
+        ),  # e.g. cpu when offloaded
         "model_state_bytes": sum(rank_max.values()),
-        "comm_kind": states["comm_kind"], "comm_pattern": comm_pattern(
-            states["comm_kind"], states["grad_comm_bytes"], states["param_comm_bytes"]),
-        "comm_bytes_paper": predicted_comm_bytes(states["comm_kind"], info["n_params"], states["grad_comm_bytes"],
-                                                 states["param_comm_bytes"]),
-        "comm_bytes_ring": predicted_comm_bytes(states["comm_kind"], info["n_params"], states["grad_comm_bytes"],
-                                                states["param_comm_bytes"], info["world_size"]),
+        "comm_kind": states["comm_kind"],
+        "comm_pattern": comm_pattern(
+            states["comm_kind"], states["grad_comm_bytes"], states["param_comm_bytes"]
+        ),
+        "comm_bytes_paper": predicted_comm_bytes(
+            states["comm_kind"],
+            info["n_params"],
+            states["grad_comm_bytes"],
+            states["param_comm_bytes"],
+        ),
+        "comm_bytes_ring": predicted_comm_bytes(
+            states["comm_kind"],
+            info["n_params"],
+            states["grad_comm_bytes"],
+            states["param_comm_bytes"],
+            info["world_size"],
+        ),
     }
 
 
@@ -168,10 +254,12 @@ def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table; ratios are against the first row."""
     base = rows[0]
     mb = 1e6
-    lines = [f"| strategy | step time (ms) | tokens/s (all ranks) | tokens/s vs {base['strategy']} "
-             "| params MB/rank | grads MB/rank | optimizer state MB/rank (on) | total MB/rank "
-             "| predicted comm/step/rank | paper MB | ring MB | loss at last step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        f"| strategy | step time (ms) | tokens/s (all ranks) | tokens/s vs {base['strategy']} "
+        "| params MB/rank | grads MB/rank | optimizer state MB/rank (on) | total MB/rank "
+        "| predicted comm/step/rank | paper MB | ring MB | loss at last step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['strategy']} | {r['step_seconds'] * 1e3:.0f} | {r['tokens_per_second']:,.0f} "
@@ -179,12 +267,16 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['grads_bytes'] / mb:.1f} | {r['optimizer_state_bytes'] / mb:.1f} ({r['optimizer_state_device']}) "
             f"| {r['model_state_bytes'] / mb:.1f} "
             f"| {r['comm_pattern']} | {r['comm_bytes_paper'] / mb:.1f} | {r['comm_bytes_ring'] / mb:.1f} "
-            f"| {r['final_loss']:.3f} |")
-    lines += ["", "Measured: step time (median), tokens/s, and bytes per rank of the live tensors (the fullest "
-              "rank; optimizer state = fp32 master copy + Adam moments, excluding communication buckets). "
-              "Predicted, not measured: communication per step and rank, ZeRO paper (arXiv 1910.02054 §7); "
-              "RS reduce-scatter, AG all-gather, AR all-reduce, each in the dtype the run sends; "
-              "'ring' keeps the (N-1)/N share that the paper rounds to 1."]
+            f"| {r['final_loss']:.3f} |"
+        )
+    lines += [
+        "",
+        "Measured: step time (median), tokens/s, and bytes per rank of the live tensors (the fullest "
+        "rank; optimizer state = fp32 master copy + Adam moments, excluding communication buckets). "
+        "Predicted, not measured: communication per step and rank, ZeRO paper (arXiv 1910.02054 §7); "
+        "RS reduce-scatter, AG all-gather, AR all-reduce, each in the dtype the run sends; "
+        "'ring' keeps the (N-1)/N share that the paper rounds to 1.",
+    ]
     return "\n".join(lines)
 
 
@@ -200,16 +292,30 @@ def save_chart(rows: list[dict], path: Path, title: str) -> None:
     axes[0].bar(names, [r["tokens_per_second"] for r in rows], color="tab:blue")
     axes[0].set_title("throughput (tokens/s, all ranks)")
     bottom = [0.0] * len(rows)
-    for key, label in [("params_bytes", "params"), ("grads_bytes", "grads"),
-                       ("fp32_master_bytes", "fp32 master"), ("adam_moments_bytes", "Adam moments")]:
+    for key, label in [
+        ("params_bytes", "params"),
+        ("grads_bytes", "grads"),
+        ("fp32_master_bytes", "fp32 master"),
+        ("adam_moments_bytes", "Adam moments"),
+    ]:
         values = [r[key] / 1e6 for r in rows]
         axes[1].bar(names, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     axes[1].set_title("model states per rank (MB, measured)")
     axes[1].legend(fontsize=8)
-    axes[2].bar(names, [r["comm_bytes_paper"] / 1e6 for r in rows], color="tab:gray", label="paper (2Ψ / 3Ψ)")
-    axes[2].bar(names, [r["comm_bytes_ring"] / 1e6 for r in rows], color="tab:orange", width=0.4,
-                label="ring, x(N-1)/N")
+    axes[2].bar(
+        names,
+        [r["comm_bytes_paper"] / 1e6 for r in rows],
+        color="tab:gray",
+        label="paper (2Ψ / 3Ψ)",
+    )
+    axes[2].bar(
+        names,
+        [r["comm_bytes_ring"] / 1e6 for r in rows],
+        color="tab:orange",
+        width=0.4,
+        label="ring, x(N-1)/N",
+    )
     axes[2].set_title("predicted communication per step per rank (MB)")
     axes[2].legend(fontsize=8)
     for ax in axes:
@@ -226,27 +332,37 @@ def main():
     missing = [s for s in names if not (REPO / "accelerate_configs" / f"{s}.yaml").is_file()]
     if not names or missing:
         known = sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
-        sys.exit(f"error: --strategies {args.strategies!r}: no config for {missing or 'any'}; known: {known}")
+        sys.exit(
+            f"error: --strategies {args.strategies!r}: no config for {missing or 'any'}; known: {known}"
+        )
     if args.steps <= WARMUP_STEPS:
-        sys.exit(f"error: --steps {args.steps} leaves no step after the {WARMUP_STEPS} warm-up steps")
+        sys.exit(
+            f"error: --steps {args.steps} leaves no step after the {WARMUP_STEPS} warm-up steps"
+        )
     if args.num_processes < 1:
         sys.exit(f"error: --num_processes must be >= 1, got {args.num_processes}")
     if args.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-        sys.exit(f"error: --mixed_precision {args.mixed_precision!r}: choose auto, no, bf16 or fp16")
+        sys.exit(
+            f"error: --mixed_precision {args.mixed_precision!r}: choose auto, no, bf16 or fp16"
+        )
     os.makedirs(args.output_dir, exist_ok=True)
 
     rows = [run_strategy(name, args) for name in names]
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = describe_machine()
-    header = (f"{args.model_config} Llama ({rows[0]['n_params']:,} parameters = Ψ), {args.num_processes} ranks, "
-              f"{rows[0]['mixed_precision']}, micro batch {args.per_device_train_batch_size} x {args.block_size} "
-              "tokens, "
-              f"{args.steps} steps (median step time after {WARMUP_STEPS}); {when}; {machine}")
+    header = (
+        f"{args.model_config} Llama ({rows[0]['n_params']:,} parameters = Ψ), {args.num_processes} ranks, "
+        f"{rows[0]['mixed_precision']}, micro batch {args.per_device_train_batch_size} x {args.block_size} "
+        "tokens, "
+        f"{args.steps} steps (median step time after {WARMUP_STEPS}); {when}; {machine}"
+    )
     table = markdown_table(rows)
     print(f"\n{header}\n\n{table}\n")
     out = Path(args.output_dir)
     (out / "compare_strategies.md").write_text(f"{header}\n\n{table}\n")
-    (out / "compare_strategies.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    (out / "compare_strategies.json").write_text(
+        json.dumps({"header": header, "rows": rows}, indent=1)
+    )
     save_chart(rows, out / "compare_strategies.png", header)
     print(f"wrote {out / 'compare_strategies.md'}, .json and .png")
 

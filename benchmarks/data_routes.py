@@ -58,16 +58,27 @@ class Args:
     loader_benchmark_batches: int = flag(200, low=1)
     keep_corpora: bool = False
     num_processes: int = flag(2, low=1)
-    mixed_precision: str = field(default="auto",
-                                 metadata={"help": "auto (the config's, by the hardware), no, bf16, fp16"})
+    mixed_precision: str = field(
+        default="auto", metadata={"help": "auto (the config's, by the hardware), no, bf16, fp16"}
+    )
     timeout: int = flag(900, "seconds allowed per launched run", low=1)
 
 
 def prepare(out: Path, repeat: int, num_shards: int) -> dict:
     """Write (or reuse) the corpus repeated `repeat` times; returns its manifest."""
     if not (out / "manifest.json").exists():
-        cmd = [sys.executable, str(REPO / "recipes/sharded_data.py"), "prepare", "--output_dir", str(out),
-               "--num_shards", str(num_shards), "--repeat", str(repeat), "--overwrite_output_dir"]
+        cmd = [
+            sys.executable,
+            str(REPO / "recipes/sharded_data.py"),
+            "prepare",
+            "--output_dir",
+            str(out),
+            "--num_shards",
+            str(num_shards),
+            "--repeat",
+            str(repeat),
+            "--overwrite_output_dir",
+        ]
         subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads((out / "manifest.json").read_text())
 
@@ -75,10 +86,28 @@ def prepare(out: Path, repeat: int, num_shards: int) -> dict:
 def run(args: Args, data_dir: Path, route: str, out: Path) -> list[dict]:
     """One launch of the recipe; its per-rank summary (metrics.jsonl's last line)."""
     shutil.rmtree(out, ignore_errors=True)  # the recipe refuses a non-empty --output_dir
-    accelerate_launch("ddp", "recipes/sharded_data.py", [
-        "--data_dir", data_dir, "--output_dir", out, "--loader", route, "--max_steps", args.max_steps,
-        "--loader_benchmark_batches", args.loader_benchmark_batches, "--logging_steps", args.max_steps,
-        "--verify_checksums", "false"], args, out.with_suffix(".log"))
+    accelerate_launch(
+        "ddp",
+        "recipes/sharded_data.py",
+        [
+            "--data_dir",
+            data_dir,
+            "--output_dir",
+            out,
+            "--loader",
+            route,
+            "--max_steps",
+            args.max_steps,
+            "--loader_benchmark_batches",
+            args.loader_benchmark_batches,
+            "--logging_steps",
+            args.max_steps,
+            "--verify_checksums",
+            "false",
+        ],
+        args,
+        out.with_suffix(".log"),
+    )
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary.get("summary"), summary
     return summary["per_rank"]
@@ -86,7 +115,10 @@ def run(args: Args, data_dir: Path, route: str, out: Path) -> list[dict]:
 
 def medians(runs: list[list[dict]]) -> list[dict]:
     """Per rank, the median of each figure over the repeats."""
-    return [{k: statistics.median(r[rank][k] for r in runs) for k in runs[0][rank]} for rank in range(len(runs[0]))]
+    return [
+        {k: statistics.median(r[rank][k] for r in runs) for k in runs[0][rank]}
+        for rank in range(len(runs[0]))
+    ]
 
 
 def main():
@@ -94,40 +126,53 @@ def main():
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if (free := shutil.disk_usage(work).free) < 2 * 600e6:
-        sys.exit(f"error: {work} has {free / 1e9:.1f} GB free; the 1 GB corpus needs 0.6 GB (and room to spare)")
+        sys.exit(
+            f"error: {work} has {free / 1e9:.1f} GB free; the 1 GB corpus needs 0.6 GB (and room to spare)"
+        )
     routes = args.routes.split(",")
     started = datetime.now(timezone.utc)
     corpora = {size: work / f"corpus_x{repeat}" for size, repeat in SIZES.items()}
-    manifests = {size: prepare(path, SIZES[size], args.num_shards) for size, path in corpora.items()}
+    manifests = {
+        size: prepare(path, SIZES[size], args.num_shards) for size, path in corpora.items()
+    }
     results = {}
     try:
-        for i in range(args.repeats):  # interleaved: a slow spell of the shared host hits every config alike
+        for i in range(
+            args.repeats
+        ):  # interleaved: a slow spell of the shared host hits every config alike
             for size in SIZES:
                 for route in routes:
-                    per_rank = run(args, corpora[size], route, work / f"run_{route}_{SIZES[size]}_{i}")
+                    per_rank = run(
+                        args, corpora[size], route, work / f"run_{route}_{SIZES[size]}_{i}"
+                    )
                     results.setdefault((size, route), []).append(per_rank)
                     r0 = per_rank[0]
-                    print(f"{size} {route} #{i}: ratio {r0['loader_to_step_ratio']:.0f}, "
-                          f"wait {r0['data_wait_share']:.1%}, "
-                          f"RSS+USS {(r0['rss_bytes'] + r0['workers_uss_bytes']) / MB:.0f} MiB", flush=True)
+                    print(
+                        f"{size} {route} #{i}: ratio {r0['loader_to_step_ratio']:.0f}, "
+                        f"wait {r0['data_wait_share']:.1%}, "
+                        f"RSS+USS {(r0['rss_bytes'] + r0['workers_uss_bytes']) / MB:.0f} MiB",
+                        flush=True,
+                    )
     finally:
         if not args.keep_corpora:
             for path in corpora.values():
                 shutil.rmtree(path, ignore_errors=True)
 
-    lines = ["# Data routes of recipes/sharded_data.py: 10 MB vs 1 GB\n",
-             f"Measured {started:%Y-%m-%d %H:%M} UTC on {describe_machine()}.",
-             f"`python benchmarks/data_routes.py --repeats {args.repeats} --max_steps {args.max_steps} "
-             f"--loader_benchmark_batches {args.loader_benchmark_batches}` under `flock /tmp/bench.lock`: DDP, "
-             f"{args.num_processes} ranks, {args.mixed_precision}, batch 8 x 256, 2 loader workers per rank, "
-             f"{args.num_shards} shards (4 per rank). Medians over {args.repeats} launches, per rank (rank 0 / 1). "
-             "Memory: the rank's RSS plus its workers' USS (MiB), at the end of the run; growth: 1 GB minus 10 MB. "
-             f"Goals: loader/step >= {GOALS['ratio']}, data wait < {GOALS['data_wait']:.0%}, "
-             f"growth <= {GOALS['growth_mb']} MB.\n",
-             "| corpus (text) | route | loader tokens/s | step tokens/s | loader/step | data wait "
-             "| rank RSS + workers USS MiB "
-             "| workers USS MiB | growth MiB | goals met |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Data routes of recipes/sharded_data.py: 10 MB vs 1 GB\n",
+        f"Measured {started:%Y-%m-%d %H:%M} UTC on {describe_machine()}.",
+        f"`python benchmarks/data_routes.py --repeats {args.repeats} --max_steps {args.max_steps} "
+        f"--loader_benchmark_batches {args.loader_benchmark_batches}` under `flock /tmp/bench.lock`: DDP, "
+        f"{args.num_processes} ranks, {args.mixed_precision}, batch 8 x 256, 2 loader workers per rank, "
+        f"{args.num_shards} shards (4 per rank). Medians over {args.repeats} launches, per rank (rank 0 / 1). "
+        "Memory: the rank's RSS plus its workers' USS (MiB), at the end of the run; growth: 1 GB minus 10 MB. "
+        f"Goals: loader/step >= {GOALS['ratio']}, data wait < {GOALS['data_wait']:.0%}, "
+        f"growth <= {GOALS['growth_mb']} MB.\n",
+        "| corpus (text) | route | loader tokens/s | step tokens/s | loader/step | data wait "
+        "| rank RSS + workers USS MiB "
+        "| workers USS MiB | growth MiB | goals met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     table = {key: medians(runs) for key, runs in results.items()}
 
     def total(r: dict) -> float:  # MiB
@@ -140,23 +185,39 @@ def main():
         for size in SIZES:
             rows, base = table[(size, route)], table[("10 MB", route)]
             growth = [total(r) - total(b) for r, b in zip(rows, base)]
-            met = all(r["loader_to_step_ratio"] >= GOALS["ratio"] and r["data_wait_share"] < GOALS["data_wait"]
-                      for r in rows) and all(g <= GOALS["growth_mb"] for g in growth)
-            lines.append(" | ".join([
-                f"| {manifests[size]['text_bytes'] / 1e6:,.0f} MB", route,
-                col(rows, lambda r: r["loader_tokens_per_second"], ",.0f"),
-                col(rows, lambda r: r["step_tokens_per_second"], ",.0f"),
-                col(rows, lambda r: r["loader_to_step_ratio"], ".0f"),
-                col(rows, lambda r: r["data_wait_share"], ".1%"),
-                col(rows, total, ".0f"),
-                col(rows, lambda r: r["workers_uss_bytes"] / MB, ".0f"),
-                " / ".join(f"{g:+.0f}" for g in growth) if size != "10 MB" else "-",
-                ("yes" if met else "NO") + " |"]))
-    lines.append("\nEvery launch (rank 0 / 1: loader tokens/s; data wait; RSS + workers USS MiB):\n")
+            met = all(
+                r["loader_to_step_ratio"] >= GOALS["ratio"]
+                and r["data_wait_share"] < GOALS["data_wait"]
+                for r in rows
+            ) and all(g <= GOALS["growth_mb"] for g in growth)
+            lines.append(
+                " | ".join(
+                    [
+                        f"| {manifests[size]['text_bytes'] / 1e6:,.0f} MB",
+                        route,
+                        col(rows, lambda r: r["loader_tokens_per_second"], ",.0f"),
+                        col(rows, lambda r: r["step_tokens_per_second"], ",.0f"),
+                        col(rows, lambda r: r["loader_to_step_ratio"], ".0f"),
+                        col(rows, lambda r: r["data_wait_share"], ".1%"),
+                        col(rows, total, ".0f"),
+                        col(rows, lambda r: r["workers_uss_bytes"] / MB, ".0f"),
+                        " / ".join(f"{g:+.0f}" for g in growth) if size != "10 MB" else "-",
+                        ("yes" if met else "NO") + " |",
+                    ]
+                )
+            )
+    lines.append(
+        "\nEvery launch (rank 0 / 1: loader tokens/s; data wait; RSS + workers USS MiB):\n"
+    )
     for (size, route), runs in results.items():
-        lines.append(f"- {size} {route}: " + "; ".join(
-            f"[{col(pr, lambda r: r['loader_tokens_per_second'], ',.0f')}; "
-            f"{col(pr, lambda r: r['data_wait_share'], '.1%')}; {col(pr, total, '.0f')}]" for pr in runs))
+        lines.append(
+            f"- {size} {route}: "
+            + "; ".join(
+                f"[{col(pr, lambda r: r['loader_tokens_per_second'], ',.0f')}; "
+                f"{col(pr, lambda r: r['data_wait_share'], '.1%')}; {col(pr, total, '.0f')}]"
+                for pr in runs
+            )
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,15 @@ def main(model_dir: str, rank0_only: bool) -> None:
     base = peak_rss_mib()
     config = AutoConfig.from_pretrained(model_dir)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if rank0_only and plugin is not None and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process:
-        with no_init_weights():  # shapes only, storage never written: prepare broadcasts rank 0's weights
+    if (
+        rank0_only
+        and plugin is not None
+        and plugin.cpu_ram_efficient_loading
+        and not accelerator.is_main_process
+    ):
+        with (
+            no_init_weights()
+        ):  # shapes only, storage never written: prepare broadcasts rank 0's weights
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.tie_weights()
     else:
@@ -68,26 +75,46 @@ def main(model_dir: str, rank0_only: bool) -> None:
 
     fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
     with FSDP.summon_full_params(model) if fsdp1 else contextlib.nullcontext():
-        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                for k, v in model.named_parameters()}
+        full = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.named_parameters()
+        }
     disk = {k: v for f in files for k, v in load_file(f).items()}
     weight_gap = max((full[k] - v.float()).abs().max().item() for k, v in disk.items() if k in full)
     inv_freq = next(m.inv_freq for n, m in model.named_modules() if n.endswith("rotary_emb"))
-    exponents = torch.arange(0, 2 * inv_freq.numel(), 2, dtype=torch.float64) / (2 * inv_freq.numel())
+    exponents = torch.arange(0, 2 * inv_freq.numel(), 2, dtype=torch.float64) / (
+        2 * inv_freq.numel()
+    )
     expected = 1.0 / config.rope_parameters["rope_theta"] ** exponents
-    print(json.dumps({"rank": accelerator.process_index, "n_params": sum(v.numel() for v in disk.values()),
-                      "base_mib": round(base), "peak_load_mib": round(loaded), "peak_prepare_mib": round(prepared),
-                      "transformers_fsdp_loading": is_fsdp_enabled(), "max_weight_gap": weight_gap,
-                      "max_inv_freq_gap": (inv_freq.cpu().double() - expected).abs().max().item()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": accelerator.process_index,
+                "n_params": sum(v.numel() for v in disk.values()),
+                "base_mib": round(base),
+                "peak_load_mib": round(loaded),
+                "peak_prepare_mib": round(prepared),
+                "transformers_fsdp_loading": is_fsdp_enabled(),
+                "max_weight_gap": weight_gap,
+                "max_inv_freq_gap": (inv_freq.cpu().double() - expected).abs().max().item(),
+            }
+        ),
+        flush=True,
+    )
     accelerator.end_training()
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model_dir", help="a Llama directory written by save_pretrained")
-    parser.add_argument("--rank0_only", action="store_true",
-                        help="only rank 0 reads the weights; the others wait for prepare's broadcast")
+    parser.add_argument(
+        "--rank0_only",
+        action="store_true",
+        help="only rank 0 reads the weights; the others wait for prepare's broadcast",
+    )
     cli = parser.parse_args()
     main(cli.model_dir, cli.rank0_only)

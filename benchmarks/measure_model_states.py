@@ -47,7 +47,9 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 from transformers import LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install step
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # run from anywhere, no install step
 from common import data, launch, models  # noqa: E402
 from common import errors  # noqa: E402
 from common.args import SEED_MAX, flag, parse_flags  # noqa: E402
@@ -55,13 +57,23 @@ from common.args import SEED_MAX, flag, parse_flags  # noqa: E402
 
 @dataclass
 class Args:
-    output_file: str = field(default=None, metadata={"help": "JSON written by the main process (required)"})
-    model_config: str = field(default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"})
-    config_overrides: str = field(default="", metadata={"help": (
-        "LlamaConfig changes, 'key=value,key=value' (as recipes/llama.py); several model shapes measured in this "
-        "one launch: separate them with ';' (an empty entry is the preset itself); --output_file then holds a list. "
-        "lora_r=R in an entry: LoRA adapters of rank R on every Linear but the head, the base frozen"
-    )})
+    output_file: str = field(
+        default=None, metadata={"help": "JSON written by the main process (required)"}
+    )
+    model_config: str = field(
+        default="debug", metadata={"help": f"preset: {', '.join(models.PRESETS)}"}
+    )
+    config_overrides: str = field(
+        default="",
+        metadata={
+            "help": (
+                "LlamaConfig changes, 'key=value,key=value' (as recipes/llama.py); several model "
+                "shapes measured in this one launch: separate them with ';' (an empty entry is "
+                "the preset itself); --output_file then holds a list. "
+                "lora_r=R in an entry: LoRA adapters of rank R on every Linear but the head, the base frozen"
+            )
+        },
+    )
     vocab_size: int = flag(4096, low=256)
     block_size: int = flag(256, low=2)
     per_device_train_batch_size: int = flag(8, low=1)
@@ -116,10 +128,15 @@ def measure(model, optimizer, deepspeed: bool) -> ByteLedger:
     params = list((model.module if deepspeed else model).parameters())
     for p in params:
         ledger.add("params", getattr(p, "ds_tensor", None))  # ZeRO-3 partition
-        ledger.add("params", p.data if not hasattr(p, "to_local") else p)  # ZeRO-3: empty unless persistent
+        ledger.add(
+            "params", p.data if not hasattr(p, "to_local") else p
+        )  # ZeRO-3: empty unless persistent
     if deepspeed:
         zero = model.optimizer  # DeepSpeedZeroOptimizer(_Stage3)
-        masters = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+        masters = (
+            getattr(zero, "single_partition_of_fp32_groups", None)
+            or zero.fp32_partitioned_groups_flat
+        )
         for grads in zero.averaged_gradients.values():
             for g in grads or []:
                 ledger.add("grads", g)
@@ -160,16 +177,27 @@ def communication_setup(accelerator, model, deepspeed: bool) -> dict:
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
         reshard = plugin.reshard_after_forward
-        name = reshard.name if hasattr(reshard, "name") else ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
-        kind = {"FULL_SHARD": "zero3", "HYBRID_SHARD": "zero3", "SHARD_GRAD_OP": "zero2",
-                "_HYBRID_SHARD_ZERO2": "zero2", "NO_SHARD": "ddp"}[name]
+        name = (
+            reshard.name
+            if hasattr(reshard, "name")
+            else ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
+        )
+        kind = {
+            "FULL_SHARD": "zero3",
+            "HYBRID_SHARD": "zero3",
+            "SHARD_GRAD_OP": "zero2",
+            "_HYBRID_SHARD_ZERO2": "zero2",
+            "NO_SHARD": "ddp",
+        }[name]
         fp32_bytes = next(model.parameters()).element_size()
         policy = plugin.mixed_precision_policy
         param_dtype = getattr(policy, "param_dtype", None)
         reduce_dtype = getattr(policy, "reduce_dtype", None)
-        return {"comm_kind": kind,
-                "grad_comm_bytes": reduce_dtype.itemsize if reduce_dtype else fp32_bytes,
-                "param_comm_bytes": param_dtype.itemsize if param_dtype else fp32_bytes}
+        return {
+            "comm_kind": kind,
+            "grad_comm_bytes": reduce_dtype.itemsize if reduce_dtype else fp32_bytes,
+            "param_comm_bytes": param_dtype.itemsize if param_dtype else fp32_bytes,
+        }
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     return {"comm_kind": "ddp", "grad_comm_bytes": grad.element_size(), "param_comm_bytes": None}
 
@@ -180,14 +208,27 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.mixed_precision != "no":
         # as recipes/llama.py does: bf16/fp16 compute, fp32 gradient reduction
         plugin = accelerator.state.fsdp_plugin
-        plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
+        plugin.mixed_precision_policy = replace(
+            plugin.mixed_precision_policy, reduce_dtype=torch.float32
+        )
     torch.manual_seed(args.seed)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                         drop_last=True)
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    kept = [kv for kv in overrides.split(",") if kv.strip() and not kv.strip().startswith("lora_r=")]
-    lora_r = next((int(kv.split("=")[1]) for kv in overrides.split(",") if kv.strip().startswith("lora_r=")), None)
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True
+    )
+    config = models.llama_config(
+        args.model_config,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    kept = [
+        kv for kv in overrides.split(",") if kv.strip() and not kv.strip().startswith("lora_r=")
+    ]
+    lora_r = next(
+        (int(kv.split("=")[1]) for kv in overrides.split(",") if kv.strip().startswith("lora_r=")),
+        None,
+    )
     if kept:
         try:
             config = models.apply_overrides(config, ",".join(kept))
@@ -195,14 +236,26 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
             sys.exit(f"error: {err}")
     model = LlamaForCausalLM(config)
     model.config.use_cache = False
-    if lora_r:  # as recipes/sft.py --use_peft: the base frozen, adapters on every Linear but the head
+    if (
+        lora_r
+    ):  # as recipes/sft.py --use_peft: the base frozen, adapters on every Linear but the head
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=2 * lora_r,
-                                                 lora_dropout=0.05, target_modules="all-linear"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                task_type="CAUSAL_LM",
+                r=lora_r,
+                lora_alpha=2 * lora_r,
+                lora_dropout=0.05,
+                target_modules="all-linear",
+            ),
+        )
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     batches = iter(loader)
@@ -224,23 +277,36 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
 
     categories = ["params", "grads", "fp32_master", "adam_moments"]
     # On accelerator.device: NCCL takes device tensors only (and Accelerate gathers onto the device).
-    per_rank = accelerator.gather(torch.tensor([ledger.bytes[c] for c in categories], dtype=torch.int64,
-                                               device=accelerator.device))
-    per_rank = per_rank.view(accelerator.num_processes, len(categories)).tolist()  # plain ints: no tensor outlives gloo
+    per_rank = accelerator.gather(
+        torch.tensor(
+            [ledger.bytes[c] for c in categories], dtype=torch.int64, device=accelerator.device
+        )
+    )
+    per_rank = per_rank.view(
+        accelerator.num_processes, len(categories)
+    ).tolist()  # plain ints: no tensor outlives gloo
     result = None
     if accelerator.is_main_process:
         inner = model.optimizer.optimizer if deepspeed else optimizer.optimizer
         zero = model.optimizer if deepspeed else None
         result = {
             "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
-            "config_overrides": overrides, "n_params": n_params, "n_trainable": n_trainable, "lora_r": lora_r,
+            "world_size": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            "config_overrides": overrides,
+            "n_params": n_params,
+            "n_trainable": n_trainable,
+            "lora_r": lora_r,
             "loss": loss.item(),
             **{f"{c}_bytes": [rank[i] for rank in per_rank] for i, c in enumerate(categories)},
             "devices": {c: sorted(d) for c, d in ledger.devices.items()},  # of rank 0
             "optimizer": type(inner).__name__,
-            "offload_optimizer": bool(zero and (getattr(zero, "offload_optimizer", False)
-                                                or getattr(zero, "cpu_offload", False))),
+            "offload_optimizer": bool(
+                zero
+                and (
+                    getattr(zero, "offload_optimizer", False) or getattr(zero, "cpu_offload", False)
+                )
+            ),
             "offload_param": bool(zero and getattr(zero, "offload_param", False)),
             **comm,
         }
@@ -250,7 +316,14 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
     # the GIL to free a finished all-gather: a hang at exit (torch 2.13; pytorch issue #56297).
     accelerator.wait_for_everyone()  # the last collective: a barrier, which holds no Python tensor
     accelerator.free_memory()  # drop the Accelerator's references to the wrapped model/optimizer ...
-    del model, optimizer, loader, batches, batch, loss  # ... and ours, while the group is still alive
+    del (
+        model,
+        optimizer,
+        loader,
+        batches,
+        batch,
+        loss,
+    )  # ... and ours, while the group is still alive
     return result
 
 
@@ -274,7 +347,9 @@ def main():
             with accelerator.local_main_process_first():
                 raw = data.load_text_dataset()
                 tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
-                train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"]
+                train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)[
+                    "train"
+                ]
                 train_set = train_set.with_format("torch")
         results.append(measure_shape(accelerator, args, overrides.strip(), tokenizer, train_set))
     if accelerator.is_main_process:

@@ -33,30 +33,63 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-RUN30 = ["--max_eval_samples", "8", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_steps", "30",
-         "--save_steps", "10", "--warmup_steps", "4", "--logging_steps", "1", "--eval_steps", "30",
-         "--report_to", "none", "--ddp_timeout", "60"]
-RESTARTS = dict(launcher=["--rdzv_backend", "c10d", "--max_restarts", "1"],
-                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+RUN30 = [
+    "--max_eval_samples",
+    "8",
+    "--block_size",
+    "64",
+    "--per_device_train_batch_size",
+    "2",
+    "--max_steps",
+    "30",
+    "--save_steps",
+    "10",
+    "--warmup_steps",
+    "4",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "30",
+    "--report_to",
+    "none",
+    "--ddp_timeout",
+    "60",
+]
+RESTARTS = dict(
+    launcher=["--rdzv_backend", "c10d", "--max_restarts", "1"],
+    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+)
 # Log lines, in the order a failure produces them. torchrun logs "failed" only after it has stopped
 # every worker (SIGTERM, then SIGKILL after 30 s), so "closing" is the moment it noticed.
-PATTERNS = {"timed out": r"Timed out waiting (\d+)ms", "closing": r"Sending process (\d+) closing signal",
-            "failed": r"failed \(exitcode: (-?\d+)\)", "resumed": r"resumed from \S+checkpoint-(\d+) at step",
-            "preempted": r"preempted \(SIGTERM\) at step (\d+): saved"}
+PATTERNS = {
+    "timed out": r"Timed out waiting (\d+)ms",
+    "closing": r"Sending process (\d+) closing signal",
+    "failed": r"failed \(exitcode: (-?\d+)\)",
+    "resumed": r"resumed from \S+checkpoint-(\d+) at step",
+    "preempted": r"preempted \(SIGTERM\) at step (\d+): saved",
+}
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--config", default="ddp", help="accelerate_configs/<name>.yaml")
-parser.add_argument("--skip_hung", action="store_true", help="leave out scenario 4 (about 2.5 minutes)")
+parser.add_argument(
+    "--skip_hung", action="store_true", help="leave out scenario 4 (about 2.5 minutes)"
+)
 parser.add_argument("--results", default=str(REPO / "benchmarks/results/recovery_cpu2.md"))
 args = parser.parse_args()
 work = Path(tempfile.mkdtemp(prefix="recovery-"))
-cache = os.environ.get("ACCELERATE_RECIPES_CACHE") or str(work / "cache")  # tokenizer and packed blocks
+cache = os.environ.get("ACCELERATE_RECIPES_CACHE") or str(
+    work / "cache"
+)  # tokenizer and packed blocks
 jobs, rows = [], []
 
 
 def losses(out):
     """{step: loss} from metrics.jsonl (the summary line has no loss)."""
     try:
-        return {r["step"]: r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r}
+        return {
+            r["step"]: r["loss"]
+            for r in map(json.loads, open(out / "metrics.jsonl"))
+            if "loss" in r
+        }
     except (FileNotFoundError, ValueError):  # not written yet, or caught mid-line
         return {}
 
@@ -67,15 +100,39 @@ class Job:
 
     def __init__(self, name, *extra, launcher=(), env=None, out=None):
         self.out, self.log = out or work / name, work / f"{name}.log"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / f"accelerate_configs/{args.config}.yaml"), "--mixed_precision", "no", *launcher,
-               str(REPO / "recipes/llama.py"), "--output_dir", str(self.out), *RUN30, *extra]  # later flags win
-        env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / f"accelerate_configs/{args.config}.yaml"),
+            "--mixed_precision",
+            "no",
+            *launcher,
+            str(REPO / "recipes/llama.py"),
+            "--output_dir",
+            str(self.out),
+            *RUN30,
+            *extra,
+        ]  # later flags win
+        env = {
+            **os.environ,
+            "ACCELERATE_RECIPES_CACHE": cache,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
         self.seen, self.last_step, self.workers, self.end = {}, 0, {}, None
         self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         jobs.append(self)
 
     def tick(self):
@@ -83,7 +140,9 @@ class Job:
         for name, pattern in PATTERNS.items():
             if name not in self.seen and (m := re.search(pattern, text)):
                 self.seen[name] = (now, int(m.group(1)))
-        if not {"closing", "failed"} & self.seen.keys():  # a restart rewrites metrics.jsonl from its checkpoint
+        if (
+            not {"closing", "failed"} & self.seen.keys()
+        ):  # a restart rewrites metrics.jsonl from its checkpoint
             self.last_step = max([self.last_step, *losses(self.out)])
         try:  # torchrun starts each worker in its own session: killpg of the launcher's would miss them
             for w in psutil.Process(self.proc.pid).children(recursive=True):
@@ -150,50 +209,81 @@ def lost(last, resumed):
 
 
 try:
-    Job("warm_up", "--max_steps", "2", "--save_steps", "2").wait()  # builds the cache, so no scenario pays for it
+    Job(
+        "warm_up", "--max_steps", "2", "--save_steps", "2"
+    ).wait()  # builds the cache, so no scenario pays for it
     baseline = Job("1_baseline")
     baseline.wait()
     base, base_wall = losses(baseline.out), baseline.end - baseline.t0
-    add("1 uninterrupted", ("launch → exit / exit code", f"{base_wall:.1f} s / {baseline.proc.returncode}"))
+    add(
+        "1 uninterrupted",
+        ("launch → exit / exit code", f"{base_wall:.1f} s / {baseline.proc.returncode}"),
+    )
 
     job = Job("2_sigkill_rank1", **RESTARTS)
     t = job.signal_rank1_after_checkpoint_10(signal.SIGKILL)
     job.wait()
-    add(f"2 SIGKILL rank 1 at step {job.last_step}, --max_restarts 1",
+    add(
+        f"2 SIGKILL rank 1 at step {job.last_step}, --max_restarts 1",
         ("kill → launcher's 'closing signal' / 'failed'", job.noticed(t)),
         ("kill → 'resumed from ... (torchrun restart 1)'", job.since("resumed", t)),
         ("kill → exit", f"{job.end - t:.1f} s"),
         ("resumed from step / steps lost", lost(job.last_step, job.value("resumed"))),
         ("extra wall time vs 1", f"{job.end - job.t0 - base_wall:+.1f} s"),
-        ("exit code / max loss gap vs 1", gap(job)))
+        ("exit code / max loss gap vs 1", gap(job)),
+    )
 
     job = Job("3_sigterm", "--resume_from_checkpoint", "auto")
     job.wait(lambda: max(losses(job.out), default=0) >= 15)
-    everyone, at = [psutil.Process(job.proc.pid), *(w for _, w in job.workers.values())], max(losses(job.out))
+    everyone, at = (
+        [psutil.Process(job.proc.pid), *(w for _, w in job.workers.values())],
+        max(losses(job.out)),
+    )
     job.proc.send_signal(signal.SIGTERM)  # to the launcher, as SLURM, Kubernetes or a user would
     t = time.time()
     job.wait()
-    exited, last = all_exited(everyone), max(losses(job.out))  # before the rerun appends to metrics.jsonl
-    again = Job("3_rerun", "--resume_from_checkpoint", "auto", out=job.out)  # a requeue: the same command
+    exited, last = (
+        all_exited(everyone),
+        max(losses(job.out)),
+    )  # before the rerun appends to metrics.jsonl
+    again = Job(
+        "3_rerun", "--resume_from_checkpoint", "auto", out=job.out
+    )  # a requeue: the same command
     again.wait()
-    add(f"3 SIGTERM launcher at step {at}",
-        ("signal → launcher and workers all exited", f"{exited - t:.1f} s" if exited else "not within 60 s"),
+    add(
+        f"3 SIGTERM launcher at step {at}",
+        (
+            "signal → launcher and workers all exited",
+            f"{exited - t:.1f} s" if exited else "not within 60 s",
+        ),
         ("saved checkpoint at step / steps lost", lost(last, job.value("preempted"))),
         ("launcher's exit code", job.proc.returncode),
-        ("rerun: launch → 'resumed from' / exit", f"{again.since('resumed', again.t0)} / {again.end - again.t0:.1f} s"),
+        (
+            "rerun: launch → 'resumed from' / exit",
+            f"{again.since('resumed', again.t0)} / {again.end - again.t0:.1f} s",
+        ),
         ("rerun: resumed from step", again.value("resumed")),
-        ("rerun: exit code / max loss gap vs 1", gap(again)))
+        ("rerun: exit code / max loss gap vs 1", gap(again)),
+    )
 
-    for label, kwargs in [] if args.skip_hung else [("no restarts", {}), ("--max_restarts 1", RESTARTS)]:
-        job = Job(f"4_sigstop_rank1_{'restarts' if kwargs else 'plain'}", "--ddp_timeout", "30", **kwargs)
-        t = job.signal_rank1_after_checkpoint_10(signal.SIGSTOP)  # alive but silent: a stuck kernel, a dead link
+    for label, kwargs in (
+        [] if args.skip_hung else [("no restarts", {}), ("--max_restarts 1", RESTARTS)]
+    ):
+        job = Job(
+            f"4_sigstop_rank1_{'restarts' if kwargs else 'plain'}", "--ddp_timeout", "30", **kwargs
+        )
+        t = job.signal_rank1_after_checkpoint_10(
+            signal.SIGSTOP
+        )  # alive but silent: a stuck kernel, a dead link
         job.wait()
-        add(f"4 SIGSTOP rank 1 at step {job.last_step}, --ddp_timeout 30, {label}",
+        add(
+            f"4 SIGSTOP rank 1 at step {job.last_step}, --ddp_timeout 30, {label}",
             ("stop → rank 0's 'Timed out waiting 30000ms'", job.since("timed out", t)),
             ("stop → launcher's 'closing signal' / 'failed'", job.noticed(t)),
             ("stop → 'resumed from' / exit", f"{job.since('resumed', t)} / {job.end - t:.1f} s"),
             ("resumed from step / steps lost", lost(job.last_step, job.value("resumed"))),
-            ("exit code / max loss gap vs 1", gap(job) if kwargs else f"{job.proc.returncode} / -"))
+            ("exit code / max loss gap vs 1", gap(job) if kwargs else f"{job.proc.returncode} / -"),
+        )
 
     job = Job("5_sigkill_launcher", "--max_steps", "10000")
     job.wait(lambda: max(losses(job.out), default=0) >= 1)
@@ -202,8 +292,13 @@ try:
     job.proc.wait()
     t = time.time()
     exited = all_exited(workers)
-    add("5 SIGKILL launcher", (f"launcher gone → its {len(workers)} workers exited",
-                               f"{exited - t:.2f} s" if exited else "still running after 60 s"))
+    add(
+        "5 SIGKILL launcher",
+        (
+            f"launcher gone → its {len(workers)} workers exited",
+            f"{exited - t:.2f} s" if exited else "still running after 60 s",
+        ),
+    )
 finally:  # whatever happened, nothing keeps running
     for job in jobs:
         if job.proc.poll() is None:
@@ -213,12 +308,15 @@ finally:  # whatever happened, nothing keeps running
                 w.kill()  # psutil checks that the pid was not reused since
         job.proc.wait()
 
-report = (f"# Recovery costs, `accelerate_configs/{args.config}.yaml`\n\n"
-          f"`{' '.join(['python benchmarks/recovery.py', *sys.argv[1:]])}`, {datetime.now():%Y-%m-%d %H:%M}: "
-          f"{os.cpu_count()} CPU cores, 2 gloo ranks, torch {version('torch')}, accelerate {version('accelerate')}; "
-          "the bundled corpus with the RUN30 flags (30 fp32 steps, checkpoints every 10). One run each on a host "
-          f"shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end): the timings are noisy.\n\n"
-          "| scenario | measured | value |\n|---|---|---|\n" + "".join(f"| {a} | {b} | {c} |\n" for a, b, c in rows))
+report = (
+    f"# Recovery costs, `accelerate_configs/{args.config}.yaml`\n\n"
+    f"`{' '.join(['python benchmarks/recovery.py', *sys.argv[1:]])}`, {datetime.now():%Y-%m-%d %H:%M}: "
+    f"{os.cpu_count()} CPU cores, 2 gloo ranks, torch {version('torch')}, accelerate {version('accelerate')}; "
+    "the bundled corpus with the RUN30 flags (30 fp32 steps, checkpoints every 10). One run each on a host "
+    f"shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end): the timings are noisy.\n\n"
+    "| scenario | measured | value |\n|---|---|---|\n"
+    + "".join(f"| {a} | {b} | {c} |\n" for a, b, c in rows)
+)
 print(report)
 Path(args.results).write_text(report)
 print(f"logs and outputs in {work}")

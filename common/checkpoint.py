@@ -59,15 +59,23 @@ def restart_note() -> str:
     From `TORCHELASTIC_RESTART_COUNT` (set by torchrun, hence `accelerate launch`, for every
     worker; 0 on the first attempt) and `SLURM_RESTART_COUNT` (set in a requeued SLURM job).
     """
-    notes = [f"{name} {os.environ[var]}" for var, name in (("TORCHELASTIC_RESTART_COUNT", "torchrun restart"),
-                                                          ("SLURM_RESTART_COUNT", "SLURM requeue"))
-             if os.environ.get(var, "0").isdigit() and int(os.environ.get(var, "0")) > 0]
+    notes = [
+        f"{name} {os.environ[var]}"
+        for var, name in (
+            ("TORCHELASTIC_RESTART_COUNT", "torchrun restart"),
+            ("SLURM_RESTART_COUNT", "SLURM requeue"),
+        )
+        if os.environ.get(var, "0").isdigit() and int(os.environ.get(var, "0")) > 0
+    ]
     return ", ".join(notes)
 
 
 def _manifest(directory: Path) -> dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MARKER}
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def _fsync(path: Path) -> None:
@@ -117,8 +125,14 @@ def _digests(accelerator, directory: Path, sizes: dict[str, int]) -> dict[str, s
     return dict(sorted((k, v) for part in gather_object([mine]) for k, v in part.items()))
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: int | None = None,
-                    run_state: dict | None = None, hf_files: tuple = ()) -> Path:
+def save_checkpoint(
+    accelerator,
+    output_dir: str,
+    step: int,
+    save_total_limit: int | None = None,
+    run_state: dict | None = None,
+    hf_files: tuple = (),
+) -> Path:
     """Save the full training state as `checkpoint-{step}`, atomically. Call on every rank.
 
     Every rank runs `save_state` (it holds collectives and per-rank shard writes); then, after a
@@ -140,7 +154,9 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
         ValueError: `save_total_limit` below 1 (a negative one sliced away the new checkpoint).
     """
     if save_total_limit is not None and save_total_limit < 1:
-        raise Stop(f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}")
+        raise Stop(
+            f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}"
+        )
     out = Path(output_dir)
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     if accelerator.is_main_process and tmp.exists():
@@ -163,8 +179,15 @@ def save_checkpoint(accelerator, output_dir: str, step: int, save_total_limit: i
     sums = _digests(accelerator, tmp, sizes)  # each rank fsyncs and hashes its share
     if accelerator.is_main_process:
         # saved_at is information only (and zero_universal's cache key): clocks differ between nodes
-        marker = {"step": step, ORDER: _next_save_order(out), "saved_at": time.time(), **(run_state or {}),
-                  **({TRAINABLE: trainable} if trainable is not None else {}), "files": sizes, "sha256": sums}
+        marker = {
+            "step": step,
+            ORDER: _next_save_order(out),
+            "saved_at": time.time(),
+            **(run_state or {}),
+            **({TRAINABLE: trainable} if trainable is not None else {}),
+            "files": sizes,
+            "sha256": sums,
+        }
         marker[SEAL] = _marker_sha256(marker)
         _fsync_dirs(tmp)  # the names too, before the marker vouches for them
         with open(tmp / MARKER, "w") as f:
@@ -186,7 +209,7 @@ def _rotate(out: Path, new: Path, save_total_limit: int) -> None:
     """Delete the oldest complete checkpoints in `out` so that `save_total_limit` remain, `new` among
     them. `new` (the checkpoint just written) is left out of the candidates, whatever the order says."""
     older = [p for p in complete_checkpoints(out) if p.name != new.name]
-    for old in older[:max(0, len(older) - (save_total_limit - 1))]:
+    for old in older[: max(0, len(older) - (save_total_limit - 1))]:
         shutil.rmtree(old)
 
 
@@ -239,11 +262,17 @@ def _read_marker(marker: Path) -> dict:
     if not isinstance(info, dict):
         raise Stop(f"checkpoint marker {marker} is not a JSON object: damaged or altered")
     if SEAL in info and info[SEAL] != _marker_sha256(info):
-        raise Stop(f"checkpoint marker {marker} does not match the sha256 recorded in it when it was saved: "
-                   "damaged or altered")
-    if SEAL not in info and "sha256" in info:  # (a marker without file sums gets verify_checkpoint's warning)
-        warnings.warn(f"{marker} was saved without a checksum of its own (an older version): its step and "
-                      "settings are not verified")
+        raise Stop(
+            f"checkpoint marker {marker} does not match the sha256 recorded in it when it was saved: "
+            "damaged or altered"
+        )
+    if (
+        SEAL not in info and "sha256" in info
+    ):  # (a marker without file sums gets verify_checkpoint's warning)
+        warnings.warn(
+            f"{marker} was saved without a checksum of its own (an older version): its step and "
+            "settings are not verified"
+        )
     return info
 
 
@@ -268,21 +297,29 @@ def verify_checkpoint(path: Path, accelerator=None) -> dict:
     """
     marker = Path(path) / MARKER
     if not marker.is_file():
-        raise Stop(f"{path} is not a complete checkpoint: {MARKER} missing (the save did not finish)")
+        raise Stop(
+            f"{path} is not a complete checkpoint: {MARKER} missing (the save did not finish)"
+        )
     info = _read_marker(marker)
     for name, size in info["files"].items():
         f = Path(path) / name
         if not f.is_file():
             raise Stop(f"checkpoint file missing: {f}")
         if f.stat().st_size != size:
-            raise Stop(f"checkpoint file {f} is {f.stat().st_size} bytes, {size} were written: truncated or altered")
+            raise Stop(
+                f"checkpoint file {f} is {f.stat().st_size} bytes, {size} were written: truncated or altered"
+            )
     if "sha256" not in info:
-        warnings.warn(f"{path} was saved without checksums (an older version): file sizes checked only")
+        warnings.warn(
+            f"{path} was saved without checksums (an older version): file sizes checked only"
+        )
         return info
     sums = _digests(accelerator, Path(path), info["files"])
     if bad := [name for name in info["files"] if sums[name] != info["sha256"].get(name)]:
-        raise Stop(f"checkpoint file {Path(path) / bad[0]} does not match the sha256 recorded when it was "
-                         f"saved: damaged or altered ({len(bad)} of {len(sums)} files differ)")
+        raise Stop(
+            f"checkpoint file {Path(path) / bad[0]} does not match the sha256 recorded when it was "
+            f"saved: damaged or altered ({len(bad)} of {len(sums)} files differ)"
+        )
     return info
 
 
@@ -312,12 +349,17 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     clock either: checkpoints written on a node whose clock runs ahead stay older than the ones
     saved after them.
     """
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if _CKPT.match(p.name) and (p / MARKER).is_file()]
+    found = [
+        p
+        for p in Path(output_dir).glob("checkpoint-*")
+        if _CKPT.match(p.name) and (p / MARKER).is_file()
+    ]
     return sorted(found, key=_lineage)
 
 
-def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
-                       accelerator=None) -> tuple[Path | None, dict]:
+def resolve_checkpoint(
+    output_dir: str, resume_from_checkpoint: str | None, accelerator=None
+) -> tuple[Path | None, dict]:
     """Turn `--resume_from_checkpoint {PATH|latest|auto}` into a verified checkpoint.
 
     With `accelerator`, a collective (call on every rank): the ranks share the checksum reads.
@@ -339,7 +381,9 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
     if resume_from_checkpoint not in ("latest", "auto"):
         if not Path(resume_from_checkpoint).is_dir():
             raise Stop(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
-        return Path(resume_from_checkpoint), verify_checkpoint(Path(resume_from_checkpoint), accelerator)
+        return Path(resume_from_checkpoint), verify_checkpoint(
+            Path(resume_from_checkpoint), accelerator
+        )
     for path in reversed(complete_checkpoints(Path(output_dir))):
         try:
             return path, verify_checkpoint(path, accelerator)
@@ -347,8 +391,10 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None,
             warnings.warn(f"skipping damaged checkpoint: {err}")
     if resume_from_checkpoint == "auto":
         return None, {"step": 0}
-    raise Stop(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} "
-                            "(save some with --save_steps)")
+    raise Stop(
+        f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} "
+        "(save some with --save_steps)"
+    )
 
 
 def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: int) -> list[str]:
@@ -366,8 +412,10 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
     """
     applied = workarounds.fill_fsdp1_optimizer_state(accelerator, model, optimizer)
     partial = trainable_only(accelerator)
-    with zero_universal(accelerator, path, model) as load_from, \
-            _state_kwargs(accelerator, partial, load=True, applied=applied) as kwargs:
+    with (
+        zero_universal(accelerator, path, model) as load_from,
+        _state_kwargs(accelerator, partial, load=True, applied=applied) as kwargs,
+    ):
         accelerator.load_state(str(load_from), **kwargs)
     if partial and (saved := _read_marker(Path(path) / MARKER).get(TRAINABLE)) is not None:
         if error := trainable_error(saved, trainable_sums(accelerator)):  # (a collective)
@@ -376,7 +424,9 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
     return applied + workarounds.micro_steps_from_optimizer_steps(accelerator, optimizer_steps)
 
 
-TRAINABLE = "trainable_sums"  # the marker's {name: [elements, sum, sum of squares]} (`trainable_sums`)
+TRAINABLE = (
+    "trainable_sums"  # the marker's {name: [elements, sum, sum of squares]} (`trainable_sums`)
+)
 
 
 def trainable_only(accelerator) -> bool:
@@ -417,6 +467,7 @@ def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None =
     elif load:
         yield {"strict": False}
     else:
+
         def drop_frozen(models, weights, output_dir):
             for model, weights_of_model in zip(models, weights):
                 bare = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -424,8 +475,11 @@ def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None =
                 for key in [key for key in weights_of_model if _clean_name(key) not in trainable]:
                     del weights_of_model[key]
                 if missing := trainable - set(map(_clean_name, weights_of_model)):
-                    raise Stop(f"a checkpoint would lack {len(missing)} of the {len(trainable)} trainable "
-                               f"parameters (first: {sorted(missing)[0]})")
+                    raise Stop(
+                        f"a checkpoint would lack {len(missing)} of the {len(trainable)} trainable "
+                        f"parameters (first: {sorted(missing)[0]})"
+                    )
+
         handle = accelerator.register_save_state_pre_hook(drop_frozen)
         try:
             yield {}
@@ -458,13 +512,26 @@ def trainable_sums(accelerator) -> dict[str, list]:
             for _, p in named:
                 whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a DTensor
                 values = whole.detach().double()
-                rows.append(torch.stack([values.new_tensor(float(values.numel())), values.sum(),
-                                         values.square().sum()]))
-        table = torch.stack(rows) if rows else torch.zeros((0, 3), dtype=torch.float64, device=accelerator.device)
+                rows.append(
+                    torch.stack(
+                        [
+                            values.new_tensor(float(values.numel())),
+                            values.sum(),
+                            values.square().sum(),
+                        ]
+                    )
+                )
+        table = (
+            torch.stack(rows)
+            if rows
+            else torch.zeros((0, 3), dtype=torch.float64, device=accelerator.device)
+        )
         if fsdp1 and accelerator.num_processes > 1:  # each rank holds a slice of each parameter
             torch.distributed.all_reduce(table)
         prefix = f"model_{index}." if index else ""
-        sums.update({prefix + _clean_name(name): row for (name, _), row in zip(named, table.tolist())})
+        sums.update(
+            {prefix + _clean_name(name): row for (name, _), row in zip(named, table.tolist())}
+        )
     return sums
 
 
@@ -473,16 +540,23 @@ def trainable_error(saved: dict, loaded: dict) -> str | None:
     (`trainable_sums`), as one clause; None if they are (fp64 sums: 1e-9 relative, room for
     another summation order on another number of ranks)."""
     if missing := sorted(set(saved) ^ set(loaded)):
-        return (f"its trainable parameters are not this model's: {len(missing)} names differ (first: "
-                f"{missing[0]}); resume with the --lora_* and model settings it was saved with")
+        return (
+            f"its trainable parameters are not this model's: {len(missing)} names differ (first: "
+            f"{missing[0]}); resume with the --lora_* and model settings it was saved with"
+        )
 
     def differs(a, b):
         (n, total, squares), (_, total_now, squares_now) = a, b
-        return not (math.isclose(squares, squares_now, rel_tol=1e-9, abs_tol=1e-30)
-                    and abs(total - total_now) <= 1e-9 * math.sqrt(max(squares, 1e-60) * max(n, 1)))
+        return not (
+            math.isclose(squares, squares_now, rel_tol=1e-9, abs_tol=1e-30)
+            and abs(total - total_now) <= 1e-9 * math.sqrt(max(squares, 1e-60) * max(n, 1))
+        )
+
     if wrong := [name for name in saved if differs(saved[name], loaded[name])]:
-        return (f"{len(wrong)} of its {len(saved)} trainable parameters did not load (first: {wrong[0]}: "
-                f"sum of squares {saved[wrong[0]][2]:.9g} saved, {loaded[wrong[0]][2]:.9g} after the load)")
+        return (
+            f"{len(wrong)} of its {len(saved)} trainable parameters did not load (first: {wrong[0]}: "
+            f"sum of squares {saved[wrong[0]][2]:.9g} saved, {loaded[wrong[0]][2]:.9g} after the load)"
+        )
     return None
 
 
@@ -504,12 +578,19 @@ def zero_universal(accelerator, path: Path, engine):
     from types import SimpleNamespace
 
     saved = json.loads((Path(path) / MARKER).read_text())
-    if (saved.get("distributed_type") != "DEEPSPEED_ZERO2" or strategy_name(accelerator) != "DEEPSPEED_ZERO2"
-            or saved.get("world_size") in (None, accelerator.num_processes)):
+    if (
+        saved.get("distributed_type") != "DEEPSPEED_ZERO2"
+        or strategy_name(accelerator) != "DEEPSPEED_ZERO2"
+        or saved.get("world_size") in (None, accelerator.num_processes)
+    ):
         yield path
         return
-    key = hashlib.sha256(f"{Path(path).resolve()}:{saved.get('saved_at')}".encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / f"zero-universal-{key}"  # the same name on every rank of a node
+    key = hashlib.sha256(f"{Path(path).resolve()}:{saved.get('saved_at')}".encode()).hexdigest()[
+        :16
+    ]
+    folder = (
+        Path(tempfile.gettempdir()) / f"zero-universal-{key}"
+    )  # the same name on every rank of a node
     error = None
     if accelerator.is_local_main_process:
         import contextlib
@@ -524,14 +605,23 @@ def zero_universal(accelerator, path: Path, engine):
                 if item.name != "pytorch_model":
                     (folder / item.name).symlink_to(item.resolve())
             with contextlib.redirect_stdout(io.StringIO()):  # a line per tensor
-                ds_to_universal(SimpleNamespace(input_folder=str(Path(path) / "pytorch_model"),
-                                                output_folder=str(folder / "pytorch_model"), num_extract_workers=1,
-                                                num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                                inject_missing_state=True))
+                ds_to_universal(
+                    SimpleNamespace(
+                        input_folder=str(Path(path) / "pytorch_model"),
+                        output_folder=str(folder / "pytorch_model"),
+                        num_extract_workers=1,
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=True,
+                    )
+                )
         except (Exception, SystemExit) as err:  # (every rank stops, not only this one)
             shutil.rmtree(folder, ignore_errors=True)
-            error = f"cannot resume from {path} on {accelerator.num_processes} rank(s): converting it to " \
-                    f"{folder} with DeepSpeed's ds_to_universal failed: {type(err).__name__}: {err}"
+            error = (
+                f"cannot resume from {path} on {accelerator.num_processes} rank(s): converting it to "
+                f"{folder} with DeepSpeed's ds_to_universal failed: {type(err).__name__}: {err}"
+            )
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
@@ -549,13 +639,15 @@ def zero_universal(accelerator, path: Path, engine):
 
 
 # The flags behind the settings a resume compares that are not flags themselves.
-_DATA = "--train_file, --validation_file, --dataset_name, --dataset_config_name, --validation_split_percentage, " \
-        "the tokenizer (--tokenizer_name_or_path, --model_name_or_path, --vocab_size), --block_size, --packing"
+_DATA = (
+    "--train_file, --validation_file, --dataset_name, --dataset_config_name, --validation_split_percentage, "
+    "the tokenizer (--tokenizer_name_or_path, --model_name_or_path, --vocab_size), --block_size, --packing"
+)
 SETTING_SOURCES = {
     "data_digest": f"the data: {_DATA}",
     "train_blocks": f"the data: {_DATA}",
     "train_passages": "the data: --tokenizer_name_or_path, --block_size, --validation_split_percentage, "
-                      "--max_train_samples",
+    "--max_train_samples",
     "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
     "frozen_base": "the frozen base model's weights: --model_name_or_path",
 }
@@ -573,13 +665,20 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
     for k, v in current.items():
         if k not in saved or saved[k] == v:
             continue
-        if isinstance(v, dict) and isinstance(saved[k], dict):  # e.g. the model config: name the keys
-            changes += [f"{k}.{key} {saved[k].get(key)} -> {v.get(key)}"
-                        for key in sorted(set(v) | set(saved[k])) if saved[k].get(key) != v.get(key)]
+        if isinstance(v, dict) and isinstance(
+            saved[k], dict
+        ):  # e.g. the model config: name the keys
+            changes += [
+                f"{k}.{key} {saved[k].get(key)} -> {v.get(key)}"
+                for key in sorted(set(v) | set(saved[k]))
+                if saved[k].get(key) != v.get(key)
+            ]
             continue
         source = SETTING_SOURCES.get(k)  # its flags once; then "(the data)"
-        changes.append(f"{k} {saved[k]} -> {v}" + (f" ({source if source not in named else source.split(':')[0]})"
-                                                   if source else ""))
+        changes.append(
+            f"{k} {saved[k]} -> {v}"
+            + (f" ({source if source not in named else source.split(':')[0]})" if source else "")
+        )
         named.add(source)
     return changes
 
@@ -616,8 +715,12 @@ def precision_state(accelerator) -> dict:
     state = {"mixed_precision": accelerator.mixed_precision}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.state.deepspeed_plugin.deepspeed_config
-        state["deepspeed_communication_data_type"] = str(config.get("communication_data_type") or "default")
-        state["deepspeed_grad_accum_dtype"] = str((config.get("data_types") or {}).get("grad_accum_dtype") or "default")
+        state["deepspeed_communication_data_type"] = str(
+            config.get("communication_data_type") or "default"
+        )
+        state["deepspeed_grad_accum_dtype"] = str(
+            (config.get("data_types") or {}).get("grad_accum_dtype") or "default"
+        )
     return state
 
 
@@ -634,20 +737,29 @@ def strategy_name(accelerator) -> str:
         return f"{name}_ZERO{accelerator.state.deepspeed_plugin.zero_stage}"
     if accelerator.distributed_type == DistributedType.FSDP:
         mesh = launch.mesh_layout(accelerator)  # HSDP: "FSDP2 (dp_replicate 2 x dp_shard 2)"
-        return name + ("2" if accelerator.is_fsdp2 else "1") + (
-            f" ({' x '.join(f'{dim} {size}' for dim, size in mesh.items())})" if mesh else "")
+        return (
+            name
+            + ("2" if accelerator.is_fsdp2 else "1")
+            + (f" ({' x '.join(f'{dim} {size}' for dim, size in mesh.items())})" if mesh else "")
+        )
     return name
 
 
-REPLICATED = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full model state on every rank: loads at any world size
+REPLICATED = {
+    "NO",
+    "MULTI_CPU",
+    "MULTI_GPU",
+}  # a full model state on every rank: loads at any world size
 # Sharded states that load on another number of ranks, exactly, and through what. Accelerate writes
 # FSDP's model and optimizer with torch.distributed.checkpoint (SHARDED_STATE_DICT; FULL_STATE_DICT
 # writes whole files), which reshards on load; LOCAL_STATE_DICT's per-rank files do not. ZeRO-2 loads
 # through a universal checkpoint (`zero_universal`). ZeRO-3 is refused, for the reason given.
 RESHARDS = {"FSDP2": "DCP", "FSDP1": "DCP", "DEEPSPEED_ZERO2": "DeepSpeed's universal checkpoint"}
-NO_RESHARD = {"DEEPSPEED_ZERO3": "DeepSpeed loads ZeRO-3 optimizer partitions on the number of ranks that wrote "
-              "them only, and its universal checkpoint does not continue a ZeRO-3 run exactly (0.3% off in grad "
-              "norm within 6 steps, even on as many ranks)"}
+NO_RESHARD = {
+    "DEEPSPEED_ZERO3": "DeepSpeed loads ZeRO-3 optimizer partitions on the number of ranks that wrote "
+    "them only, and its universal checkpoint does not continue a ZeRO-3 run exactly (0.3% off in grad "
+    "norm within 6 steps, even on as many ranks)"
+}
 
 
 def layout_error(saved: dict, run_state: dict) -> str | None:
@@ -657,25 +769,42 @@ def layout_error(saved: dict, run_state: dict) -> str | None:
     strategy (FSDP1 and FSDP2, ZeRO-2 and ZeRO-3 write different states), and on another world size
     only where `RESHARDS` names how.
     """
-    (was, n), (now, m) = (saved.get("distributed_type"), saved.get("world_size")), (run_state["distributed_type"],
-                                                                                  run_state["world_size"])
+    (was, n), (now, m) = (
+        (saved.get("distributed_type"), saved.get("world_size")),
+        (run_state["distributed_type"], run_state["world_size"]),
+    )
     if not was or {was, now} <= REPLICATED or (was, n) == (now, m):
         return None
     if was != now:
-        return (f"a {was} state of {n} rank(s), this run is {now} with {m} (a sharded FSDP/ZeRO state resumes "
-                "on its own strategy only; tools/consolidate.py converts one to plain weights)")
+        return (
+            f"a {was} state of {n} rank(s), this run is {now} with {m} (a sharded FSDP/ZeRO state resumes "
+            "on its own strategy only; tools/consolidate.py converts one to plain weights)"
+        )
     per_rank = sorted(f for f in saved.get("files", {}) if re.search(r"_rank\d+\.bin$", f))
-    why = NO_RESHARD.get(was, "no resharding") if was not in RESHARDS else (
-        f"its model or optimizer is saved one file per rank ({per_rank[0]}: LOCAL_STATE_DICT), not through DCP"
-        if per_rank else None)
+    why = (
+        NO_RESHARD.get(was, "no resharding")
+        if was not in RESHARDS
+        else (
+            f"its model or optimizer is saved one file per rank ({per_rank[0]}: LOCAL_STATE_DICT), not through DCP"
+            if per_rank
+            else None
+        )
+    )
     if n != m and why:
-        return (f"a {was} state of {n} rank(s), this run has {m}: {why} (resume on {n} ranks, or convert it "
-                "with tools/consolidate.py and start from its weights)")
+        return (
+            f"a {was} state of {n} rank(s), this run has {m}: {why} (resume on {n} ranks, or convert it "
+            "with tools/consolidate.py and start from its weights)"
+        )
     return None
 
 
-def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str],
-                 lr_decays_after: int | None = None) -> str | None:
+def resume_error(
+    path: Path,
+    saved: dict,
+    run_state: dict,
+    must_match: list[str],
+    lr_decays_after: int | None = None,
+) -> str | None:
     """Why this run cannot continue the checkpoint at `path` exactly, as one line; None if it can.
 
     Args:
@@ -706,17 +835,25 @@ def resume_error(path: Path, saved: dict, run_state: dict, must_match: list[str]
     """
     changes = changed_settings(saved, {k: run_state[k] for k in must_match if k != "max_steps"})
     before, after = saved.get("max_steps"), run_state.get("max_steps")
-    if lr_decays_after is not None and before not in (None, after) and saved["step"] > lr_decays_after:
-        changes.append(f"max_steps {before} -> {after} (the LR decays over --max_steps after {lr_decays_after} "
-                       f"warmup steps, and the checkpoint's {saved['step']} steps went past them)")
+    if (
+        lr_decays_after is not None
+        and before not in (None, after)
+        and saved["step"] > lr_decays_after
+    ):
+        changes.append(
+            f"max_steps {before} -> {after} (the LR decays over --max_steps after {lr_decays_after} "
+            f"warmup steps, and the checkpoint's {saved['step']} steps went past them)"
+        )
     if layout := layout_error(saved, run_state):
         changes.append(layout)
     if end_error := _end_error(saved, run_state.get("max_steps")):
         return f"cannot resume from {path}: {end_error}"
     if not changes:
         return None
-    return (f"cannot resume from {path}: {'; '.join(changes)}. Resume with the saved settings, or start a new run "
-            "(into another --output_dir) from its weights")
+    return (
+        f"cannot resume from {path}: {'; '.join(changes)}. Resume with the saved settings, or start a new run "
+        "(into another --output_dir) from its weights"
+    )
 
 
 def _end_error(saved: dict, max_steps: int | None) -> str | None:
@@ -725,9 +862,11 @@ def _end_error(saved: dict, max_steps: int | None) -> str | None:
     if max_steps is None or at < max_steps or (at == max_steps and before in (None, max_steps)):
         return None
     of = f" of a {before}-step run" if before is not None else ""
-    return (f"it is at step {at}{of}, and this run ends at step {max_steps} (--max_steps, or --num_train_epochs): "
-            f"nothing would train. Give --max_steps above {at} to train on, or start a new run (into another "
-            "--output_dir) from its weights")
+    return (
+        f"it is at step {at}{of}, and this run ends at step {max_steps} (--max_steps, or --num_train_epochs): "
+        f"nothing would train. Give --max_steps above {at} to train on, or start a new run (into another "
+        "--output_dir) from its weights"
+    )
 
 
 def check_shared_dir(accelerator, output_dir: str) -> None:
@@ -755,11 +894,13 @@ def check_shared_dir(accelerator, output_dir: str) -> None:
     accelerator.wait_for_everyone()
     mine.unlink()
     if worst != accelerator.num_processes:
-        raise Stop(f"--output_dir {output_dir} is not one directory shared by every rank: rank "
-                         f"{accelerator.process_index} on {os.uname().nodename} sees {seen} of the "
-                         f"{accelerator.num_processes} ranks' files there (fewest seen by any rank: {worst}). "
-                         "Checkpoints are written by every rank and finished by rank 0: give every node the same "
-                         "shared filesystem path")
+        raise Stop(
+            f"--output_dir {output_dir} is not one directory shared by every rank: rank "
+            f"{accelerator.process_index} on {os.uname().nodename} sees {seen} of the "
+            f"{accelerator.num_processes} ranks' files there (fewest seen by any rank: {worst}). "
+            "Checkpoints are written by every rank and finished by rank 0: give every node the same "
+            "shared filesystem path"
+        )
 
 
 def stop_on_signal(accelerator, timeout_s: float):
@@ -793,7 +934,9 @@ def stop_on_signal(accelerator, timeout_s: float):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handler)
     group = None
-    if dist.is_initialized() and accelerator.num_processes > 1:  # a CPU group, whatever the device backend
+    if (
+        dist.is_initialized() and accelerator.num_processes > 1
+    ):  # a CPU group, whatever the device backend
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def preempted() -> str | None:
@@ -801,6 +944,7 @@ def stop_on_signal(accelerator, timeout_s: float):
         if group is not None:
             dist.all_reduce(signum, op=dist.ReduceOp.MAX, group=group)
         return signal.Signals(int(signum)).name if int(signum) else None
+
     return preempted
 
 
@@ -830,10 +974,14 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     writes its adapter to `final/adapter/` (peft's files) and the model with the adapter merged
     to `final/` (`models.lora_copy`).
     """
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points a compiled DDP model)
+    unwrapped = accelerator.unwrap_model(
+        model, keep_torch_compile=False
+    )  # (True re-points a compiled DDP model)
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     state_dict = full_state_dict(accelerator, model) if sharded else unwrapped.state_dict()
-    if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # (other ranks may hold none)
+    if state_dict and getattr(
+        unwrapped.config, "tie_word_embeddings", False
+    ):  # (other ranks may hold none)
         state_dict.pop("lm_head.weight", None)
     adapter = hasattr(unwrapped, "peft_config")  # LoRA (peft): the adapter, and the merged model
     with atomic_export(accelerator, output_dir) as export_dir:  # final/ is never half written
@@ -849,9 +997,12 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
         for name in names:
             setattr(whole, name, models.inference_ready(live[name]))
         try:
-            whole.save_pretrained(export_dir, is_main_process=accelerator.is_main_process,
-                                  save_function=accelerator.save,
-                                  state_dict=None if whole is not unwrapped else state_dict)
+            whole.save_pretrained(
+                export_dir,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=None if whole is not unwrapped else state_dict,
+            )
         finally:
             for name in names:
                 setattr(whole, name, live[name])
@@ -860,8 +1011,13 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     return os.path.join(output_dir, "final")
 
 
-def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | None = None,
-                    lr_decays_after: int | None = None) -> tuple[Path | None, dict]:
+def resume_or_start(
+    accelerator,
+    args,
+    run_state: dict,
+    must_match: list[str] | None = None,
+    lr_decays_after: int | None = None,
+) -> tuple[Path | None, dict]:
     """Resolve --resume_from_checkpoint, and refuse a checkpoint that would not continue this run exactly.
 
     Every recipe's resume check. Called before `prepare` (llama.py, ddp_classifier.py), a refused
@@ -885,39 +1041,62 @@ def resume_or_start(accelerator, args, run_state: dict, must_match: list[str] | 
     if not path:
         start_fresh(accelerator, args.output_dir)
         return None, saved
-    if error := resume_error(path, saved, run_state, list(run_state) if must_match is None else must_match,
-                             lr_decays_after):
+    if error := resume_error(
+        path,
+        saved,
+        run_state,
+        list(run_state) if must_match is None else must_match,
+        lr_decays_after,
+    ):
         raise Stop(error)
     max_steps = run_state.get("max_steps")
     if lr_decays_after is not None and saved.get("max_steps", max_steps) != max_steps:
-        accelerator.print(f"{path} was saved by a {saved['max_steps']}-step run, this one has {max_steps}: its "
-                          f"{saved['step']} steps are all in the {lr_decays_after}-step warmup, which --max_steps "
-                          f"does not change, so it continues exactly as a {max_steps}-step run")
+        accelerator.print(
+            f"{path} was saved by a {saved['max_steps']}-step run, this one has {max_steps}: its "
+            f"{saved['step']} steps are all in the {lr_decays_after}-step warmup, which --max_steps "
+            f"does not change, so it continues exactly as a {max_steps}-step run"
+        )
     return path, saved
 
 
-def resumed_line(path: Path, step: int, saved: dict | None = None, run_info: dict | None = None) -> str:
-    """"resumed from PATH at step N", which restart this is, if one (`restart_note`), and, on another
+def resumed_line(
+    path: Path, step: int, saved: dict | None = None, run_info: dict | None = None
+) -> str:
+    """ "resumed from PATH at step N", which restart this is, if one (`restart_note`), and, on another
     world size than the checkpoint's (`saved`: its marker), how it got here: e.g. ": resharded from 2
     to 3 ranks through DCP". With `run_info` (this run's, with its `world_size`), records the same
     under its "resumed" key for run_info.json: checkpoint, step, saved_world_size, resharded (how,
     or None for a full state that every rank loads whole, or the same world size).
     """
-    line = f"resumed from {path} at step {step}" + (f" ({note})" if (note := restart_note()) else "")
+    line = f"resumed from {path} at step {step}" + (
+        f" ({note})" if (note := restart_note()) else ""
+    )
     if saved is None or run_info is None:
         return line
-    n, m, how = saved.get("world_size"), run_info["world_size"], RESHARDS.get(saved.get("distributed_type"))
+    n, m, how = (
+        saved.get("world_size"),
+        run_info["world_size"],
+        RESHARDS.get(saved.get("distributed_type")),
+    )
     moved = n is not None and n != m
-    run_info["resumed"] = {"checkpoint": str(path), "step": step, "saved_world_size": n,
-                           "resharded": how if moved else None}
+    run_info["resumed"] = {
+        "checkpoint": str(path),
+        "step": step,
+        "saved_world_size": n,
+        "resharded": how if moved else None,
+    }
     if not moved:
         return line
-    return line + (f": resharded from {n} to {m} ranks through {how}" if how else
-                   f": written by {n} rank(s), loaded whole on each of {m}")
+    return line + (
+        f": resharded from {n} to {m} ranks through {how}"
+        if how
+        else f": written by {n} rank(s), loaded whole on each of {m}"
+    )
 
 
-def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
-              **data_position) -> tuple[dict, list[str]]:
+def run_state(
+    accelerator, args, model, learning_rate: float, max_steps: int, **data_position
+) -> tuple[dict, list[str]]:
     """What a causal-LM run records in its checkpoints, and the keys a resume must match.
 
     Must match: `data_position` (the global batch, seed, blocks: what fixes the data order), and
@@ -932,17 +1111,33 @@ def run_state(accelerator, args, model, learning_rate: float, max_steps: int,
     Returns:
         (the run state, the keys of it that must match, data position first).
     """
-    same_run = {"learning_rate": learning_rate, "max_grad_norm": args.max_grad_norm,
-                **{k: getattr(args, k) for k in ("weight_decay", "adam_beta1", "adam_beta2",
-                                                 "adam_epsilon", "warmup_steps")},
-                **precision_state(accelerator),
-                "model_config": models.config_state(model.config),
-                **_frozen_base(args, model),
-                **({"per_device_train_batch_size": args.per_device_train_batch_size,
-                    "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                    "world_size": accelerator.num_processes} if models.uses_dropout(model) else {})}
-    state = {"world_size": accelerator.num_processes, "max_steps": max_steps,
-             "distributed_type": strategy_name(accelerator), **data_position, **same_run}
+    same_run = {
+        "learning_rate": learning_rate,
+        "max_grad_norm": args.max_grad_norm,
+        **{
+            k: getattr(args, k)
+            for k in ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps")
+        },
+        **precision_state(accelerator),
+        "model_config": models.config_state(model.config),
+        **_frozen_base(args, model),
+        **(
+            {
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "world_size": accelerator.num_processes,
+            }
+            if models.uses_dropout(model)
+            else {}
+        ),
+    }
+    state = {
+        "world_size": accelerator.num_processes,
+        "max_steps": max_steps,
+        "distributed_type": strategy_name(accelerator),
+        **data_position,
+        **same_run,
+    }
     return state, [*data_position, *same_run]
 
 
@@ -952,6 +1147,8 @@ def _frozen_base(args, model) -> dict:
     or where no weight files are found."""
     if all(p.requires_grad for p in model.parameters()):
         return {}
-    source = getattr(args, "model_name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    source = getattr(args, "model_name_or_path", None) or getattr(
+        model.config, "_name_or_path", None
+    )
     digest = models.weights_digest(source)
     return {"frozen_base": digest} if digest else {}

@@ -57,22 +57,30 @@ from common.errors import Stop
 # keys, which Accelerate refuses next to a JSON), the JSON key each one fills, and DeepSpeed's value
 # when the JSON lacks it. Accelerate 1.15 (DeepSpeedPlugin.__post_init__) copies a flag into the
 # JSON only where the key says "auto"; elsewhere the JSON wins, silently.
-LAUNCH_DS_KEYS = {"gradient_accumulation_steps": ("gradient_accumulation_steps", 1),
-                  "gradient_clipping": ("gradient_clipping", 0.0),
-                  "zero_stage": ("zero_optimization.stage", 0),
-                  "offload_optimizer_device": ("zero_optimization.offload_optimizer.device", "none"),
-                  "offload_param_device": ("zero_optimization.offload_param.device", "none"),
-                  "offload_optimizer_nvme_path": ("zero_optimization.offload_optimizer.nvme_path", "none"),
-                  "offload_param_nvme_path": ("zero_optimization.offload_param.nvme_path", "none"),
-                  "zero3_save_16bit_model": ("zero_optimization.stage3_gather_16bit_weights_on_model_save", False)}
+LAUNCH_DS_KEYS = {
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", 1),
+    "gradient_clipping": ("gradient_clipping", 0.0),
+    "zero_stage": ("zero_optimization.stage", 0),
+    "offload_optimizer_device": ("zero_optimization.offload_optimizer.device", "none"),
+    "offload_param_device": ("zero_optimization.offload_param.device", "none"),
+    "offload_optimizer_nvme_path": ("zero_optimization.offload_optimizer.nvme_path", "none"),
+    "offload_param_nvme_path": ("zero_optimization.offload_param.nvme_path", "none"),
+    "zero3_save_16bit_model": (
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        False,
+    ),
+}
 # DeepSpeed batch keys and the flag each must equal (train_batch_size is the product).
-BATCH_KEYS = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
-              "gradient_accumulation_steps": "gradient_accumulation_steps"}
+BATCH_KEYS = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+}
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2, "float16": 2}
 
 
 class Problem(NamedTuple):
     """One problem: `severity` "error" (the run stops) or "warning" (printed once); `text` one line."""
+
     severity: str
     text: str
 
@@ -104,49 +112,81 @@ def launch_config_from_env(env=os.environ) -> dict:
         of a launch that is not DeepSpeed, which Accelerate drops)}; absent values are left out.
     """
     world = int(env.get("WORLD_SIZE", 1))
-    config = {"mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "num_processes": world,
-              "num_machines": max(1, world // int(env.get("LOCAL_WORLD_SIZE", world)))}
+    config = {
+        "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"),
+        "num_processes": world,
+        "num_machines": max(1, world // int(env.get("LOCAL_WORLD_SIZE", world))),
+    }
     # The launch line's --mixed_precision (or a hand-set variable, without accelerate launch) is a
     # demand; the YAML's is a default that follows the hardware (common/precision.py).
     launcher = launcher_args()
     config["mixed_precision_forced"] = launcher is None or "--mixed_precision" in launcher
     if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
         config["distributed_type"] = "DEEPSPEED"
-        ds = {"deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
-              "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
-              "gradient_clipping": env.get("ACCELERATE_GRADIENT_CLIPPING"),
-              "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
-              # set only when given (the launch line, or the YAML without a JSON): "none" is a value here
-              **{key: env.get(f"ACCELERATE_DEEPSPEED_{key.upper()}") for key in LAUNCH_DS_KEYS
-                 if key.startswith(("offload_", "zero3_save"))}}
-        config["deepspeed_config"] = {k: v for k, v in ds.items() if v is not None and (
-            v != "none" or k.startswith("offload_"))}
+        ds = {
+            "deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+            "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+            "gradient_clipping": env.get("ACCELERATE_GRADIENT_CLIPPING"),
+            "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+            # set only when given (the launch line, or the YAML without a JSON): "none" is a value here
+            **{
+                key: env.get(f"ACCELERATE_DEEPSPEED_{key.upper()}")
+                for key in LAUNCH_DS_KEYS
+                if key.startswith(("offload_", "zero3_save"))
+            },
+        }
+        config["deepspeed_config"] = {
+            k: v
+            for k, v in ds.items()
+            if v is not None and (v != "none" or k.startswith("offload_"))
+        }
     elif _true(env.get("ACCELERATE_USE_FSDP")):
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
             "fsdp_version": int(env.get("FSDP_VERSION", 1)),
-            "fsdp_use_orig_params": _true(env.get("FSDP_USE_ORIG_PARAMS", "false")),  # Accelerate's default
+            "fsdp_use_orig_params": _true(
+                env.get("FSDP_USE_ORIG_PARAMS", "false")
+            ),  # Accelerate's default
             "fsdp_offload_params": _true(env.get("FSDP_OFFLOAD_PARAMS", "false")),
             "fsdp_reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true"),
-            "fsdp_cpu_ram_efficient_loading": _true(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")),
-            **({"fsdp_transformer_layer_cls_to_wrap": env["FSDP_TRANSFORMER_CLS_TO_WRAP"]}
-               if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") else {})}
+            "fsdp_cpu_ram_efficient_loading": _true(
+                env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+            ),
+            **(
+                {"fsdp_transformer_layer_cls_to_wrap": env["FSDP_TRANSFORMER_CLS_TO_WRAP"]}
+                if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+                else {}
+            ),
+        }
     else:
         config["distributed_type"] = "MULTI_GPU" if world > 1 else "NO"
-    if _true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")):  # the YAML's parallelism_config (or its launch flags)
-        config["parallelism_config"] = {f"parallelism_config_{dim}_size": int(env.get(
-            f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", 1)) for dim in MESH_DIMS}
-    if config["distributed_type"] != "DEEPSPEED":  # accelerate launch drops its DeepSpeed flags here
+    if _true(
+        env.get("ACCELERATE_USE_PARALLELISM_CONFIG")
+    ):  # the YAML's parallelism_config (or its launch flags)
+        config["parallelism_config"] = {
+            f"parallelism_config_{dim}_size": int(
+                env.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", 1)
+            )
+            for dim in MESH_DIMS
+        }
+    if (
+        config["distributed_type"] != "DEEPSPEED"
+    ):  # accelerate launch drops its DeepSpeed flags here
         names = {f"--{key}" for key in (*LAUNCH_DS_KEYS, "zero3_init_flag")}
         if dropped := {k: v for k, v in (launcher or {}).items() if k in names}:
             config["dropped_launch_flags"] = dropped
     # torch.compile: accelerate launch passes its dynamo settings in ACCELERATE_DYNAMO_*, except to
     # DeepSpeed ranks; there we read what the launcher was asked for (config_problems refuses it).
     backend = env.get("ACCELERATE_DYNAMO_BACKEND") or (
-        launcher_dynamo_backend() if config["distributed_type"] == "DEEPSPEED" else None)
+        launcher_dynamo_backend() if config["distributed_type"] == "DEEPSPEED" else None
+    )
     if backend and backend.upper() != "NO":
-        config["dynamo_config"] = {"dynamo_backend": backend.upper(), "dynamo_use_regional_compilation":
-                                   _true(env.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false"))}
+        config["dynamo_config"] = {
+            "dynamo_backend": backend.upper(),
+            "dynamo_use_regional_compilation": _true(
+                env.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")
+            ),
+        }
     return config
 
 
@@ -192,7 +232,9 @@ def launcher_dynamo_backend(pid: int | None = None) -> str | None:
             import yaml
 
             with open(flags["--config_file"]) as f:
-                backend = ((yaml.safe_load(f) or {}).get("dynamo_config") or {}).get("dynamo_backend")
+                backend = ((yaml.safe_load(f) or {}).get("dynamo_config") or {}).get(
+                    "dynamo_backend"
+                )
         except (OSError, ValueError, AttributeError):
             return None
     return None if backend is None or str(backend).upper() == "NO" else str(backend).upper()
@@ -213,19 +255,26 @@ def deepspeed_settings(config: dict, root: str = ".") -> tuple[dict | None, str]
     yaml_ds = config.get("deepspeed_config") or {}
     path = yaml_ds.get("deepspeed_config_file")
     if not path:
-        offload = {part: {"device": yaml_ds[f"{part}_device"]} for part in ("offload_optimizer", "offload_param")
-                   if f"{part}_device" in yaml_ds}
-        keys = {"gradient_accumulation_steps": yaml_ds.get("gradient_accumulation_steps", "auto"),
-                "gradient_clipping": yaml_ds.get("gradient_clipping", "auto"),
-                "zero_optimization": {"stage": int(yaml_ds.get("zero_stage", 2)), **offload}}
+        offload = {
+            part: {"device": yaml_ds[f"{part}_device"]}
+            for part in ("offload_optimizer", "offload_param")
+            if f"{part}_device" in yaml_ds
+        }
+        keys = {
+            "gradient_accumulation_steps": yaml_ds.get("gradient_accumulation_steps", "auto"),
+            "gradient_clipping": yaml_ds.get("gradient_clipping", "auto"),
+            "zero_optimization": {"stage": int(yaml_ds.get("zero_stage", 2)), **offload},
+        }
         return keys, "the accelerate config's deepspeed_config"
     try:
         with open(os.path.join(root, path)) as f:
             return json.load(f), f"the DeepSpeed JSON {path}"
     except (OSError, ValueError) as err:
-        raise Stop(f"DeepSpeed config {path} (deepspeed_config_file in the accelerate config) cannot be read "
-                         f"from {os.path.abspath(root)}: {' '.join(str(err).split())}; launch from the project root, "
-                         "and copy ds_configs/ with the recipe") from None
+        raise Stop(
+            f"DeepSpeed config {path} (deepspeed_config_file in the accelerate config) cannot be read "
+            f"from {os.path.abspath(root)}: {' '.join(str(err).split())}; launch from the project root, "
+            "and copy ds_configs/ with the recipe"
+        ) from None
 
 
 def detect_hardware() -> dict:
@@ -238,7 +287,11 @@ def detect_hardware() -> dict:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and int(os.environ.get("LOCAL_RANK", 0)) >= gpus:
-        return {"device_type": "cuda", "capability": torch.cuda.get_device_capability(0), "gpus": gpus}
+        return {
+            "device_type": "cuda",
+            "capability": torch.cuda.get_device_capability(0),
+            "gpus": gpus,
+        }
     device_type, capability = precision.detect_device()
     return {"device_type": device_type, "capability": capability, "gpus": gpus}
 
@@ -250,34 +303,57 @@ def clipping_problem(ds_clip, max_grad_norm: float | None, where: str | None = N
     """
     if ds_clip in (None, "auto") or float(ds_clip) == float(max_grad_norm or 0):
         return None
-    return (f"--max_grad_norm {max_grad_norm} differs from the DeepSpeed JSON's gradient_clipping {ds_clip}"
-            f"{f' ({where})' if where else ''}; DeepSpeed does the clipping, so make them equal")
+    return (
+        f"--max_grad_norm {max_grad_norm} differs from the DeepSpeed JSON's gradient_clipping {ds_clip}"
+        f"{f' ({where})' if where else ''}; DeepSpeed does the clipping, so make them equal"
+    )
 
 
-def _deepspeed_problems(ds: dict, where: str, flags: dict, ranks: int, mixed_precision: str) -> list[Problem]:
+def _deepspeed_problems(
+    ds: dict, where: str, flags: dict, ranks: int, mixed_precision: str
+) -> list[Problem]:
     out = []
     if all(flag in flags for flag in BATCH_KEYS.values()):
-        micro, accumulation = flags["per_device_train_batch_size"], flags["gradient_accumulation_steps"]
-        wanted = {"train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
-                  "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
-                  "train_batch_size": (micro * accumulation * ranks, f"the global batch ({micro} per device x "
-                                       f"{accumulation} accumulation x {ranks} ranks)")}
+        micro, accumulation = (
+            flags["per_device_train_batch_size"],
+            flags["gradient_accumulation_steps"],
+        )
+        wanted = {
+            "train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
+            "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
+            "train_batch_size": (
+                micro * accumulation * ranks,
+                f"the global batch ({micro} per device x "
+                f"{accumulation} accumulation x {ranks} ranks)",
+            ),
+        }
         for key, (value, flag) in wanted.items():
             explicit = ds.get(key, "auto")
             if explicit not in ("auto", None) and int(explicit) != value:
-                out.append(Problem("error", f"{where} sets {key}: {explicit}, but {flag} is {value}; set the key to "
-                                            "\"auto\" (it then follows the flags) or make them equal"))
-    if "max_grad_norm" in flags and (line := clipping_problem(ds.get("gradient_clipping"), flags["max_grad_norm"],
-                                                              where)):
+                out.append(
+                    Problem(
+                        "error",
+                        f"{where} sets {key}: {explicit}, but {flag} is {value}; set the key to "
+                        '"auto" (it then follows the flags) or make them equal',
+                    )
+                )
+    if "max_grad_norm" in flags and (
+        line := clipping_problem(ds.get("gradient_clipping"), flags["max_grad_norm"], where)
+    ):
         out.append(Problem("error", line))
     for dtype in ("bf16", "fp16"):
         enabled = str((ds.get(dtype) or {}).get("enabled", "auto")).lower()
         if enabled in ("true", "false") and (enabled == "true") != (mixed_precision == dtype):
             state = "enables" if enabled == "true" else "disables"
-            out.append(Problem("error", f"the launch asks for mixed precision {mixed_precision}, but {where} {state} "
-                                        f"{dtype} ({dtype}.enabled: {enabled}): its bf16/fp16 \"enabled\" keys win; "
-                                        "set them to \"auto\" so the config's mixed_precision (or --mixed_precision) "
-                                        "decides"))
+            out.append(
+                Problem(
+                    "error",
+                    f"the launch asks for mixed precision {mixed_precision}, but {where} {state} "
+                    f'{dtype} ({dtype}.enabled: {enabled}): its bf16/fp16 "enabled" keys win; '
+                    'set them to "auto" so the config\'s mixed_precision (or --mixed_precision) '
+                    "decides",
+                )
+            )
     return out
 
 
@@ -290,12 +366,14 @@ def _json_value(ds: dict, dotted: str):
 
 def _same(a, b) -> bool:
     """Setting values equal as DeepSpeed reads them: "3" == 3, "0.5" == 0.5, "true" == True, "CPU" == "cpu"."""
+
     def norm(v):
         text = str(v).strip().lower()
         try:
             return float(text)
         except ValueError:
             return {"true": 1.0, "false": 0.0}.get(text, text)
+
     return norm(a) == norm(b)
 
 
@@ -320,19 +398,34 @@ def launch_flag_problems(launch_ds: dict, ds: dict, ds_where: str, flags: dict) 
         if in_json != "auto":
             used = default if in_json is None else in_json
             if not _same(value, used):
-                how = f"sets {json_key}: {json.dumps(in_json)}" if in_json is not None else \
-                    f"has no {json_key} (DeepSpeed's default: {json.dumps(used)})"
-                out.append(Problem("error", f"{flag} conflicts with {ds_where}, which {how} and wins (Accelerate "
-                                            "ignores the flag next to a JSON); drop the flag, or launch with a JSON "
-                                            "that says what you want"))
+                how = (
+                    f"sets {json_key}: {json.dumps(in_json)}"
+                    if in_json is not None
+                    else f"has no {json_key} (DeepSpeed's default: {json.dumps(used)})"
+                )
+                out.append(
+                    Problem(
+                        "error",
+                        f"{flag} conflicts with {ds_where}, which {how} and wins (Accelerate "
+                        "ignores the flag next to a JSON); drop the flag, or launch with a JSON "
+                        "that says what you want",
+                    )
+                )
             continue
-        recipe = {"gradient_accumulation_steps": "gradient_accumulation_steps",
-                  "gradient_clipping": "max_grad_norm"}.get(key)
+        recipe = {
+            "gradient_accumulation_steps": "gradient_accumulation_steps",
+            "gradient_clipping": "max_grad_norm",
+        }.get(key)
         if recipe in flags and not _same(value, flags[recipe] or 0):
-            out.append(Problem("error", f"{flag} differs from the recipe's --{recipe} {flags[recipe]}: DeepSpeed "
-                                        f"would follow the launch flag ({ds_where} says \"auto\") while the recipe "
-                                        "counts and reports its own; give the value to the recipe (after the script "
-                                        "name) and drop the launch flag"))
+            out.append(
+                Problem(
+                    "error",
+                    f"{flag} differs from the recipe's --{recipe} {flags[recipe]}: DeepSpeed "
+                    f'would follow the launch flag ({ds_where} says "auto") while the recipe '
+                    "counts and reports its own; give the value to the recipe (after the script "
+                    "name) and drop the launch flag",
+                )
+            )
     return out
 
 
@@ -342,76 +435,151 @@ def _precision_problems(mixed_precision: str, hardware: dict) -> list[Problem]:
         return []
     cc = f"compute capability {capability[0]}.{capability[1]}"
     if mixed_precision == "bf16" and tuple(capability) < (8, 0):
-        return [Problem("error", f"mixed_precision bf16 (accelerate config or --mixed_precision): this GPU ({cc}) has "
-                                 "no bf16 arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate "
-                                 "it, several times slower. Launch with --mixed_precision fp16 (loss-scaled) or "
-                                 "--mixed_precision no (recipes/mixed_precision.py: --precision fp16 or no)")]
+        return [
+            Problem(
+                "error",
+                f"mixed_precision bf16 (accelerate config or --mixed_precision): this GPU ({cc}) has "
+                "no bf16 arithmetic, which needs 8.0+ (Ampere or newer); Accelerate would emulate "
+                "it, several times slower. Launch with --mixed_precision fp16 (loss-scaled) or "
+                "--mixed_precision no (recipes/mixed_precision.py: --precision fp16 or no)",
+            )
+        ]
     if mixed_precision == "fp16" and tuple(capability) >= (8, 0):
-        return [Problem("warning", f"mixed_precision fp16 on a GPU with bf16 ({cc}): fp16 needs loss scaling and can "
-                                   "still overflow; bf16 keeps fp32's range at the same speed. Use bf16 unless you "
-                                   "must match an fp16 reference (--mixed_precision bf16 on the launch line; "
-                                   "recipes/mixed_precision.py: --precision bf16)")]
+        return [
+            Problem(
+                "warning",
+                f"mixed_precision fp16 on a GPU with bf16 ({cc}): fp16 needs loss scaling and can "
+                "still overflow; bf16 keeps fp32's range at the same speed. Use bf16 unless you "
+                "must match an fp16 reference (--mixed_precision bf16 on the launch line; "
+                "recipes/mixed_precision.py: --precision bf16)",
+            )
+        ]
     return []
 
 
-def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes: set | None) -> list[Problem]:
+def _fsdp_problems(
+    fsdp: dict, where: str, hardware: dict | None, model_classes: set | None
+) -> list[Problem]:
     out = []
     if int(fsdp.get("fsdp_version", 1)) == 1 and not _true(fsdp.get("fsdp_use_orig_params", True)):
-        out.append(Problem("error", f"fsdp_use_orig_params: false in {where}: these recipes build the optimizer "
-                                    "before accelerator.prepare, which FSDP1 supports only with "
-                                    "fsdp_use_orig_params: true"))
-    if hardware is not None and _true(fsdp.get("fsdp_offload_params", False)) and hardware["device_type"] == "cpu":
-        out.append(Problem("error", f"fsdp_offload_params: true in {where} needs a GPU (it pins host memory); on a "
-                                    "CPU-only host the parameters are in CPU memory already: set it to false"))
+        out.append(
+            Problem(
+                "error",
+                f"fsdp_use_orig_params: false in {where}: these recipes build the optimizer "
+                "before accelerator.prepare, which FSDP1 supports only with "
+                "fsdp_use_orig_params: true",
+            )
+        )
+    if (
+        hardware is not None
+        and _true(fsdp.get("fsdp_offload_params", False))
+        and hardware["device_type"] == "cpu"
+    ):
+        out.append(
+            Problem(
+                "error",
+                f"fsdp_offload_params: true in {where} needs a GPU (it pins host memory); on a "
+                "CPU-only host the parameters are in CPU memory already: set it to false",
+            )
+        )
     wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
     if model_classes is not None and wrap:
         names = [wrap] if isinstance(wrap, str) else list(wrap)
         names = [n.strip() for name in names for n in name.split(",") if n.strip()]
         if missing := [n for n in names if n not in model_classes]:
             blocks = sorted(n for n in model_classes if n.endswith(("Layer", "Block")))
-            out.append(Problem("error", f"fsdp_transformer_layer_cls_to_wrap: {', '.join(missing)} in {where}, but the "
-                                        f"model has no such module (its blocks: {', '.join(blocks) or 'none'}); name "
-                                        "one of them, or delete the key to wrap the model's _no_split_modules"))
+            out.append(
+                Problem(
+                    "error",
+                    f"fsdp_transformer_layer_cls_to_wrap: {', '.join(missing)} in {where}, but the "
+                    f"model has no such module (its blocks: {', '.join(blocks) or 'none'}); name "
+                    "one of them, or delete the key to wrap the model's _no_split_modules",
+                )
+            )
     return out
 
 
-def _mesh_problems(mesh: dict, where: str, ranks: int, per_machine: int, config: dict,
-                   tensor_parallel: bool) -> list[Problem]:
+def _mesh_problems(
+    mesh: dict, where: str, ranks: int, per_machine: int, config: dict, tensor_parallel: bool
+) -> list[Problem]:
     """A `parallelism_config` (HSDP: dp_replicate x dp_shard; tensor parallel: dp_shard x tp) that Accelerate
     would refuse with a traceback, that the recipe cannot train, or whose shard groups span machines."""
     sizes = {dim: int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in MESH_DIMS}
-    shown = " x ".join(f"parallelism_config_{dim}_size {n}" for dim, n in sizes.items()
-                       if n > 1 or dim.startswith("dp"))
+    shown = " x ".join(
+        f"parallelism_config_{dim}_size {n}"
+        for dim, n in sizes.items()
+        if n > 1 or dim.startswith("dp")
+    )
     fsdp = config.get("fsdp_config") or {}
     fsdp2 = config.get("distributed_type") == "FSDP" and int(fsdp.get("fsdp_version") or 1) == 2
     tp = f"parallelism_config_tp_size {sizes['tp']} in {where}"
     out = []
-    if other := [f"parallelism_config_{dim}_size {n}" for dim in ("cp", "sp") if (n := sizes[dim]) > 1]:
-        out.append(Problem("error", f"{', '.join(other)} in {where}: the recipes shard the data-parallel dimensions "
-                                    "(HSDP) and, in recipes/llama.py, tensor parallel; context and sequence parallel "
-                                    "need the batch split along the sequence, which they do not do (docs/configs.md)"))
+    if other := [
+        f"parallelism_config_{dim}_size {n}" for dim in ("cp", "sp") if (n := sizes[dim]) > 1
+    ]:
+        out.append(
+            Problem(
+                "error",
+                f"{', '.join(other)} in {where}: the recipes shard the data-parallel dimensions "
+                "(HSDP) and, in recipes/llama.py, tensor parallel; context and sequence parallel "
+                "need the batch split along the sequence, which they do not do (docs/configs.md)",
+            )
+        )
     elif sizes["tp"] > 1 and not tensor_parallel:
-        out.append(Problem("error", f"{tp}: this recipe builds its model whole; recipes/llama.py is the one that "
-                                    "shards it for tensor parallel (docs/configs.md#tensor-parallel)"))
+        out.append(
+            Problem(
+                "error",
+                f"{tp}: this recipe builds its model whole; recipes/llama.py is the one that "
+                "shards it for tensor parallel (docs/configs.md#tensor-parallel)",
+            )
+        )
     elif sizes["tp"] > 1 and not fsdp2:
-        out.append(Problem("error", f"{tp} with distributed_type {config.get('distributed_type')}: tensor parallel "
-                                    "runs under FSDP2 (fsdp_version: 2) only, as in accelerate_configs/tp.yaml"))
+        out.append(
+            Problem(
+                "error",
+                f"{tp} with distributed_type {config.get('distributed_type')}: tensor parallel "
+                "runs under FSDP2 (fsdp_version: 2) only, as in accelerate_configs/tp.yaml",
+            )
+        )
     elif sizes["tp"] > 1 and _true(fsdp.get("fsdp_cpu_ram_efficient_loading")):
-        out.append(Problem("error", f"{tp} with fsdp_cpu_ram_efficient_loading: true: Accelerate would broadcast "
-                                    "rank 0's tensor-parallel slices to every rank; set it to false (tp.yaml)"))
+        out.append(
+            Problem(
+                "error",
+                f"{tp} with fsdp_cpu_ram_efficient_loading: true: Accelerate would broadcast "
+                "rank 0's tensor-parallel slices to every rank; set it to false (tp.yaml)",
+            )
+        )
     elif math.prod(sizes.values()) != ranks:
-        out.append(Problem("error", f"{shown} in {where} = {math.prod(sizes.values())} ranks, but the launch has "
-                                    f"num_processes {ranks}: make the product the number of processes"))
+        out.append(
+            Problem(
+                "error",
+                f"{shown} in {where} = {math.prod(sizes.values())} ranks, but the launch has "
+                f"num_processes {ranks}: make the product the number of processes",
+            )
+        )
     elif sizes["dp_shard"] == 1:
-        alone = "; for tensor parallel, leave FSDP dp_shard ranks (tp.yaml: dp_shard 2 x tp 2)" if sizes["tp"] > 1 \
+        alone = (
+            "; for tensor parallel, leave FSDP dp_shard ranks (tp.yaml: dp_shard 2 x tp 2)"
+            if sizes["tp"] > 1
             else "; for replicas alone use accelerate_configs/ddp.yaml"
-        out.append(Problem("error", f"parallelism_config_dp_shard_size 1 in {where}: FSDP has nothing to shard "
-                                    f"across{alone}"))
+        )
+        out.append(
+            Problem(
+                "error",
+                f"parallelism_config_dp_shard_size 1 in {where}: FSDP has nothing to shard "
+                f"across{alone}",
+            )
+        )
     elif per_machine % sizes["dp_shard"] and sizes["dp_replicate"] > 1:
-        out.append(Problem("warning", f"parallelism_config_dp_shard_size {sizes['dp_shard']} in {where} with "
-                                      f"{per_machine} processes per machine: shard groups span machines, so every "
-                                      "step's all-gathers cross the network, which HSDP is meant to avoid; make "
-                                      "dp_shard_size the processes per machine (or a divisor of it)"))
+        out.append(
+            Problem(
+                "warning",
+                f"parallelism_config_dp_shard_size {sizes['dp_shard']} in {where} with "
+                f"{per_machine} processes per machine: shard groups span machines, so every "
+                "step's all-gathers cross the network, which HSDP is meant to avoid; make "
+                "dp_shard_size the processes per machine (or a divisor of it)",
+            )
+        )
     return out
 
 
@@ -425,34 +593,55 @@ def _dynamo_problem(config: dict, where: str, compiles: bool) -> Problem | None:
     backend = str(dynamo.get("dynamo_backend") or "NO").upper()
     if backend == "NO":
         return None
-    if not compiles:  # the compile wrapper renames every state-dict key ("_orig_mod."): exports reload untrained
-        return Problem("error", f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where}): "
-                                "this recipe does not support torch.compile (its checkpoints and export would carry "
-                                "the compile wrapper's '_orig_mod.' key names); recipes/llama.py does, "
-                                "or drop the setting")
+    if (
+        not compiles
+    ):  # the compile wrapper renames every state-dict key ("_orig_mod."): exports reload untrained
+        return Problem(
+            "error",
+            f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where}): "
+            "this recipe does not support torch.compile (its checkpoints and export would carry "
+            "the compile wrapper's '_orig_mod.' key names); recipes/llama.py does, "
+            "or drop the setting",
+        )
     fsdp_version = int((config.get("fsdp_config") or {}).get("fsdp_version", 1))
-    if config.get("distributed_type") == "FSDP" and fsdp_version == 1 and _true(
-            dynamo.get("dynamo_use_regional_compilation", False)):
-        return Problem("error", f"regional compilation (--dynamo_use_regional_compilation or dynamo_config in {where}) "
-                                "under FSDP1: Accelerate 1.15's compile_regions fails in prepare on FSDP1's wrapped "
-                                "blocks (AttributeError: no attribute '_fsdp_wrapped_module'); compile the whole model "
-                                "(drop the flag) or use FSDP2 (accelerate_configs/fsdp.yaml)")
+    if (
+        config.get("distributed_type") == "FSDP"
+        and fsdp_version == 1
+        and _true(dynamo.get("dynamo_use_regional_compilation", False))
+    ):
+        return Problem(
+            "error",
+            f"regional compilation (--dynamo_use_regional_compilation or dynamo_config in {where}) "
+            "under FSDP1: Accelerate 1.15's compile_regions fails in prepare on FSDP1's wrapped "
+            "blocks (AttributeError: no attribute '_fsdp_wrapped_module'); compile the whole model "
+            "(drop the flag) or use FSDP2 (accelerate_configs/fsdp.yaml)",
+        )
     if config.get("distributed_type") != "DEEPSPEED":
         return None
     if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() == backend:
         return None  # reaches the ranks
-    return Problem("error", f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where}) under "
-                            "DeepSpeed: accelerate launch does not pass it to DeepSpeed's processes, which would train "
-                            f"uncompiled; run `ACCELERATE_DYNAMO_BACKEND={backend} accelerate launch ...` instead (the "
-                            "environment reaches them), or drop the setting")
+    return Problem(
+        "error",
+        f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where}) under "
+        "DeepSpeed: accelerate launch does not pass it to DeepSpeed's processes, which would train "
+        f"uncompiled; run `ACCELERATE_DYNAMO_BACKEND={backend} accelerate launch ...` instead (the "
+        "environment reaches them), or drop the setting",
+    )
 
 
 def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
-def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mixed_precision: str,
-                  device_memory: int) -> Problem | None:
+def zero3_problem(
+    ds: dict,
+    where: str,
+    shape: dict,
+    flags: dict,
+    ranks: int,
+    mixed_precision: str,
+    device_memory: int,
+) -> Problem | None:
     """A warning if `common/plan.py` says ZeRO-2, or FSDP2 without resharding, fits in `device_memory` with less
     communication than this ZeRO-3 config (`ds`, stage 3), else None.
 
@@ -468,39 +657,76 @@ def zero3_problem(ds: dict, where: str, shape: dict, flags: dict, ranks: int, mi
     zero = ds.get("zero_optimization") or {}
     if int(zero.get("stage", 0)) != 3 or ranks < 2:
         return None
-    base = {"offload_optimizer": False, "offload_param": False, "reshard": True, "ds": zero,
-            "grad_accum_bytes": DTYPE_BYTES.get(str((ds.get("data_types") or {}).get("grad_accum_dtype"))),
-            "comm_bytes": DTYPE_BYTES.get(str(ds.get("communication_data_type")))}
-    offload = {"offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") != "none",
-               "offload_param": (zero.get("offload_param") or {}).get("device", "none") != "none"}
-    strategies = {"ZeRO-3": {**base, **offload, "kind": "zero3"}, "ZeRO-2": {**base, "kind": "zero2"},
-                  "FSDP2 with fsdp_reshard_after_forward: false": {**base, "kind": "fsdp", "reshard": False}}
-    plans = {name: plan.plan_strategy(s, shape, ranks, flags["per_device_train_batch_size"], flags["block_size"],
-                                      flags.get("gradient_accumulation_steps", 1),
-                                      bool(flags.get("gradient_checkpointing")), mixed_precision,
-                                      packing=flags.get("packing", "stream"))
-             for name, s in strategies.items()}
+    base = {
+        "offload_optimizer": False,
+        "offload_param": False,
+        "reshard": True,
+        "ds": zero,
+        "grad_accum_bytes": DTYPE_BYTES.get(
+            str((ds.get("data_types") or {}).get("grad_accum_dtype"))
+        ),
+        "comm_bytes": DTYPE_BYTES.get(str(ds.get("communication_data_type"))),
+    }
+    offload = {
+        "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") != "none",
+        "offload_param": (zero.get("offload_param") or {}).get("device", "none") != "none",
+    }
+    strategies = {
+        "ZeRO-3": {**base, **offload, "kind": "zero3"},
+        "ZeRO-2": {**base, "kind": "zero2"},
+        "FSDP2 with fsdp_reshard_after_forward: false": {**base, "kind": "fsdp", "reshard": False},
+    }
+    plans = {
+        name: plan.plan_strategy(
+            s,
+            shape,
+            ranks,
+            flags["per_device_train_batch_size"],
+            flags["block_size"],
+            flags.get("gradient_accumulation_steps", 1),
+            bool(flags.get("gradient_checkpointing")),
+            mixed_precision,
+            packing=flags.get("packing", "stream"),
+        )
+        for name, s in strategies.items()
+    }
     this = plans.pop("ZeRO-3")
     device = plan.device_spec(plan.detect_device())  # tools/plan.py's time model, uncalibrated
 
     def tokens_per_s(name):
-        return plan.time_strategy(strategies[name], shape, device, ranks, flags["per_device_train_batch_size"],
-                                  flags["block_size"], flags.get("gradient_accumulation_steps", 1),
-                                  plan.checkpoint_mode(bool(flags.get("gradient_checkpointing"))),
-                                  mixed_precision=mixed_precision)["tokens_per_s"]
-    better = [f"{name} fits ({_size(p['total'])} of {_size(device_memory)} per rank) sending "
-              f"{_size(p['comm_per_step'])}, predicted at {tokens_per_s(name) / tokens_per_s('ZeRO-3'):.2f}x "
-              f"ZeRO-3's tokens/s on {device.name}" for name, p in plans.items()
-              if p["total"] <= device_memory and p["comm_per_step"] < this["comm_per_step"]]
+        return plan.time_strategy(
+            strategies[name],
+            shape,
+            device,
+            ranks,
+            flags["per_device_train_batch_size"],
+            flags["block_size"],
+            flags.get("gradient_accumulation_steps", 1),
+            plan.checkpoint_mode(bool(flags.get("gradient_checkpointing"))),
+            mixed_precision=mixed_precision,
+        )["tokens_per_s"]
+
+    better = [
+        f"{name} fits ({_size(p['total'])} of {_size(device_memory)} per rank) sending "
+        f"{_size(p['comm_per_step'])}, predicted at {tokens_per_s(name) / tokens_per_s('ZeRO-3'):.2f}x "
+        f"ZeRO-3's tokens/s on {device.name}"
+        for name, p in plans.items()
+        if p["total"] <= device_memory and p["comm_per_step"] < this["comm_per_step"]
+    ]
     if not better:
         return None
-    return Problem("warning", f"ZeRO-3 (zero_optimization.stage: 3 in {where}) sends {_size(this['comm_per_step'])} "
-                              f"per rank and step ({_size(this['total'])} per rank), but the plan says "
-                              f"{'; '.join(better)}; prefer that unless you measured otherwise "
-                              "(python tools/plan.py, benchmarks/compare_strategies.py)")
+    return Problem(
+        "warning",
+        f"ZeRO-3 (zero_optimization.stage: 3 in {where}) sends {_size(this['comm_per_step'])} "
+        f"per rank and step ({_size(this['total'])} per rank), but the plan says "
+        f"{'; '.join(better)}; prefer that unless you measured otherwise "
+        "(python tools/plan.py, benchmarks/compare_strategies.py)",
+    )
 
 
-def _idle_gpus_problem(config: dict, where: str, hardware: dict, ranks: int, per_machine: int) -> Problem | None:
+def _idle_gpus_problem(
+    config: dict, where: str, hardware: dict, ranks: int, per_machine: int
+) -> Problem | None:
     """A warning when a multi-process launch starts fewer processes on this machine than it has GPUs.
 
     Every YAML pins `num_processes: 2`, and Accelerate gives local rank i the GPU cuda:i: on an
@@ -509,24 +735,47 @@ def _idle_gpus_problem(config: dict, where: str, hardware: dict, ranks: int, per
     (`distributed_type: NO`, single.yaml) asks for one device and gets no warning.
     """
     gpus = int(hardware.get("gpus") or 0)
-    if hardware.get("device_type") != "cuda" or per_machine >= gpus or config.get("distributed_type") == "NO":
+    if (
+        hardware.get("device_type") != "cuda"
+        or per_machine >= gpus
+        or config.get("distributed_type") == "NO"
+    ):
         return None
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    idle = [f"cuda:{i}" + (f" (device {visible[i]})" if len(visible) == gpus else "") for i in range(per_machine, gpus)]
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
+    idle = [
+        f"cuda:{i}" + (f" (device {visible[i]})" if len(visible) == gpus else "")
+        for i in range(per_machine, gpus)
+    ]
     machines = max(1, int(config.get("num_machines", 1)))
-    return Problem("warning", f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
-                              f"processes on this machine, which has {gpus} GPUs: {len(idle)} stay idle: "
-                              f"{', '.join(idle)}; "
-                              f"launch with --num_processes {gpus * machines} to use them all (or set "
-                              "CUDA_VISIBLE_DEVICES to the GPUs this job should have)")
+    return Problem(
+        "warning",
+        f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
+        f"processes on this machine, which has {gpus} GPUs: {len(idle)} stay idle: "
+        f"{', '.join(idle)}; "
+        f"launch with --num_processes {gpus * machines} to use them all (or set "
+        "CUDA_VISIBLE_DEVICES to the GPUs this job should have)",
+    )
 
 
-def config_problems(config: dict, *, where: str = "the accelerate config", ds: dict | None = None,
-                    ds_where: str = "the DeepSpeed JSON", flags: dict | None = None, hardware: dict | None = None,
-                    model_classes: set | None = None, train_size: int | None = None, train_unit: str = "samples",
-                    steps: int | None = None, shape: dict | None = None,
-                    device_memory: int | None = None, compiles: bool = False,
-                    tensor_parallel: bool = False) -> list[Problem]:
+def config_problems(
+    config: dict,
+    *,
+    where: str = "the accelerate config",
+    ds: dict | None = None,
+    ds_where: str = "the DeepSpeed JSON",
+    flags: dict | None = None,
+    hardware: dict | None = None,
+    model_classes: set | None = None,
+    train_size: int | None = None,
+    train_unit: str = "samples",
+    steps: int | None = None,
+    shape: dict | None = None,
+    device_memory: int | None = None,
+    compiles: bool = False,
+    tensor_parallel: bool = False,
+) -> list[Problem]:
     """Every problem of a launch that its inputs let us see; each check runs when its inputs are given.
 
     Args:
@@ -560,20 +809,35 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
         out += _precision_problems(mixed_precision, hardware)
         per_machine = ranks // max(1, int(config.get("num_machines", 1)))
         if hardware.get("gpus") and per_machine > hardware["gpus"]:
-            out.append(Problem("error", f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
-                                        f"processes on this machine, but torch sees {hardware['gpus']} GPU(s) "
-                                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                                        "launch at most one process per GPU"))
+            out.append(
+                Problem(
+                    "error",
+                    f"num_processes {ranks} in {where} (or --num_processes) starts {per_machine} "
+                    f"processes on this machine, but torch sees {hardware['gpus']} GPU(s) "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                    "launch at most one process per GPU",
+                )
+            )
         if problem := _idle_gpus_problem(config, where, hardware, ranks, per_machine):
             out.append(problem)
     for name, value in (config.get("dropped_launch_flags") or {}).items():
-        if name == "--gradient_accumulation_steps" and _same(value, flags.get("gradient_accumulation_steps")):
+        if name == "--gradient_accumulation_steps" and _same(
+            value, flags.get("gradient_accumulation_steps")
+        ):
             continue  # the recipe accumulates as many anyway
-        instead = f"give {name} {value} to the recipe (after the script name)" if name == \
-            "--gradient_accumulation_steps" else "drop it, or launch a DeepSpeed config"
-        out.append(Problem("error", f"accelerate launch {name} {value}: Accelerate passes it to DeepSpeed only, and "
-                                    f"this launch is not DeepSpeed ({config.get('distributed_type')}), so it would "
-                                    f"be ignored; {instead}"))
+        instead = (
+            f"give {name} {value} to the recipe (after the script name)"
+            if name == "--gradient_accumulation_steps"
+            else "drop it, or launch a DeepSpeed config"
+        )
+        out.append(
+            Problem(
+                "error",
+                f"accelerate launch {name} {value}: Accelerate passes it to DeepSpeed only, and "
+                f"this launch is not DeepSpeed ({config.get('distributed_type')}), so it would "
+                f"be ignored; {instead}",
+            )
+        )
     if ds is not None:
         out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
         if (launch_ds := config.get("deepspeed_config") or {}).get("deepspeed_config_file"):
@@ -583,33 +847,59 @@ def config_problems(config: dict, *, where: str = "the accelerate config", ds: d
     if config.get("distributed_type") == "FSDP":
         out += _fsdp_problems(config.get("fsdp_config") or {}, where, hardware, model_classes)
     if config.get("parallelism_config"):
-        out += _mesh_problems(config["parallelism_config"], where, ranks,
-                              ranks // max(1, int(config.get("num_machines", 1))), config, tensor_parallel)
+        out += _mesh_problems(
+            config["parallelism_config"],
+            where,
+            ranks,
+            ranks // max(1, int(config.get("num_machines", 1))),
+            config,
+            tensor_parallel,
+        )
     batch_flags = ("per_device_train_batch_size", "gradient_accumulation_steps")
     if all(f in flags for f in batch_flags):
         micro, accumulation = (flags[f] for f in batch_flags)
         mesh = config.get("parallelism_config") or {}
-        shared = math.prod(int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in ("tp", "cp", "sp"))
+        shared = math.prod(
+            int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in ("tp", "cp", "sp")
+        )
         data_ranks = max(1, ranks // shared)  # the ranks of a tensor-parallel group share one batch
         global_batch = micro * accumulation * data_ranks
-        split = f"(= {micro} per device x {accumulation} accumulation x {data_ranks} " + \
-            ("ranks)" if shared == 1 else f"data-parallel ranks of {ranks})")
+        split = f"(= {micro} per device x {accumulation} accumulation x {data_ranks} " + (
+            "ranks)" if shared == 1 else f"data-parallel ranks of {ranks})"
+        )
         if train_size is not None and train_size < global_batch:
-            out.append(Problem("error", f"the training split has {train_size} {train_unit}, fewer than one global "
-                                        f"batch of {global_batch} {split}"))
+            out.append(
+                Problem(
+                    "error",
+                    f"the training split has {train_size} {train_unit}, fewer than one global "
+                    f"batch of {global_batch} {split}",
+                )
+            )
         reference = flags.get("reference_global_batch")
         warmup = flags.get("warmup_steps")
         if reference and global_batch > reference and (not flags.get("scale_lr") or not warmup):
             missing = "--scale_lr" if not flags.get("scale_lr") else "--warmup_steps"
-            out.append(Problem("warning", f"global batch {global_batch} > {reference} without {missing}: "
-                                          f"--reference_global_batch {reference} is the batch --learning_rate was "
-                                          f"tuned at, and this run's is {global_batch} {split}; expect slower or "
-                                          "unstable training"))
+            out.append(
+                Problem(
+                    "warning",
+                    f"global batch {global_batch} > {reference} without {missing}: "
+                    f"--reference_global_batch {reference} is the batch --learning_rate was "
+                    f"tuned at, and this run's is {global_batch} {split}; expect slower or "
+                    "unstable training",
+                )
+            )
     if steps and flags.get("warmup_steps") is not None and flags["warmup_steps"] >= steps:
-        out.append(Problem("warning", f"--warmup_steps {flags['warmup_steps']} >= the run's {steps} steps: the LR "
-                                      "never reaches its peak (--learning_rate)"))
+        out.append(
+            Problem(
+                "warning",
+                f"--warmup_steps {flags['warmup_steps']} >= the run's {steps} steps: the LR "
+                "never reaches its peak (--learning_rate)",
+            )
+        )
     if shape is not None and device_memory and ds is not None and "block_size" in flags:
-        if problem := zero3_problem(ds, ds_where, shape, flags, ranks, mixed_precision, device_memory):
+        if problem := zero3_problem(
+            ds, ds_where, shape, flags, ranks, mixed_precision, device_memory
+        ):
             out.append(problem)
     return sorted(out, key=lambda p: p.severity != "error")
 
@@ -642,22 +932,52 @@ class Startup:
             (common/workarounds.py): a recipe adds its own and records them in run_info.json.
     """
 
-    FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "warmup_steps",
-             "reference_global_batch", "scale_lr", "block_size", "gradient_checkpointing", "packing")
+    FLAGS = (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+        "warmup_steps",
+        "reference_global_batch",
+        "scale_lr",
+        "block_size",
+        "gradient_checkpointing",
+        "packing",
+    )
 
-    def __init__(self, args, *, precision_used: str | None = None, compiles: bool = False, steps: int | None = None,
-                 model_cls=None, model_config=None, handlers: tuple = (), tensor_parallel: bool = False):
+    def __init__(
+        self,
+        args,
+        *,
+        precision_used: str | None = None,
+        compiles: bool = False,
+        steps: int | None = None,
+        model_cls=None,
+        model_config=None,
+        handlers: tuple = (),
+        tensor_parallel: bool = False,
+    ):
         self.config = launch_config_from_env()
         hardware = detect_hardware()
         if precision_used is None:
             self.precision = precision.for_launch(self.config, hardware)
         else:
-            self.precision = {"requested": precision_used, "used": precision_used, "reason": "--precision"}
+            self.precision = {
+                "requested": precision_used,
+                "used": precision_used,
+                "reason": "--precision",
+            }
         flags = {k: getattr(args, k) for k in self.FLAGS if hasattr(args, k)}
         flags["mixed_precision"] = self.precision["used"]
         self.ds, ds_where = deepspeed_settings(self.config)
-        self.facts = dict(ds=self.ds, ds_where=ds_where, flags=flags, hardware=hardware, compiles=compiles,
-                          steps=steps, tensor_parallel=tensor_parallel)
+        self.facts = dict(
+            ds=self.ds,
+            ds_where=ds_where,
+            flags=flags,
+            hardware=hardware,
+            compiles=compiles,
+            steps=steps,
+            tensor_parallel=tensor_parallel,
+        )
         self._printed: set[str] = set()
         self.check(model_cls=model_cls, model_config=model_config)
         group, self.workarounds = launch.process_group(args.ddp_timeout)
@@ -684,14 +1004,28 @@ class Startup:
         launch.check_distributed(accelerator)
         run_dir.claim(accelerator, args)
 
-    def data_ready(self, *, train_size: int, train_unit: str, steps: int | None = None, model_cls=None,
-                   model_config=None) -> None:
+    def data_ready(
+        self,
+        *,
+        train_size: int,
+        train_unit: str,
+        steps: int | None = None,
+        model_cls=None,
+        model_config=None,
+    ) -> None:
         """The training set against one global batch, warmup against the run's length, and the model
         (its FSDP wrap class, the ZeRO-3 plan, --packing documents) once its config exists."""
-        if self.facts["flags"].get("packing") == "documents" and (problem := documents_problem(model_cls)):
+        if self.facts["flags"].get("packing") == "documents" and (
+            problem := documents_problem(model_cls)
+        ):
             raise Stop(problem)
-        self.check(train_size=train_size, train_unit=train_unit, steps=steps, model_cls=model_cls,
-                   model_config=model_config)
+        self.check(
+            train_size=train_size,
+            train_unit=train_unit,
+            steps=steps,
+            model_cls=model_cls,
+            model_config=model_config,
+        )
 
     def prepared(self, accelerator, model, model_cls, global_batch: int) -> dict:
         """After `accelerator.prepare`: every decoder block its own FSDP unit (else each rank gathers
@@ -700,15 +1034,23 @@ class Startup:
         Returns:
             {"fsdp_units": `models.fsdp_block_units` or None, "deepspeed": `launch.deepspeed_in_use`}.
         """
-        units = models.fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
+        units = (
+            models.fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
+        )
         if units and units["units"] != units["blocks"]:
-            raise Stop(f"FSDP made {units['units']} of the {units['blocks']} {units['block_class']} blocks their "
-                       f"own unit (the model's _no_split_modules is {model_cls._no_split_modules}); set "
-                       f"fsdp_transformer_layer_cls_to_wrap: {units['block_class']} in the accelerate config")
+            raise Stop(
+                f"FSDP made {units['units']} of the {units['blocks']} {units['block_class']} blocks their "
+                f"own unit (the model's _no_split_modules is {model_cls._no_split_modules}); set "
+                f"fsdp_transformer_layer_cls_to_wrap: {units['block_class']} in the accelerate config"
+            )
         ds_used = launch.deepspeed_in_use(accelerator)
-        if ds_used and ds_used["train_batch_size"] != global_batch:  # (config_problems refuses the causes)
-            raise Stop(f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
-                       f"counts {global_batch}: {ds_used}")
+        if (
+            ds_used and ds_used["train_batch_size"] != global_batch
+        ):  # (config_problems refuses the causes)
+            raise Stop(
+                f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
+                f"counts {global_batch}: {ds_used}"
+            )
         return {"fsdp_units": units, "deepspeed": ds_used}
 
 
@@ -720,9 +1062,11 @@ def documents_problem(model_cls) -> str | None:
 
     if model_cls is None or "position_ids" in inspect.signature(model_cls.forward).parameters:
         return None
-    return (f"--packing documents keeps documents apart through position_ids, which {model_cls.__name__}'s "
-            "forward does not take: its tokens would attend across documents. Use --packing none (a padded row "
-            "each) or stream")
+    return (
+        f"--packing documents keeps documents apart through position_ids, which {model_cls.__name__}'s "
+        "forward does not take: its tokens would attend across documents. Use --packing none (a padded row "
+        "each) or stream"
+    )
 
 
 def model_class_names(model_cls, config) -> set[str]:
@@ -743,8 +1087,12 @@ def model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict:
     if ds is not None and int((ds.get("zero_optimization") or {}).get("stage", 0)) == 3:
         from common import plan
 
-        per_machine = int(config.get("num_processes", 1)) // max(1, int(config.get("num_machines", 1)))
-        facts.update(shape=plan.model_shape(model_config), device_memory=plan.detect_memory(per_machine)[0])
+        per_machine = int(config.get("num_processes", 1)) // max(
+            1, int(config.get("num_machines", 1))
+        )
+        facts.update(
+            shape=plan.model_shape(model_config), device_memory=plan.detect_memory(per_machine)[0]
+        )
     return facts
 
 
@@ -765,26 +1113,36 @@ def rank_mismatch(accelerator, what: str, value: str) -> str | None:
     if len(set(values)) == 1:
         return None
     differ = [r for r, v in enumerate(values) if v != values[0]]
-    return (f"the {what} differs between ranks: rank(s) {', '.join(map(str, differ))} read another one than rank 0 "
-            f"({values[differ[0]]} vs {values[0]}); every node must see the same files (a shared or identical path)")
+    return (
+        f"the {what} differs between ranks: rank(s) {', '.join(map(str, differ))} read another one than rank 0 "
+        f"({values[differ[0]]} vs {values[0]}); every node must see the same files (a shared or identical path)"
+    )
 
 
 def llama_flags(args, from_scratch: bool) -> None:
     """recipes/llama.py's flag combinations that cannot mean what they say (before any work)."""
     if from_scratch and args.config_name is None and args.model_config not in models.PRESETS:
-        raise Stop(f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+        raise Stop(
+            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
+        )
     if args.config_overrides and not from_scratch:
-        raise Stop("--config_overrides changes a model trained from scratch (--config_name or the preset); "
-                   "pretrained weights (--model_name_or_path) keep their shapes")
+        raise Stop(
+            "--config_overrides changes a model trained from scratch (--config_name or the preset); "
+            "pretrained weights (--model_name_or_path) keep their shapes"
+        )
     if args.allow_new_weights and from_scratch:
-        raise Stop("--allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none")
+        raise Stop(
+            "--allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none"
+        )
 
 
 def sft_flags(args) -> None:
     """recipes/sft.py's flag combinations that cannot mean what they say (before any work)."""
     if not args.model_name_or_path:
-        raise Stop("sft.py fine-tunes a pretrained model: pass --model_name_or_path (e.g. runs/llama/final, "
-                   "the export of recipes/llama.py)")
+        raise Stop(
+            "sft.py fine-tunes a pretrained model: pass --model_name_or_path (e.g. runs/llama/final, "
+            "the export of recipes/llama.py)"
+        )
     if not args.use_peft and (lora := sorted(f for f in args.given if f.startswith("lora_"))):
         raise Stop(f"--{lora[0]} sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
 
@@ -796,8 +1154,10 @@ def lora_targets_found(model, targets: str) -> None:
     adapted = model.targeted_module_names
     names = [] if targets == "all-linear" else targets.split(",")
     if missing := [t for t in names if not any(n == t or n.endswith(f".{t}") for n in adapted)]:
-        raise Stop(f"--lora_target_modules {targets}: no module named {', '.join(missing)} in the model "
-                   f"(adapted: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in adapted}))})")
+        raise Stop(
+            f"--lora_target_modules {targets}: no module named {', '.join(missing)} in the model "
+            f"(adapted: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in adapted}))})"
+        )
 
 
 def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) -> None:
@@ -810,15 +1170,21 @@ def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) 
     """
     from common import data
 
-    if source and (problem := data.tokenizer_error(tokenizer, source, data.sample_text(raw["train"]))):
+    if source and (
+        problem := data.tokenizer_error(tokenizer, source, data.sample_text(raw["train"]))
+    ):
         raise Stop(problem)
     if len(tokenizer) > config.vocab_size:
-        raise Stop(f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
-                   f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
-                   "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)")
+        raise Stop(
+            f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
+            f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
+            "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)"
+        )
     model_max = models.max_positions(config)
     if model_max is not None and block_size > model_max:
-        raise Stop(f"--block_size {block_size} exceeds the model's max_position_embeddings {model_max}")
+        raise Stop(
+            f"--block_size {block_size} exceeds the model's max_position_embeddings {model_max}"
+        )
 
 
 def same_on_every_rank(accelerator, what: str, value: str) -> None:
@@ -839,31 +1205,43 @@ def mixed_precision_flags(args) -> None:
     if args.precision not in precision.MODES:
         raise Stop(f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
     if args.model_config not in models.PRESETS:
-        raise Stop(f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}")
+        raise Stop(
+            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
+        )
     for name in ("init_scale", "min_loss_scale"):
         if not getattr(args, name) > 0:
             raise Stop(f"--{name} must be positive, got {getattr(args, name)}")
     if args.init_scale < args.min_loss_scale:
-        raise Stop(f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}")
+        raise Stop(
+            f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}"
+        )
     if not args.compare:
         return
     if "LOCAL_RANK" in os.environ:
-        raise Stop("run --compare with plain `python`, not `accelerate launch`: it launches each precision itself")
+        raise Stop(
+            "run --compare with plain `python`, not `accelerate launch`: it launches each precision itself"
+        )
     if not os.path.isfile(args.config_file):
         raise Stop(f"--config_file {args.config_file}: no such file")
     if args.resume_from_checkpoint not in (None, "latest", "auto"):
-        raise Stop("--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
-                   "latest or auto")
+        raise Stop(
+            "--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
+            "latest or auto"
+        )
 
 
 def classifier_flags(args) -> None:
     """recipes/ddp_classifier.py's model flags that BERT would refuse later (before any work)."""
     if args.hidden_size % args.num_attention_heads:
-        raise Stop(f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
-                   f"{args.num_attention_heads}")
+        raise Stop(
+            f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
+            f"{args.num_attention_heads}"
+        )
 
 
-def same_data(accelerator, raw, tokenizer, block_size: int, packing: str, rows_key: str | None = None) -> str:
+def same_data(
+    accelerator, raw, tokenizer, block_size: int, packing: str, rows_key: str | None = None
+) -> str:
     """Stop unless every rank packed the same data: train and validation rows, tokenizer, block
     size, packing mode and a recipe's own `rows_key` (`data.packing_digest`). A collective. Each node
     reads --train_file from its own path, and another copy there would train on other samples.
@@ -871,8 +1249,9 @@ def same_data(accelerator, raw, tokenizer, block_size: int, packing: str, rows_k
     from common import data
 
     digest = data.packing_digest(raw, tokenizer, block_size, packing, rows_key)
-    same_on_every_rank(accelerator, "data (train and validation text, tokenizer, block size, packing)",
-                       digest)
+    same_on_every_rank(
+        accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
+    )
     return digest
 
 
@@ -880,11 +1259,17 @@ def sharded_data_flags(args) -> None:
     """recipes/sharded_data.py's refusals of core flags (before any work): it counts steps only."""
     from common.args import unsupported
 
-    unsupported(args, "sharded_data.py", num_train_epochs="each rank streams its own shards, whose "
-                "epochs differ in length: give --max_steps")
+    unsupported(
+        args,
+        "sharded_data.py",
+        num_train_epochs="each rank streams its own shards, whose "
+        "epochs differ in length: give --max_steps",
+    )
     if args.max_steps < 1:
-        raise Stop("sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs "
-                   "differ in length, so --num_train_epochs cannot fix one step count for every rank")
+        raise Stop(
+            "sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs "
+            "differ in length, so --num_train_epochs cannot fix one step count for every rank"
+        )
 
 
 def stop_if_any_rank_fails(accelerator, check, *args, **kwargs):

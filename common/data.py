@@ -30,7 +30,9 @@ from common.errors import Stop
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_DIR = REPO_ROOT / "data" / "shakespeare"
-DEFAULT_CACHE_DIR = os.environ.get("ACCELERATE_RECIPES_CACHE", str(Path.home() / ".cache" / "accelerate-recipes"))
+DEFAULT_CACHE_DIR = os.environ.get(
+    "ACCELERATE_RECIPES_CACHE", str(Path.home() / ".cache" / "accelerate-recipes")
+)
 EOS = "<|endoftext|>"
 
 
@@ -43,8 +45,10 @@ def load_shakespeare() -> datasets.Dataset:
     """
     sums = CORPUS_DIR / "SHA256SUMS"
     if not sums.is_file():
-        raise Stop(f"bundled corpus checksum list not found: {sums}; pass --train_file or "
-                                "--dataset_name, or copy data/shakespeare/ with the recipe")
+        raise Stop(
+            f"bundled corpus checksum list not found: {sums}; pass --train_file or "
+            "--dataset_name, or copy data/shakespeare/ with the recipe"
+        )
     texts, works = [], []
     for line in sums.read_text().splitlines():
         digest, name = line.split()
@@ -91,7 +95,10 @@ def load_text_dataset(
         raw = datasets.load_dataset(dataset_name, dataset_config_name)
     elif train_file or bundled:
         train_file, validation_file = (train_file, validation_file) if train_file else bundled
-        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        files = {
+            "train": train_file,
+            **({"validation": validation_file} if validation_file else {}),
+        }
         for path in files.values():
             if not Path(path).is_file():
                 raise Stop(f"data file not found: {path}")
@@ -103,12 +110,20 @@ def load_text_dataset(
             if builder is None:
                 raise Stop(f"{path}: extension not supported (txt, json, jsonl, parquet)")
         if len(set(kinds.values())) > 1:
-            raise Stop(f"--train_file {train_file} and --validation_file {validation_file} must be the same format")
+            raise Stop(
+                f"--train_file {train_file} and --validation_file {validation_file} must be the same format"
+            )
         builder = kinds[train_file]
         if builder == "text" and not validation_file:  # a lone .txt: cut off the validation share
-            train, validation = split_text(Path(train_file).read_text(), validation_split_percentage, train_file)
-            return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [train]}),
-                                         "validation": datasets.Dataset.from_dict({"text": [validation]})})
+            train, validation = split_text(
+                Path(train_file).read_text(), validation_split_percentage, train_file
+            )
+            return datasets.DatasetDict(
+                {
+                    "train": datasets.Dataset.from_dict({"text": [train]}),
+                    "validation": datasets.Dataset.from_dict({"text": [validation]}),
+                }
+            )
         # .txt: one document per file, newlines kept (line by line would drop every newline)
         extra = {"sample_by": "document"} if builder == "text" else {}
         raw = datasets.load_dataset(builder, data_files=files, **extra)
@@ -117,11 +132,15 @@ def load_text_dataset(
     if "validation" not in raw:
         n_val = max(1, len(raw["train"]) * validation_split_percentage // 100)
         if n_val >= len(raw["train"]):
-            raise Stop(f"only {len(raw['train'])} training rows: too few to hold out a validation split")
-        raw = datasets.DatasetDict({
-            "train": raw["train"].select(range(n_val, len(raw["train"]))),
-            "validation": raw["train"].select(range(n_val)),
-        })
+            raise Stop(
+                f"only {len(raw['train'])} training rows: too few to hold out a validation split"
+            )
+        raw = datasets.DatasetDict(
+            {
+                "train": raw["train"].select(range(n_val, len(raw["train"]))),
+                "validation": raw["train"].select(range(n_val)),
+            }
+        )
     for split in ("train", "validation"):
         if not any(set(names) <= set(raw[split].column_names) for names in columns):
             wanted = " or ".join("+".join(f"'{n}'" for n in names) for names in columns)
@@ -147,8 +166,10 @@ def split_text(text: str, validation_percentage: int, name: str = "the text") ->
     paragraphs = [start + m.end() for m in re.finditer(r"\n[ \t\r]*\n\s*", body)]
     lines = [start + m.end() for m in re.finditer(r"\n\s*", body)]
     if not lines:
-        raise Stop(f"{name}: 1 line, too few to hold out {validation_percentage}% for validation and train "
-                         "on the rest; pass --validation_file")
+        raise Stop(
+            f"{name}: 1 line, too few to hold out {validation_percentage}% for validation and train "
+            "on the rest; pass --validation_file"
+        )
     nearest = min(paragraphs or lines, key=lambda end: abs(end - start - target))
     if abs(nearest - start - target) > target / 2:
         nearest = min(lines, key=lambda end: abs(end - start - target))
@@ -162,7 +183,7 @@ def _text_digest(*splits: datasets.Dataset) -> str:
     h = hashlib.sha256()
     for split in splits:
         for i in range(0, len(split), 10_000):
-            part = split[i:i + 10_000]
+            part = split[i : i + 10_000]
             if "text" in part:
                 values = part["text"]
             else:
@@ -188,8 +209,11 @@ def sample_text(split: datasets.Dataset, rows: int = 100) -> list[str]:
     def strings(value):
         if isinstance(value, str):
             yield value
-        for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        for item in (
+            value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        ):
             yield from strings(item)
+
     return ["\n".join(strings(row)) for row in _rows(part)]
 
 
@@ -210,7 +234,9 @@ def _atomic_dir(final: Path, build) -> Path:
     return final
 
 
-def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_size: int, cache_dir: str):
+def get_tokenizer(
+    name_or_path: str | None, raw: datasets.DatasetDict, vocab_size: int, cache_dir: str
+):
     """Load `name_or_path` with `AutoTokenizer`, or train a byte-level BPE on `raw['train']`.
 
     The trained tokenizer is deterministic for a given corpus and vocabulary (`tokenizers` BPE
@@ -231,10 +257,16 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
 
     def build(tmp: Path):
         bpe = ByteLevelBPETokenizer()
-        bpe.train_from_iterator(raw["train"]["text"], vocab_size=vocab_size, min_frequency=2,
-                                special_tokens=[EOS], show_progress=False)
-        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS,
-                                      unk_token=EOS, pad_token=EOS)
+        bpe.train_from_iterator(
+            raw["train"]["text"],
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=[EOS],
+            show_progress=False,
+        )
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
+        )
         tok.save_pretrained(tmp)
 
     path = _atomic_dir(Path(cache_dir) / f"tokenizer-bpe{vocab_size}-{digest}", build)
@@ -243,9 +275,13 @@ def get_tokenizer(name_or_path: str | None, raw: datasets.DatasetDict, vocab_siz
     return tok
 
 
-MIN_TOKENIZER_ENTRIES = 256  # a byte-level BPE starts with 256 bytes; no working tokenizer has fewer
+MIN_TOKENIZER_ENTRIES = (
+    256  # a byte-level BPE starts with 256 bytes; no working tokenizer has fewer
+)
 TOKENIZER_SAMPLE_CHARS = 20_000  # what `tokenizer_error` encodes
-MAX_CHARS_PER_TOKEN = 50  # English BPEs give 3-5 characters per token, byte-level ones never above 1 token per byte
+MAX_CHARS_PER_TOKEN = (
+    50  # English BPEs give 3-5 characters per token, byte-level ones never above 1 token per byte
+)
 
 
 def tokenizer_error(tokenizer, source: str, texts: list[str]) -> str | None:
@@ -268,16 +304,18 @@ def tokenizer_error(tokenizer, source: str, texts: list[str]) -> str | None:
     """
     sample, n = [], 0
     for text in texts:
-        sample.append(text[:TOKENIZER_SAMPLE_CHARS - n])
+        sample.append(text[: TOKENIZER_SAMPLE_CHARS - n])
         n += len(sample[-1])
         if n >= TOKENIZER_SAMPLE_CHARS:
             break
     n_tokens = sum(len(ids) for ids in tokenizer(sample, add_special_tokens=False)["input_ids"])
     if len(tokenizer) < MIN_TOKENIZER_ENTRIES or n_tokens * MAX_CHARS_PER_TOKEN < n:
-        return (f"the tokenizer loaded from {source} has {len(tokenizer)} entries and encodes {n:,} characters of "
-                f"the training text into {n_tokens:,} tokens (a working one has at least {MIN_TOKENIZER_ENTRIES} and "
-                f"1 token per {MAX_CHARS_PER_TOKEN} characters; a model directory without tokenizer files gives an "
-                "empty one): pass --tokenizer_name_or_path with the tokenizer's directory or name")
+        return (
+            f"the tokenizer loaded from {source} has {len(tokenizer)} entries and encodes {n:,} characters of "
+            f"the training text into {n_tokens:,} tokens (a working one has at least {MIN_TOKENIZER_ENTRIES} and "
+            f"1 token per {MAX_CHARS_PER_TOKEN} characters; a model directory without tokenizer files gives an "
+            "empty one): pass --tokenizer_name_or_path with the tokenizer's directory or name"
+        )
     return None
 
 
@@ -285,16 +323,29 @@ PACKING = ("stream", "documents", "none")  # --packing; `PACKING_ALIASES` keeps 
 PACKING_ALIASES = {"true": "stream", "false": "none"}
 
 
-def packing_digest(raw: datasets.DatasetDict, tokenizer, block_size: int, packing: str = "stream",
-                   rows_key: str | None = None) -> str:
+def packing_digest(
+    raw: datasets.DatasetDict,
+    tokenizer,
+    block_size: int,
+    packing: str = "stream",
+    rows_key: str | None = None,
+) -> str:
     """16 hex digits of SHA-256 over the train and validation rows, the tokenizer, `block_size`,
     `packing` (one of `PACKING`) and `rows_key` (what a recipe's own `to_rows` does: its template,
     its label rule): what decides the blocks `pack_dataset` makes (its cache key; the
     version tag changes whenever the packing does, so no older cache is reused). Equal on two ranks
     means the same training and validation blocks; compare it across nodes, which each read
     their own copy of the data."""
-    key = json.dumps(["v4", _text_digest(raw["train"], raw["validation"]), tokenizer.backend_tokenizer.to_str(),
-                      block_size, packing] + ([rows_key] if rows_key else []))
+    key = json.dumps(
+        [
+            "v4",
+            _text_digest(raw["train"], raw["validation"]),
+            tokenizer.backend_tokenizer.to_str(),
+            block_size,
+            packing,
+        ]
+        + ([rows_key] if rows_key else [])
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -305,7 +356,9 @@ def special_prefix(tokenizer) -> list[int]:
     probe = "a"
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
     full = tokenizer(probe)["input_ids"]
-    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    start = next(
+        (i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0
+    )
     return [t for t in full[:start] if t != tokenizer.eos_token_id]
 
 
@@ -321,8 +374,13 @@ def document_ids(tokenizer, texts: list[str]) -> tuple[list[list[int]], dict[str
     Returns:
         (the ids of each text, {special-token string: its occurrences in `texts`} for those found).
     """
-    specials = sorted({*tokenizer.all_special_tokens,
-                       *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)}, key=len)
+    specials = sorted(
+        {
+            *tokenizer.all_special_tokens,
+            *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special),
+        },
+        key=len,
+    )
     pattern = re.compile("|".join(re.escape(t) for t in reversed(specials))) if specials else None
     found: dict[str, int] = {}
     for text in texts if pattern else []:
@@ -333,8 +391,13 @@ def document_ids(tokenizer, texts: list[str]) -> tuple[list[list[int]], dict[str
     return [prefix + row + [eos] for row in ids], found
 
 
-def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
-                fingerprint: str, documents: bool = False) -> tuple[datasets.Dataset, dict]:
+def pack_blocks(
+    tokens: datasets.Dataset,
+    block_size: int,
+    cache_file: Path,
+    fingerprint: str,
+    documents: bool = False,
+) -> tuple[datasets.Dataset, dict]:
     """Concatenate the `ids` rows of `tokens`, in order, and cut the stream into `block_size` blocks.
 
     Blocks span rows and batches alike: only the stream's last partial block (fewer than
@@ -367,28 +430,52 @@ def pack_blocks(tokens: datasets.Dataset, block_size: int, cache_file: Path,
     own = pc.list_flatten(tokens.data.column("labels")) if "labels" in tokens.column_names else None
     n_blocks = len(stream) // block_size
     lengths = pc.list_value_length(tokens.data.column("ids")).to_numpy()
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # each row's first token
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(
+        np.int64
+    )  # each row's first token
     columns = ("input_ids", "labels", "position_ids") if documents else ("input_ids", "labels")
 
     def cut(batch):
         first, count = batch["block"][0], len(batch["block"])  # consecutive block numbers
         ids = stream.slice(first * block_size, count * block_size).to_numpy().astype(np.int64)
         blocks = ids.reshape(count, block_size)
-        labels = blocks if own is None else \
-            own.slice(first * block_size, count * block_size).to_numpy().astype(np.int64).reshape(count, block_size)
+        labels = (
+            blocks
+            if own is None
+            else own.slice(first * block_size, count * block_size)
+            .to_numpy()
+            .astype(np.int64)
+            .reshape(count, block_size)
+        )
         if not documents:
             return {"input_ids": blocks, "labels": labels}
         at = np.arange(first * block_size, (first + count) * block_size, dtype=np.int64)
         row_start = starts[np.searchsorted(starts, at, side="right") - 1]
-        positions = (at - np.maximum(row_start, at // block_size * block_size)).reshape(count, block_size)
-        return {"input_ids": blocks, "labels": np.where(positions == 0, -100, labels), "position_ids": positions}
+        positions = (at - np.maximum(row_start, at // block_size * block_size)).reshape(
+            count, block_size
+        )
+        return {
+            "input_ids": blocks,
+            "labels": np.where(positions == 0, -100, labels),
+            "position_ids": positions,
+        }
 
     index = datasets.Dataset.from_dict({"block": np.arange(n_blocks, dtype=np.int64)})
-    blocks = index.map(cut, batched=True, batch_size=1000, remove_columns=["block"], new_fingerprint=fingerprint,
-                       cache_file_name=str(cache_file),
-                       features=datasets.Features({k: datasets.List(datasets.Value("int64")) for k in columns}))
-    stats = {"rows": len(tokens), "tokens": len(stream), "blocks": n_blocks,
-             "dropped_tokens": len(stream) - n_blocks * block_size}
+    blocks = index.map(
+        cut,
+        batched=True,
+        batch_size=1000,
+        remove_columns=["block"],
+        new_fingerprint=fingerprint,
+        cache_file_name=str(cache_file),
+        features=datasets.Features({k: datasets.List(datasets.Value("int64")) for k in columns}),
+    )
+    stats = {
+        "rows": len(tokens),
+        "tokens": len(stream),
+        "blocks": n_blocks,
+        "dropped_tokens": len(stream) - n_blocks * block_size,
+    }
     if documents:  # rows that start in a kept block and end in a later one
         ends = starts + lengths
         split = (starts // block_size < (ends - 1) // block_size) & (starts < n_blocks * block_size)
@@ -406,18 +493,24 @@ def chat_rows(tokenizer, template_file: str | None, assistant_only: bool):
             raise Stop(f"--chat_template {template_file}: no such file")
         tokenizer.chat_template = Path(template_file).read_text()
     if not tokenizer.chat_template:
-        raise Stop("the tokenizer has no chat template: pass --chat_template FILE (a Jinja "
-                          "template; data/chat_template.jinja is a plain-text one)")
+        raise Stop(
+            "the tokenizer has no chat template: pass --chat_template FILE (a Jinja "
+            "template; data/chat_template.jinja is a plain-text one)"
+        )
 
     def render(messages, prompt=False) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
-                                                  tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
+            )
+        )
 
     def to_rows(batch: dict) -> dict:
         rows = {"ids": [], "labels": []}
         for messages in batch.get("messages") or [
-                [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-                for p, c in zip(batch["prompt"], batch["completion"])]:
+            [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+            for p, c in zip(batch["prompt"], batch["completion"])
+        ]:
             ids = render(messages)
             labels = [-100] * len(ids) if assistant_only else list(ids)
             for k, turn in enumerate(messages if assistant_only else []):
@@ -426,15 +519,18 @@ def chat_rows(tokenizer, template_file: str | None, assistant_only: bool):
                 which = f"the conversation that starts {messages[0]['content'][:40]!r}"
                 if k == 0:
                     raise Stop(f"{which} starts with an assistant turn: it answers nothing")
-                prompt, whole = render(messages[:k], prompt=True), render(messages[:k + 1])
-                if ids[:len(whole)] != whole or whole[:len(prompt)] != prompt:
-                    raise Stop(f"the chat template is not prefix-stable: in {which}, "
-                                      f"turn {k} changes the tokens before it")
+                prompt, whole = render(messages[:k], prompt=True), render(messages[: k + 1])
+                if ids[: len(whole)] != whole or whole[: len(prompt)] != prompt:
+                    raise Stop(
+                        f"the chat template is not prefix-stable: in {which}, "
+                        f"turn {k} changes the tokens before it"
+                    )
                 start, end = len(prompt), len(whole)
                 labels[start:end] = ids[start:end]  # the reply and what closes it (the eos)
             rows["ids"].append(ids)
             rows["labels"].append(labels)
         return rows
+
     return to_rows, json.dumps([tokenizer.chat_template, assistant_only])
 
 
@@ -453,9 +549,16 @@ def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     return {}
 
 
-def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_dir: str,
-                 packing: str = "stream", to_rows=None, rows_key: str | None = None,
-                 length_flag: str = "--block_size") -> datasets.DatasetDict:
+def pack_dataset(
+    raw: datasets.DatasetDict,
+    tokenizer,
+    block_size: int,
+    cache_dir: str,
+    packing: str = "stream",
+    to_rows=None,
+    rows_key: str | None = None,
+    length_flag: str = "--block_size",
+) -> datasets.DatasetDict:
     """Tokenize every row into one document (`document_ids`: one eos at its end; or a recipe's own
     `to_rows`) and make fixed `block_size`-token training examples, as `packing` says (one of
     `PACKING`):
@@ -496,8 +599,10 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
     if to_rows is not None and packing == "stream":  # (llama.py's loss count assumes it)
-        raise Stop("--packing stream trains on every token of a block: a recipe's own labels need "
-                   "--packing documents or none")
+        raise Stop(
+            "--packing stream trains on every token of a block: a recipe's own labels need "
+            "--packing documents or none"
+        )
     digest = packing_digest(raw, tokenizer, block_size, packing, rows_key)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -506,8 +611,11 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         if to_rows is not None:  # the recipe's own documents and labels; no empty one
             rows = to_rows(batch)
             keep = [i for i, ids in enumerate(rows["ids"]) if ids]
-            return {"ids": [rows["ids"][i] for i in keep], "labels": [rows["labels"][i] for i in keep],
-                    "found": [""] * len(keep)}
+            return {
+                "ids": [rows["ids"][i] for i in keep],
+                "labels": [rows["labels"][i] for i in keep],
+                "found": [""] * len(keep),
+            }
         ids, found = document_ids(tokenizer, batch["text"])
         if packing != "none":  # an empty row would add a second separator
             ids = [row for row, text in zip(ids, batch["text"]) if text]
@@ -517,9 +625,11 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         rows = [ids[:block_size] for ids in batch["ids"]]
         labels = [r[:block_size] for r in batch["labels"]] if "labels" in batch else rows
         fill = [block_size - len(r) for r in rows]
-        return {"input_ids": [r + [pad] * k for r, k in zip(rows, fill)],
-                "labels": [r + [-100] * k for r, k in zip(labels, fill)],
-                "attention_mask": [[1] * len(r) + [0] * k for r, k in zip(rows, fill)]}
+        return {
+            "input_ids": [r + [pad] * k for r, k in zip(rows, fill)],
+            "labels": [r + [-100] * k for r, k in zip(labels, fill)],
+            "attention_mask": [[1] * len(r) + [0] * k for r, k in zip(rows, fill)],
+        }
 
     def special_text(split_tokens) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -533,48 +643,78 @@ def pack_dataset(raw: datasets.DatasetDict, tokenizer, block_size: int, cache_di
         found = {split: special_text(tokens[split]) for split in tokens}
         tokens = tokens.remove_columns("found")
         if packing == "none":
-            tokens.map(pad_rows, batched=True, remove_columns=tokens["train"].column_names).save_to_disk(str(tmp))
+            tokens.map(
+                pad_rows, batched=True, remove_columns=tokens["train"].column_names
+            ).save_to_disk(str(tmp))
             lengths = {split: [len(ids) for ids in tokens[split]["ids"]] for split in tokens}
-            cut = {split: {"rows": len(n), "cut_rows": sum(k > block_size for k in n),
-                           "cut_tokens": sum(max(k - block_size, 0) for k in n), "special_text": found[split]}
-                   for split, n in lengths.items()}
+            cut = {
+                split: {
+                    "rows": len(n),
+                    "cut_rows": sum(k > block_size for k in n),
+                    "cut_tokens": sum(max(k - block_size, 0) for k in n),
+                    "special_text": found[split],
+                }
+                for split, n in lengths.items()
+            }
             (tmp / "truncation.json").write_text(json.dumps(cut))
             return
         for split in ("train", "validation"):
             n_tokens = sum(len(ids) for ids in tokens[split]["ids"])
             if n_tokens < block_size:
-                fix = (f"lower {length_flag}, or add text" if split == "train" else f"lower {length_flag}, raise "
-                       "--validation_split_percentage, or pass --validation_file")
-                raise Stop(f"{split} split has {n_tokens} tokens, fewer than one block ({length_flag} "
-                           f"{block_size}): {fix}")
+                fix = (
+                    f"lower {length_flag}, or add text"
+                    if split == "train"
+                    else f"lower {length_flag}, raise "
+                    "--validation_split_percentage, or pass --validation_file"
+                )
+                raise Stop(
+                    f"{split} split has {n_tokens} tokens, fewer than one block ({length_flag} "
+                    f"{block_size}): {fix}"
+                )
         with tempfile.TemporaryDirectory(dir=tmp.parent, prefix=f".{tmp.name}.") as scratch:
-            packed = {split: pack_blocks(tokens[split], block_size, Path(scratch) / f"{split}.arrow",
-                                         f"{digest}-{split}", documents=packing == "documents")
-                      for split in ("train", "validation")}
+            packed = {
+                split: pack_blocks(
+                    tokens[split],
+                    block_size,
+                    Path(scratch) / f"{split}.arrow",
+                    f"{digest}-{split}",
+                    documents=packing == "documents",
+                )
+                for split in ("train", "validation")
+            }
             datasets.DatasetDict({s: ds for s, (ds, _) in packed.items()}).save_to_disk(str(tmp))
-        (tmp / "packing.json").write_text(json.dumps({s: {**stats, "special_text": found[s]}
-                                                      for s, (_, stats) in packed.items()}))
+        (tmp / "packing.json").write_text(
+            json.dumps({s: {**stats, "special_text": found[s]} for s, (_, stats) in packed.items()})
+        )
 
     path = _atomic_dir(Path(cache_dir) / f"{packing}-{block_size}-{digest}", build)
-    stats = json.loads(next(p for p in (path / "packing.json", path / "truncation.json") if p.exists()).read_text())
+    stats = json.loads(
+        next(p for p in (path / "packing.json", path / "truncation.json") if p.exists()).read_text()
+    )
     log = get_logger(__name__)
     for split, c in stats.items():
         if c.get("special_text"):
             counts = ", ".join(f"{text} x {n}" for text, n in sorted(c["special_text"].items()))
-            log.warning(f"the {split} text contains special-token strings ({counts}): encoded as the plain "
-                        "text they are, not as control tokens; the only control token the recipe adds is one "
-                        "eos after each document", main_process_only=True)
+            log.warning(
+                f"the {split} text contains special-token strings ({counts}): encoded as the plain "
+                "text they are, not as control tokens; the only control token the recipe adds is one "
+                "eos after each document",
+                main_process_only=True,
+            )
         if packing == "none" and c["cut_rows"]:
             log.warning(
                 f"--packing none: {c['cut_rows']} of {c['rows']} {split} rows are longer than {length_flag} "
                 f"{block_size} and lose their tail ({c['cut_tokens']} tokens never "
                 f"{'trained on' if split == 'train' else 'evaluated'}); raise "
-                f"{length_flag} or pack them (--packing documents)", main_process_only=True)
+                f"{length_flag} or pack them (--packing documents)",
+                main_process_only=True,
+            )
     return datasets.load_from_disk(str(path))
 
 
-def train_and_eval_sets(lm_data: datasets.DatasetDict, max_eval_samples: int | None,
-                        sample_ids: bool = False) -> tuple[datasets.Dataset, datasets.Dataset]:
+def train_and_eval_sets(
+    lm_data: datasets.DatasetDict, max_eval_samples: int | None, sample_ids: bool = False
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """`pack_dataset`'s training and validation sets: the validation set cut to its first
     `max_eval_samples` blocks (None: all of them); with `sample_ids`, the training set gains a
     "sample_id" column, each block's index in it (--record_sample_ids: the data order check)."""
@@ -620,8 +760,9 @@ def write_shards(args) -> None:
         raise Stop("prepare needs --output_dir")
     out = Path(args.output_dir)
     if (out / SHARD_MANIFEST).exists() and not args.overwrite_output_dir:
-        raise Stop(f"{out / SHARD_MANIFEST} exists; pass --overwrite_output_dir to replace the "
-                   "shards")
+        raise Stop(
+            f"{out / SHARD_MANIFEST} exists; pass --overwrite_output_dir to replace the shards"
+        )
     make_output_dir(str(out))
     for old in [out / SHARD_MANIFEST, *out.glob("shard_*.parquet")]:
         old.unlink(missing_ok=True)  # no stale shard of an earlier, larger set may survive
@@ -640,38 +781,63 @@ def write_shards(args) -> None:
         raise Stop(f"{n_blocks} blocks cannot fill {num_shards} shards")
     corpus_bytes = sum(len(t) for s in splits for t in raw[s]["text"])
     text_bytes = corpus_bytes * n_blocks // len(base)  # the text the blocks hold (pro rata)
-    schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(dtype), block_size)),
-                        ("block_id", pa.int64())])
+    schema = pa.schema(
+        [("input_ids", pa.list_(pa.from_numpy_dtype(dtype), block_size)), ("block_id", pa.int64())]
+    )
     shards = []
     for i in range(num_shards):
         path, ids = out / f"shard_{i:04d}.parquet", np.arange(i, per_shard * num_shards, num_shards)
         with pq.ParquetWriter(path, schema) as writer:
             for start in range(0, per_shard, rows_per_group):  # one row group per write
-                chunk = ids[start:start + rows_per_group]
+                chunk = ids[start : start + rows_per_group]
                 tokens = pa.array(base[chunk % len(base)].astype(dtype).ravel())
-                writer.write_table(pa.table({
-                    "input_ids": pa.FixedSizeListArray.from_arrays(tokens, block_size),
-                    "block_id": chunk}))
+                writer.write_table(
+                    pa.table(
+                        {
+                            "input_ids": pa.FixedSizeListArray.from_arrays(tokens, block_size),
+                            "block_id": chunk,
+                        }
+                    )
+                )
         with open(path, "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
-        shards.append({"name": path.name, "rows": per_shard, "tokens": per_shard * block_size,
-                       "bytes": path.stat().st_size, "sha256": digest})
+        shards.append(
+            {
+                "name": path.name,
+                "rows": per_shard,
+                "tokens": per_shard * block_size,
+                "bytes": path.stat().st_size,
+                "sha256": digest,
+            }
+        )
     vocab = tokenizer.backend_tokenizer.to_str().encode()
-    manifest = {"num_shards": num_shards, "block_size": block_size, "dtype": np.dtype(dtype).name,
-                "tokenizer": {"name_or_path": tokenizer.name_or_path, "vocab_size": len(tokenizer),
-                              "sha256": hashlib.sha256(vocab).hexdigest()},
-                "source": f"bundled Shakespeare corpus x {args.repeat}", "text_bytes": text_bytes,
-                "total_blocks": per_shard * num_shards,
-                "dropped_blocks": n_blocks - per_shard * num_shards,
-                "rows_per_row_group": rows_per_group, "shards": shards}
+    manifest = {
+        "num_shards": num_shards,
+        "block_size": block_size,
+        "dtype": np.dtype(dtype).name,
+        "tokenizer": {
+            "name_or_path": tokenizer.name_or_path,
+            "vocab_size": len(tokenizer),
+            "sha256": hashlib.sha256(vocab).hexdigest(),
+        },
+        "source": f"bundled Shakespeare corpus x {args.repeat}",
+        "text_bytes": text_bytes,
+        "total_blocks": per_shard * num_shards,
+        "dropped_blocks": n_blocks - per_shard * num_shards,
+        "rows_per_row_group": rows_per_group,
+        "shards": shards,
+    }
     (out / SHARD_MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
-    print(f"{num_shards} shards x {per_shard} blocks of {block_size} tokens "
-          f"({text_bytes / 1e6:.1f} MB of text, "
-          f"{sum(s['bytes'] for s in shards) / 1e6:.1f} MB of parquet) in {out}")
+    print(
+        f"{num_shards} shards x {per_shard} blocks of {block_size} tokens "
+        f"({text_bytes / 1e6:.1f} MB of text, "
+        f"{sum(s['bytes'] for s in shards) / 1e6:.1f} MB of parquet) in {out}"
+    )
 
 
-def own_shards(data_dir: str, world_size: int, rank: int, verify: bool,
-               every_shard: bool = False) -> tuple[dict, list[Path]]:
+def own_shards(
+    data_dir: str, world_size: int, rank: int, verify: bool, every_shard: bool = False
+) -> tuple[dict, list[Path]]:
     """Validate `{data_dir}/manifest.json` and return (manifest, paths of the shards `rank` owns).
 
     Shard i belongs to rank i % world_size. Presence, size, parquet footer, row count and (with
@@ -689,44 +855,55 @@ def own_shards(data_dir: str, world_size: int, rank: int, verify: bool,
 
     root, manifest_path = Path(data_dir), Path(data_dir) / SHARD_MANIFEST
     if not manifest_path.is_file():
-        raise FileNotFoundError(f"{manifest_path} not found: run `python recipes/sharded_data.py "
-                                f"prepare --output_dir {data_dir} --num_shards {world_size}` first")
+        raise FileNotFoundError(
+            f"{manifest_path} not found: run `python recipes/sharded_data.py "
+            f"prepare --output_dir {data_dir} --num_shards {world_size}` first"
+        )
     manifest = json.loads(manifest_path.read_text())
     n = manifest["num_shards"]
     if n != len(manifest["shards"]):
-        raise ValueError(f"{manifest_path} says num_shards={n} but lists "
-                         f"{len(manifest['shards'])} shards")
+        raise ValueError(
+            f"{manifest_path} says num_shards={n} but lists {len(manifest['shards'])} shards"
+        )
     if n % world_size:
-        raise ValueError(f"{manifest_path} lists {n} shards for a world size of {world_size}: "
-                         f"shard i belongs to rank i % world_size, so the shard count must be a "
-                         f"multiple of {world_size} (re-run prepare with --num_shards "
-                         f"{world_size * max(1, round(n / world_size))})")
+        raise ValueError(
+            f"{manifest_path} lists {n} shards for a world size of {world_size}: "
+            f"shard i belongs to rank i % world_size, so the shard count must be a "
+            f"multiple of {world_size} (re-run prepare with --num_shards "
+            f"{world_size * max(1, round(n / world_size))})"
+        )
     mine = []
     for i, shard in enumerate(manifest["shards"]):
         path = root / shard["name"]
         if i % world_size != rank and not every_shard:
             continue
         if not path.is_file():
-            raise FileNotFoundError(f"missing shard {path}: shard {i} of the {n} listed in "
-                                    f"{manifest_path}")
+            raise FileNotFoundError(
+                f"missing shard {path}: shard {i} of the {n} listed in {manifest_path}"
+            )
         if i % world_size != rank:
             continue
         if path.stat().st_size != shard["bytes"]:
-            raise ValueError(f"corrupt shard {path}: {path.stat().st_size} bytes, the manifest "
-                             f"says {shard['bytes']}")
+            raise ValueError(
+                f"corrupt shard {path}: {path.stat().st_size} bytes, the manifest "
+                f"says {shard['bytes']}"
+            )
         if verify:
             with open(path, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
             if digest != shard["sha256"]:
-                raise ValueError(f"corrupt shard {path}: SHA-256 {digest[:16]}... differs from the "
-                                 f"manifest's {shard['sha256'][:16]}...; re-run prepare")
+                raise ValueError(
+                    f"corrupt shard {path}: SHA-256 {digest[:16]}... differs from the "
+                    f"manifest's {shard['sha256'][:16]}...; re-run prepare"
+                )
         try:
             rows = pq.read_metadata(path).num_rows
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"corrupt parquet file {path}: {e}") from None
         if rows != shard["rows"]:
-            raise ValueError(f"corrupt shard {path}: {rows} rows, the manifest says "
-                             f"{shard['rows']}")
+            raise ValueError(
+                f"corrupt shard {path}: {rows} rows, the manifest says {shard['rows']}"
+            )
         mine.append(path)
     return manifest, mine
 

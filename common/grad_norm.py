@@ -24,7 +24,9 @@ from common import checks
 from common.errors import Stop
 
 
-FP64_CHUNK_ELEMENTS = 1 << 24  # fp64 temporaries per gradient are at most this many elements (128 MB)
+FP64_CHUNK_ELEMENTS = (
+    1 << 24
+)  # fp64 temporaries per gradient are at most this many elements (128 MB)
 
 
 def _sum_of_squares_fp64(grad: torch.Tensor) -> torch.Tensor:
@@ -34,7 +36,10 @@ def _sum_of_squares_fp64(grad: torch.Tensor) -> torch.Tensor:
     flat = grad.reshape(-1)  # a view for contiguous gradients
     if flat.numel() <= FP64_CHUNK_ELEMENTS:
         return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
-    return sum(torch.linalg.vector_norm(part, dtype=torch.float64) ** 2 for part in flat.split(FP64_CHUNK_ELEMENTS))
+    return sum(
+        torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
+        for part in flat.split(FP64_CHUNK_ELEMENTS)
+    )
 
 
 def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -74,7 +79,9 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
         if error := checks.clipping_problem(ds_clip, max_norm):
             raise Stop(error)
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed's clipped norm
-        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64, device=accelerator.device)
+        return torch.as_tensor(
+            float("nan") if norm is None else norm, dtype=torch.float64, device=accelerator.device
+        )
     accelerator.unscale_gradients()  # no-op unless fp16 loss scaling is on
     params = [p for p in model.parameters() if p.grad is not None]
     sum_of_squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -86,8 +93,11 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
             if not (mesh.ndim == 1 and mesh.size() == accelerator.num_processes):
                 # FSDP2 over tensor-parallel slices shards on dp with `_StridedShard`, which torch 2.13
                 # does not count as a Shard (`is_shard()` is False): a norm without it misses half the squares
-                dims = tuple(d for d, placement in enumerate(grad.placements)
-                             if isinstance(placement, (Shard, _StridedShard)))
+                dims = tuple(
+                    d
+                    for d, placement in enumerate(grad.placements)
+                    if isinstance(placement, (Shard, _StridedShard))
+                )
                 part = on_mesh.setdefault((mesh, dims), torch.zeros_like(sum_of_squares))
                 part += _sum_of_squares_fp64(grad.to_local()).to(part.device)
                 continue
@@ -95,9 +105,14 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
         sum_of_squares += _sum_of_squares_fp64(grad).to(sum_of_squares.device)
     strategy = getattr(model, "sharding_strategy", None)  # FSDP1 only
     if strategy is not None and "HYBRID" in strategy.name:
-        raise NotImplementedError(f"clip_grad_norm_ supports FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, "
-                                  f"got {strategy.name}")
-    sharded = accelerator.distributed_type == DistributedType.FSDP and getattr(strategy, "name", "") != "NO_SHARD"
+        raise NotImplementedError(
+            f"clip_grad_norm_ supports FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, "
+            f"got {strategy.name}"
+        )
+    sharded = (
+        accelerator.distributed_type == DistributedType.FSDP
+        and getattr(strategy, "name", "") != "NO_SHARD"
+    )
     if sharded and not on_mesh:  # each rank holds a disjoint shard: add them up
         sum_of_squares = accelerator.reduce(sum_of_squares, reduction="sum")
     for (mesh, dims), part in on_mesh.items():  # add up over the sharded mesh dims only: a

@@ -56,7 +56,9 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-def host_nvidia_gpus(proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0) -> tuple[int, str]:
+def host_nvidia_gpus(
+    proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0
+) -> tuple[int, str]:
     """How many NVIDIA GPUs this host has, whatever torch makes of them.
 
     Reads the driver's `/proc/driver/nvidia/gpus` (one entry per GPU), else runs `nvidia-smi -L`
@@ -79,7 +81,9 @@ def host_nvidia_gpus(proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: floa
     if (smi := shutil.which("nvidia-smi")) is None:
         return 0, ""
     try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+        out = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=timeout_s, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return 0, ""
     n = sum(line.startswith("GPU ") for line in out.splitlines())
@@ -115,7 +119,9 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
     if timeout_s <= 0:
         raise Stop(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
     # Read the opt-in before anything below sets ACCELERATE_USE_CPU for DDP.
-    if not _has_accelerator() and not (_env_true("ACCELERATE_RECIPES_ALLOW_CPU") or _env_true("ACCELERATE_USE_CPU")):
+    if not _has_accelerator() and not (
+        _env_true("ACCELERATE_RECIPES_ALLOW_CPU") or _env_true("ACCELERATE_USE_CPU")
+    ):
         n_gpus, seen_by = host_nvidia_gpus()
         if n_gpus:
             if torch.version.cuda is None:
@@ -123,30 +129,40 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
             else:
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 hiding = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
-                why = (f"likely causes: a driver too old for CUDA {torch.version.cuda}, "
-                       f"a container started without --gpus{hiding}")
+                why = (
+                    f"likely causes: a driver too old for CUDA {torch.version.cuda}, "
+                    f"a container started without --gpus{hiding}"
+                )
             raise Stop(
                 f"this host has {n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)} ({seen_by}) but torch {torch.__version__} sees "
                 f"none; {why}. Fix that, or set ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway "
-                "(`accelerate launch --cpu` would run one process, not the config's ranks)")
+                "(`accelerate launch --cpu` would run one process, not the config's ranks)"
+            )
     applied = workarounds.allow_mixed_precision_with_deepspeed_json()
     # A DeepSpeed YAML names its JSON relative to where you launch; missing, Accelerate would fail
     # with a JSONDecodeError, then a UnicodeDecodeError, before saying what was wrong.
-    if ((ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")) != "none"
-            and not os.path.isfile(ds_json)):
-        raise Stop(f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
-                         f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe")
+    if (
+        ds_json := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    ) != "none" and not os.path.isfile(ds_json):
+        raise Stop(
+            f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found from "
+            f"{os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe"
+        )
     # torchrun's --max_restarts with the rendezvous store shared between attempts (the default): the
     # restarted ranks read the dead attempt's gloo/NCCL addresses from it and hang or fail to connect
     # (pytorch/pytorch#135712; measured: 7 restarts in 8 failed). The static rendezvous of the accelerate
     # configs always shares it; the c10d one with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
     # attempt a fresh store (6 in 6 worked).
-    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        raise Stop("--max_restarts with torchrun's shared rendezvous store: a restarted job would reconnect to "
-                         "the dead attempt's addresses and hang (pytorch/pytorch#135712). Launch with "
-                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and "
-                         "`accelerate launch --rdzv_backend c10d --max_restarts N ...`")
+    if (
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        raise Stop(
+            "--max_restarts with torchrun's shared rendezvous store: a restarted job would reconnect to "
+            "the dead attempt's addresses and hang (pytorch/pytorch#135712). Launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and "
+            "`accelerate launch --rdzv_backend c10d --max_restarts N ...`"
+        )
     inductor_cache_per_cpu_capability()
     timeout = timedelta(seconds=timeout_s)
     if _has_accelerator() or "LOCAL_RANK" not in os.environ:
@@ -154,10 +170,16 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         applied += workarounds.fsdp_ranks_on_cpu(timeout)
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        if _env_true("ACCELERATE_USE_CPU"):  # Accelerate would quietly build plain CPU ranks instead
-            raise Stop("ACCELERATE_USE_CPU is set (`accelerate launch --cpu`, or the environment), which keeps "
-                       "Accelerate off DeepSpeed: unset it; DeepSpeed configs run on CPU-only hosts without it")
-        applied += workarounds.skip_deepspeed_shm_build() + workarounds.cache_deepspeed_cpu_device_count()
+        if _env_true(
+            "ACCELERATE_USE_CPU"
+        ):  # Accelerate would quietly build plain CPU ranks instead
+            raise Stop(
+                "ACCELERATE_USE_CPU is set (`accelerate launch --cpu`, or the environment), which keeps "
+                "Accelerate off DeepSpeed: unset it; DeepSpeed configs run on CPU-only hosts without it"
+            )
+        applied += (
+            workarounds.skip_deepspeed_shm_build() + workarounds.cache_deepspeed_cpu_device_count()
+        )
     else:
         applied += workarounds.ddp_ranks_on_cpu()
     return InitProcessGroupKwargs(backend="gloo", timeout=timeout), applied
@@ -178,7 +200,9 @@ def inductor_cache_per_cpu_capability() -> None:
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if not capability:
         return
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch's rule (a user without a name too)
+    from torch._inductor.runtime.cache_dir_utils import (
+        default_cache_dir,
+    )  # torch's rule (a user without a name too)
 
     default = default_cache_dir()
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
@@ -330,10 +354,15 @@ def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
         return None
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
     zero = ds.get("zero_optimization") or {}
-    return {"zero_stage": zero.get("stage", 0),
-            "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
-            "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
-            **{key: ds.get(key) for key in ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")}}
+    return {
+        "zero_stage": zero.get("stage", 0),
+        "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
+        "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
+        **{
+            key: ds.get(key)
+            for key in ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+        },
+    }
 
 
 if __name__ == "__main__":
@@ -344,16 +373,29 @@ if __name__ == "__main__":
     configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
     usage = "usage: python common/launch.py CONFIG RECIPE [ARGS...]"
     if sys.argv[1:2] in (["-h"], ["--help"]):
-        print(f"{usage}\n\nRuns `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE [ARGS...]` "
-              "once the config exists. CONFIG: a .yaml path or one of "
-              f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}. The recipe's own flags: RECIPE --help.")
+        print(
+            f"{usage}\n\nRuns `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE [ARGS...]` "
+            "once the config exists. CONFIG: a .yaml path or one of "
+            f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}. The recipe's own flags: RECIPE --help."
+        )
         sys.exit(0)
     if len(sys.argv) < 3:
         sys.exit(usage)
     name = sys.argv[1]
     path = Path(name) if name.endswith(".yaml") else configs / f"{name}.yaml"
     if not path.is_file():
-        sys.exit(f"error: accelerate config {path} not found; available: "
-                 f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}")
-    os.execvp(sys.executable,
-              [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), *sys.argv[2:]])
+        sys.exit(
+            f"error: accelerate config {path} not found; available: "
+            f"{', '.join(sorted(p.stem for p in configs.glob('*.yaml')))}"
+        )
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(path),
+            *sys.argv[2:],
+        ],
+    )

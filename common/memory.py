@@ -21,8 +21,14 @@ def _is_parameter(t: torch.Tensor) -> bool:
 def _is_weight_copy(t: torch.Tensor) -> bool:
     """A dtype cast of a parameter (or a view of one): what autocast feeds a matmul in bf16/fp16."""
     fn = (t._base if t._base is not None else t).grad_fn
-    return fn is not None and type(fn).__name__ == "ToCopyBackward0" and any(
-        isinstance(getattr(nxt, "variable", None), torch.nn.Parameter) for nxt, _ in fn.next_functions)
+    return (
+        fn is not None
+        and type(fn).__name__ == "ToCopyBackward0"
+        and any(
+            isinstance(getattr(nxt, "variable", None), torch.nn.Parameter)
+            for nxt, _ in fn.next_functions
+        )
+    )
 
 
 class SavedTensorBytes:
@@ -125,7 +131,9 @@ class PeakTensorBytes:
     """
 
     def __enter__(self) -> "PeakTensorBytes":
-        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
         self._profiler.__enter__()
         return self
 
@@ -133,6 +141,8 @@ class PeakTensorBytes:
         self._profiler.__exit__(*exc)
         events = self._profiler.profiler.kineto_results.events()
         self.peak = self.net = 0
-        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        for _, nbytes in sorted(
+            (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"
+        ):
             self.net += nbytes
             self.peak = max(self.peak, self.net)

@@ -89,7 +89,9 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
         (FLOPs per trained token, a one-line description of how N and the attention term were found).
     """
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
-    lookups = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    lookups = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
+    }
     params = {id(p): p for p in model.parameters()}
     n = sum(numel(p) for i, p in params.items() if i not in lookups)
     head = model.get_output_embeddings()
@@ -100,10 +102,16 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
         fields_match = _llama_params(model.config) == n
     except (AttributeError, TypeError):
         fields_match = False
-    how = ("N from the config's Llama fields (equal to the parameter count)" if fields_match else
-           "N counted from the model's parameters (embedding lookups out, output head in)")
-    how += ", attention term 12·L·H·Q·T from the config" if attention is not None else \
-        ", attention term left out (the config names no layers/heads/hidden size)"
+    how = (
+        "N from the config's Llama fields (equal to the parameter count)"
+        if fields_match
+        else "N counted from the model's parameters (embedding lookups out, output head in)"
+    )
+    how += (
+        ", attention term 12·L·H·Q·T from the config"
+        if attention is not None
+        else ", attention term left out (the config names no layers/heads/hidden size)"
+    )
     return float(6 * n + (attention or 0)), f"PaLM 6N + 12LHQT: {how}"
 
 
@@ -133,7 +141,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 26  # fp32 logits converted at once by `token_nll`: 256 MB (tokens x vocab)
+LOSS_CHUNK_ELEMENTS = (
+    1 << 26
+)  # fp32 logits converted at once by `token_nll`: 256 MB (tokens x vocab)
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +169,9 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     rows = max(1, LOSS_CHUNK_ELEMENTS // logits.shape[-1])
     for start in range(0, len(targets), rows):
         part = slice(start, start + rows)
-        nats[part] = torch.nn.functional.cross_entropy(flat[part].float(), targets[part], reduction="none",
-                                                       ignore_index=-100)
+        nats[part] = torch.nn.functional.cross_entropy(
+            flat[part].float(), targets[part], reduction="none", ignore_index=-100
+        )
     return nats.view(labels.shape).sum(1), (targets != -100).view(labels.shape).sum(1)
 
 
@@ -184,13 +195,18 @@ def local_parameter_elements(model: torch.nn.Module) -> int:
 def buffer_dtypes(model: torch.nn.Module) -> dict[str, str]:
     """{name: dtype} of the floating-point buffers of a live model (pass the unwrapped module), e.g.
     {"model.rotary_emb.inv_freq": "float32"}: what the strategy's mixed precision left them in."""
-    return {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers() if b.is_floating_point()}
+    return {
+        name: str(b.dtype).removeprefix("torch.")
+        for name, b in model.named_buffers()
+        if b.is_floating_point()
+    }
 
 
 def strict_json(record: dict) -> dict:
     """`record` with every non-finite float (NaN, inf), at any depth, replaced by None, and the
     top-level keys that held one listed under `"nonfinite"`, so that the result is standard JSON
     (Python's `json` would write the literals `NaN` and `Infinity`, which strict parsers reject)."""
+
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
             return None
@@ -199,8 +215,11 @@ def strict_json(record: dict) -> dict:
         if isinstance(v, (list, tuple)):
             return [clean(x) for x in v]
         return v
+
     cleaned = {k: clean(v) for k, v in record.items()}
-    bad = [k for k, v in record.items() if json.dumps(v) != json.dumps(cleaned[k])]  # NaN -> null changed it
+    bad = [
+        k for k, v in record.items() if json.dumps(v) != json.dumps(cleaned[k])
+    ]  # NaN -> null changed it
     return {**cleaned, "nonfinite": bad} if bad else record
 
 
@@ -259,34 +278,62 @@ class RunLog:
         saved: the marker of the checkpoint resumed from: its token counts (`tokens_seen`) go on.
     """
 
-    def __init__(self, accelerator, args, project: str, resumed_step: int | None = None,
-                 run_info: dict | None = None, saved: dict | None = None):
+    def __init__(
+        self,
+        accelerator,
+        args,
+        project: str,
+        resumed_step: int | None = None,
+        run_info: dict | None = None,
+        saved: dict | None = None,
+    ):
         self.accelerator = accelerator
         # the run's token counts before this launch (`tokens_seen`); None: a marker without them
         saved = saved or {}
-        self.seen_before = [saved["input_tokens"], saved["target_tokens"]] if "target_tokens" in saved \
-            else [0, 0] if resumed_step is None else None
+        self.seen_before = (
+            [saved["input_tokens"], saved["target_tokens"]]
+            if "target_tokens" in saved
+            else [0, 0]
+            if resumed_step is None
+            else None
+        )
         self.seen = torch.zeros(2, dtype=torch.int64, device=accelerator.device)  # this launch's
-        config = getattr(accelerator, "parallelism_config", None)  # tensor parallel: a tp group trains one batch
-        self.share = 1 / config.non_data_parallel_size if config is not None and config.tp_enabled else 1
+        config = getattr(
+            accelerator, "parallelism_config", None
+        )  # tensor parallel: a tp group trains one batch
+        self.share = (
+            1 / config.non_data_parallel_size if config is not None and config.tp_enabled else 1
+        )
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         # TensorBoard drops the events of earlier attempts past the resumed step (all of them on a fresh
         # start), as metrics.jsonl does: SummaryWriter's purge_step, which EventAccumulator applies
         purge = {"tensorboard": {"purge_step": 0 if resumed_step is None else resumed_step + 1}}
-        accelerator.init_trackers(project, config={k: v for k, v in vars(args).items() if v is not None},
-                                  init_kwargs=purge)
+        accelerator.init_trackers(
+            project,
+            config={k: v for k, v in vars(args).items() if v is not None},
+            init_kwargs=purge,
+        )
         if accelerator.is_main_process:
             if run_info is not None:  # the trackers started (main process only), not just asked for
                 with open(os.path.join(args.output_dir, "run_info.json"), "w") as f:
-                    json.dump({**run_info, "trackers": [t.name for t in accelerator.trackers]}, f, indent=1)
+                    json.dump(
+                        {**run_info, "trackers": [t.name for t in accelerator.trackers]},
+                        f,
+                        indent=1,
+                    )
             kept = []
             if resumed_step is not None and os.path.exists(self.path):
-                kept = [line for line in open(self.path) if not (r := json.loads(line)).get("summary")
-                        and r["step"] <= resumed_step]
+                kept = [
+                    line
+                    for line in open(self.path)
+                    if not (r := json.loads(line)).get("summary") and r["step"] <= resumed_step
+                ]
             with open(self.path, "w") as f:
                 f.writelines(kept)
 
-    def start_clock(self, device, flops_per_token: float | None = None, peak_tflops: float | None = None) -> float:
+    def start_clock(
+        self, device, flops_per_token: float | None = None, peak_tflops: float | None = None
+    ) -> float:
         """Start timing the logging windows: tokens/s, the share spent waiting for data, MFU.
         Returns the start, a `time.perf_counter()` value."""
         self.device, self.flops_per_token = device, flops_per_token
@@ -299,7 +346,11 @@ class RunLog:
         to the model, padding left out; `target_tokens`: those with a label, trained on) and its
         seconds spent waiting for batches. Counts stay on the device: no host sync a step."""
         for batch in window:
-            fed = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+            fed = (
+                batch["attention_mask"].sum()
+                if "attention_mask" in batch
+                else batch["input_ids"].numel()
+            )
             targets = (batch["labels"][:, 1:] != -100).sum()  # position t predicts label t + 1
             self.seen += torch.stack([torch.as_tensor(fed, device=self.seen.device), targets])
             self.tokens += fed * self.share  # tensor parallel: the tp group trains them together
@@ -313,7 +364,10 @@ class RunLog:
         now = launch.data_parallel_sum(self.accelerator, self.seen).tolist()
         if self.seen_before is None:
             return {"input_tokens": None, "target_tokens": None}
-        return {"input_tokens": self.seen_before[0] + now[0], "target_tokens": self.seen_before[1] + now[1]}
+        return {
+            "input_tokens": self.seen_before[0] + now[0],
+            "target_tokens": self.seen_before[1] + now[1],
+        }
 
     def record(self, **fields) -> dict:
         """`fields` (step, loss, ...: read them first, so a GPU's queued kernels count in the window)
@@ -323,8 +377,13 @@ class RunLog:
         tokens: padding is no useful work); then a new window starts."""
         seen = self.tokens_seen()
         elapsed = time.perf_counter() - self.t_window
-        record = {**fields, **seen, "tokens_per_second": float(self.tokens) / elapsed,
-                  "data_wait_share": self.data_wait / elapsed, "peak_memory_bytes": peak_memory_bytes(self.device)}
+        record = {
+            **fields,
+            **seen,
+            "tokens_per_second": float(self.tokens) / elapsed,
+            "data_wait_share": self.data_wait / elapsed,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+        }
         if self.peak and self.flops_per_token:
             record["mfu"] = self.flops_per_token * record["tokens_per_second"] / self.peak
         self.tokens, self.data_wait, self.t_window = 0, 0.0, time.perf_counter()
@@ -333,7 +392,9 @@ class RunLog:
     def log(self, record: dict) -> None:
         """One step's record (its "step" key included): a line of metrics.jsonl (non-finite values as
         null, named in "nonfinite") and the trackers (finite numbers only)."""
-        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        numbers = {
+            k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)
+        }
         self.accelerator.log(numbers, step=record["step"])
         if self.accelerator.is_main_process:
             append_jsonl(self.path, record)
@@ -370,8 +431,11 @@ def compile_settings(accelerator) -> dict | None:
     dynamo = accelerator.state.dynamo_plugin
     if dynamo.backend.value == "NO":
         return None
-    return {"backend": dynamo.backend.value.lower(), "mode": dynamo.mode,
-            "regional": bool(dynamo.use_regional_compilation)}
+    return {
+        "backend": dynamo.backend.value.lower(),
+        "mode": dynamo.mode,
+        "regional": bool(dynamo.use_regional_compilation),
+    }
 
 
 def start_line(run_info: dict) -> str:
@@ -379,18 +443,28 @@ def start_line(run_info: dict) -> str:
     ds, compiled = run_info.get("deepspeed"), run_info.get("torch_compile")
     zero = ""
     if ds:
-        offload = ", ".join(f"{part} to {ds[f'offload_{part}_device']}" for part in ("optimizer", "param")
-                            if ds[f"offload_{part}_device"] != "none")
+        offload = ", ".join(
+            f"{part} to {ds[f'offload_{part}_device']}"
+            for part in ("optimizer", "param")
+            if ds[f"offload_{part}_device"] != "none"
+        )
         zero = f" | ZeRO-{ds['zero_stage']}" + (f" (offload: {offload})" if offload else "")
-    mesh = " (" + " x ".join(f"{dim} {n}" for dim, n in run_info["mesh"].items()) + ")" if run_info.get("mesh") else ""
-    return (f"{run_info['distributed_type']} x{run_info['world_size']}{mesh}{zero} | {run_info['mixed_precision']} | "
-            f"{run_info['n_params'] / 1e6:.2f}M params{_trainable(run_info)} | "
-            f"global batch {run_info['global_batch']} | "
-            f"{run_info['max_steps']} steps" + (f" | torch.compile {compiled['backend']}" if compiled else ""))
+    mesh = (
+        " (" + " x ".join(f"{dim} {n}" for dim, n in run_info["mesh"].items()) + ")"
+        if run_info.get("mesh")
+        else ""
+    )
+    return (
+        f"{run_info['distributed_type']} x{run_info['world_size']}{mesh}{zero} | {run_info['mixed_precision']} | "
+        f"{run_info['n_params'] / 1e6:.2f}M params{_trainable(run_info)} | "
+        f"global batch {run_info['global_batch']} | "
+        f"{run_info['max_steps']} steps"
+        + (f" | torch.compile {compiled['backend']}" if compiled else "")
+    )
 
 
 def _trainable(run_info: dict) -> str:
-    """" (0.16M trainable)" where only some parameters train (LoRA), else ""."""
+    """ " (0.16M trainable)" where only some parameters train (LoRA), else ""."""
     n = run_info.get("trainable_params")
     return f" ({n / 1e6:.2f}M trainable)" if n is not None and n < run_info["n_params"] else ""
 
@@ -417,11 +491,18 @@ def run_info(accelerator, model, args, **facts) -> dict:
     """run_info.json: the strategy, world size and precision as Accelerate runs them, `facts`
     (batch, model, FLOPs, ...), a 2-D layout's "mesh" (`launch.mesh_layout`), each rank's parameter
     elements (a collective: call on every rank), torch.compile's settings and every flag."""
-    return {"distributed_type": accelerator.distributed_type.value,
-            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
-            **({"mesh": mesh} if (mesh := launch.mesh_layout(accelerator)) else {}),  # HSDP, tensor parallel
-            **facts, "local_param_elements": gathered_parameter_elements(accelerator, model),
-            "torch_compile": compile_settings(accelerator), "args": vars(args)}
+    return {
+        "distributed_type": accelerator.distributed_type.value,
+        "world_size": accelerator.num_processes,
+        "mixed_precision": accelerator.mixed_precision,
+        **(
+            {"mesh": mesh} if (mesh := launch.mesh_layout(accelerator)) else {}
+        ),  # HSDP, tensor parallel
+        **facts,
+        "local_param_elements": gathered_parameter_elements(accelerator, model),
+        "torch_compile": compile_settings(accelerator),
+        "args": vars(args),
+    }
 
 
 class SampleIds:
@@ -458,9 +539,15 @@ class SampleIds:
         os.makedirs(os.path.join(output_dir, "sample_ids"), exist_ok=True)
         rank = accelerator.process_index // shared
         with open(os.path.join(output_dir, "sample_ids", f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": world,
-                       "epochs": [torch.cat(ids).tolist() if ids else [] for ids in self.epochs],
-                       **extra}, f)
+            json.dump(
+                {
+                    "rank": rank,
+                    "world_size": world,
+                    "epochs": [torch.cat(ids).tolist() if ids else [] for ids in self.epochs],
+                    **extra,
+                },
+                f,
+            )
 
 
 def weight_decay_line(optimizer) -> str:
@@ -468,7 +555,9 @@ def weight_decay_line(optimizer) -> str:
     9 tensors (2,304 elements)" (ZeRO-3's partitioned parameters counted whole: `ds_numel`)."""
     return "AdamW weight decay: " + ", ".join(
         f"{g['weight_decay']:g} on {len(g['params'])} tensors "
-        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)" for g in optimizer.param_groups)
+        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)"
+        for g in optimizer.param_groups
+    )
 
 
 def comparison_table(rows: list[dict], config_file: str, model_config: str, block_size: int) -> str:
@@ -480,32 +569,47 @@ def comparison_table(rows: list[dict], config_file: str, model_config: str, bloc
             a null figure (not finite, named in its "nonfinite") shows as nan.
     """
     done = [r for r in rows if not r.get("failed")] or [{}]
-    lines = [f"{config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
-             f"{done[0].get('device')}, {model_config} Llama, global batch {done[0].get('global_batch')} x "
-             f"{block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
-             "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.", "",
-             "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
-             "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
+        f"{done[0].get('device')}, {model_config} Llama, global batch {done[0].get('global_batch')} x "
+        f"{block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
+        "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.",
+        "",
+        "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
+        "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("failed"):
             lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
             continue
-        mib = [f"{r[k] / 2**20:.2f}" for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes",
-                                               "gradient_bytes")]
-        num = {k: "nan" if r[k] is None else format(r[k], spec)
-               for k, spec in (("train_loss", ".4f"), ("eval_loss", ".4f"), ("tokens_per_second", ".0f"))}
-        lines.append(f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
-                     f"{num['tokens_per_second']} | {' | '.join(mib)} | "
-                     f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |")
+        mib = [
+            f"{r[k] / 2**20:.2f}"
+            for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes", "gradient_bytes")
+        ]
+        num = {
+            k: "nan" if r[k] is None else format(r[k], spec)
+            for k, spec in (
+                ("train_loss", ".4f"),
+                ("eval_loss", ".4f"),
+                ("tokens_per_second", ".0f"),
+            )
+        }
+        lines.append(
+            f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
+            f"{num['tokens_per_second']} | {' | '.join(mib)} | "
+            f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |"
+        )
     return "\n".join(lines)
 
 
 def end_figures(accelerator, model) -> dict:
     """The summary's figures of the finished run: its peak memory (`memory_summary`) and the
     dtypes of the unwrapped model's buffers (rotary inv_freq: fp32 under every strategy)."""
-    return {**memory_summary(accelerator.device), "buffer_dtypes": buffer_dtypes(
-        accelerator.unwrap_model(model, keep_torch_compile=False))}
+    return {
+        **memory_summary(accelerator.device),
+        "buffer_dtypes": buffer_dtypes(accelerator.unwrap_model(model, keep_torch_compile=False)),
+    }
 
 
 def loader_tokens_per_second(loader, batches: int, tokens_per_batch: int) -> float:
@@ -519,9 +623,18 @@ def loader_tokens_per_second(loader, batches: int, tokens_per_batch: int) -> flo
     return n * tokens_per_batch / (time.perf_counter() - t0)
 
 
-LOADER_KEYS = ["rank", "shards", "loader_tokens_per_second", "step_tokens_per_second",
-               "loader_to_step_ratio", "data_wait_share", "rss_bytes", "uss_bytes",
-               "workers_uss_bytes", "workers"]  # a row of recipes/sharded_data.py's summary
+LOADER_KEYS = [
+    "rank",
+    "shards",
+    "loader_tokens_per_second",
+    "step_tokens_per_second",
+    "loader_to_step_ratio",
+    "data_wait_share",
+    "rss_bytes",
+    "uss_bytes",
+    "workers_uss_bytes",
+    "workers",
+]  # a row of recipes/sharded_data.py's summary
 
 
 def gather_loader_rows(accelerator, row: list[float]) -> list[dict]:
@@ -548,14 +661,18 @@ def gather_loader_rows(accelerator, row: list[float]) -> list[dict]:
 
 def loader_table(per_rank: list[dict], text_bytes: int, loader: str) -> str:
     """The per-rank loader table (`LOADER_KEYS` records) as markdown, after an empty line."""
-    lines = ["", "| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step "
-             "| data wait | rank RSS MiB | rank USS MiB | workers USS MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step "
+        "| data wait | rank RSS MiB | rank USS MiB | workers USS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in per_rank:
         lines.append(
             f"| {text_bytes / 1e6:.0f} MB | {loader} | {r['rank']:.0f} | {r['shards']:.0f} "
             f"| {r['loader_tokens_per_second']:,.0f} | {r['step_tokens_per_second']:,.0f} "
             f"| {r['loader_to_step_ratio']:.0f} | {r['data_wait_share']:.1%} "
             f"| {r['rss_bytes'] / 2**20:.0f} | {r['uss_bytes'] / 2**20:.0f} "
-            f"| {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |")
+            f"| {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |"
+        )
     return "\n".join(lines)

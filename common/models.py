@@ -19,21 +19,41 @@ from common.errors import Stop
 PRESETS: dict[str, dict] = {
     # ~4.2M parameters with a 4,096-token vocabulary: trains in minutes on 2 CPU cores.
     "debug": dict(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
     ),
     # Llama-3.2-1B shapes (1.24B parameters with its 128,256-token vocabulary).
     "llama-3.2-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     ),
     # Llama-3-8B shapes (8.03B parameters with its 128,256-token vocabulary).
     "llama-3-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
 }
@@ -80,8 +100,13 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
     vectors = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
-    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]  # (LoRA trains no vectors: DeepSpeed drops an empty group)
+    groups = [
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": vectors, "weight_decay": 0.0},
+    ]
+    return [
+        g for g in groups if g["params"]
+    ]  # (LoRA trains no vectors: DeepSpeed drops an empty group)
 
 
 def apply_overrides(config, overrides: str):
@@ -105,8 +130,9 @@ def apply_overrides(config, overrides: str):
     try:
         config.update_from_string(overrides)
         values = config.to_dict()
-        if values.get("num_hidden_layers") != before.get("num_hidden_layers") and \
-                values.get("layer_types") == before.get("layer_types"):
+        if values.get("num_hidden_layers") != before.get("num_hidden_layers") and values.get(
+            "layer_types"
+        ) == before.get("layer_types"):
             values.pop("layer_types", None)
         return type(config).from_dict(values)
     except (ValueError, TypeError, StrictDataclassError) as err:
@@ -123,8 +149,10 @@ def causal_lm_class(config) -> type:
         ValueError: the config's model type has no causal-LM class (names the type).
     """
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise Stop(f"model type {config.model_type!r} ({type(config).__name__}) has no causal-LM class in "
-                         "transformers (AutoModelForCausalLM); this recipe trains decoder-only language models")
+        raise Stop(
+            f"model type {config.model_type!r} ({type(config).__name__}) has no causal-LM class in "
+            "transformers (AutoModelForCausalLM); this recipe trains decoder-only language models"
+        )
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
@@ -156,9 +184,11 @@ def set_token_ids(config, tokenizer, from_scratch: bool) -> list[str]:
         One `"name: old -> new"` entry per id changed (empty when none).
     """
     eos = tokenizer.eos_token_id
-    wanted = {"bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
-              "eos_token_id": eos,
-              "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos}
+    wanted = {
+        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+        "eos_token_id": eos,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+    }
     changed = []
     for name, value in wanted.items():
         old = getattr(config, name, None)
@@ -174,7 +204,9 @@ def _pretrained_id(name: str, old, tokenizer):
     """The id a pretrained model's `name` takes from `tokenizer` (`set_token_ids`), given `old`."""
     eos = tokenizer.eos_token_id
     if name == "eos_token_id" and eos is not None:
-        if isinstance(old, list):  # several stop tokens (chat models): keep them, add the trained one
+        if isinstance(
+            old, list
+        ):  # several stop tokens (chat models): keep them, add the trained one
             return old if eos in old else [eos, *old]
         return eos
     # (not a pad that is the eos: the embedding's padding_idx would stop the eos row's training)
@@ -189,8 +221,11 @@ def align_generation_ids(model, tokenizer) -> None:
     generation = getattr(model, "generation_config", None)
     for name in ("eos_token_id", "pad_token_id") if generation is not None else ():
         old = getattr(generation, name, None)
-        setattr(generation, name, getattr(model.config, name) if old is None else
-                _pretrained_id(name, old, tokenizer))
+        setattr(
+            generation,
+            name,
+            getattr(model.config, name) if old is None else _pretrained_id(name, old, tokenizer),
+        )
 
 
 def lora_copy(peft_model, state_dict: dict) -> torch.nn.Module:
@@ -223,9 +258,13 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's stack of decoder blocks: the `ModuleList` with `config.num_hidden_layers` items
     (`model.layers` in Llama/Qwen2/Mistral, `transformer.h` in GPT-2). Works on the unwrapped
     model and on an FSDP1/FSDP2-wrapped one. None when there is no such list."""
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    config = getattr(model, "config", None) or getattr(
+        getattr(model, "module", None), "config", None
+    )
     n_layers = getattr(config, "num_hidden_layers", None)
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
+    lists = [
+        m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers
+    ]
     return lists[0] if lists else None
 
 
@@ -246,7 +285,11 @@ def fsdp_block_units(model: torch.nn.Module) -> dict:
     if blocks is None:
         return {"block_class": None, "blocks": 0, "units": 0}
     inner = getattr(blocks[0], "_fsdp_wrapped_module", blocks[0])  # FSDP1 wrapper -> the block
-    name = type(inner).__name__.removeprefix("FSDP") if isinstance(inner, FSDPModule) else type(inner).__name__
+    name = (
+        type(inner).__name__.removeprefix("FSDP")
+        if isinstance(inner, FSDPModule)
+        else type(inner).__name__
+    )
     units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
     return {"block_class": name, "blocks": len(blocks), "units": units}
 
@@ -277,7 +320,10 @@ def uses_dropout(model) -> bool:
         return True
     config = getattr(model, "config", None)
     fields = config.to_dict() if config is not None else {}
-    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0 for k, v in fields.items())
+    return any(
+        ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0
+        for k, v in fields.items()
+    )
 
 
 def forward_error(model) -> str | None:
@@ -290,7 +336,11 @@ def forward_error(model) -> str | None:
     model.eval()
     try:
         with torch.no_grad():  # (on the model's device: a tensor-parallel model is on the mesh's)
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+            model(
+                input_ids=torch.zeros(
+                    1, 2, dtype=torch.long, device=next(model.parameters()).device
+                )
+            )
     except (RuntimeError, ValueError, IndexError, TypeError) as err:
         return str(err).splitlines()[0] if str(err) else type(err).__name__
     finally:
@@ -304,7 +354,9 @@ def key_summary(keys) -> str:
     import re
 
     limit = 6
-    groups: dict[str, list] = {}  # "model.layers" -> [layer numbers, tensor count]; a lone key -> None
+    groups: dict[
+        str, list
+    ] = {}  # "model.layers" -> [layer numbers, tensor count]; a lone key -> None
     for key in sorted(keys):
         match = re.match(r"^(.*?)\.(\d+)\.", key)
         if match is None:
@@ -313,9 +365,15 @@ def key_summary(keys) -> str:
         entry = groups.setdefault(match[1], [set(), 0])
         entry[0].add(int(match[2]))
         entry[1] += 1
-    items = [name if entry is None else f"{name}.{{{','.join(map(str, sorted(entry[0])))}}}.* ({entry[1]} tensors)"
-             for name, entry in groups.items()]
-    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+    items = [
+        name
+        if entry is None
+        else f"{name}.{{{','.join(map(str, sorted(entry[0])))}}}.* ({entry[1]} tensors)"
+        for name, entry in groups.items()
+    ]
+    return ", ".join(items[:limit]) + (
+        f" and {len(items) - limit} more" if len(items) > limit else ""
+    )
 
 
 def weights_mismatch(missing, unexpected, fix: str) -> str | None:
@@ -324,11 +382,15 @@ def weights_mismatch(missing, unexpected, fix: str) -> str | None:
     None when both are empty."""
     parts = []
     if missing:
-        parts.append(f"the checkpoint lacks {len(missing)} of the model's weights, which would start random: "
-                     f"{key_summary(missing)}")
+        parts.append(
+            f"the checkpoint lacks {len(missing)} of the model's weights, which would start random: "
+            f"{key_summary(missing)}"
+        )
     if unexpected:
-        parts.append(f"{len(unexpected)} of the checkpoint's weights have no place in the model and would be "
-                     f"dropped: {key_summary(unexpected)}")
+        parts.append(
+            f"{len(unexpected)} of the checkpoint's weights have no place in the model and would be "
+            f"dropped: {key_summary(unexpected)}"
+        )
     return f"{'; '.join(parts)}; {fix}" if parts else None
 
 
@@ -339,8 +401,12 @@ def checkpoint_keys(name_or_path: str) -> set[str] | None:
     from transformers.utils import cached_file
 
     def find(name):
-        return cached_file(name_or_path, name, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
+        return cached_file(
+            name_or_path,
+            name,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
 
     if index := find("model.safetensors.index.json"):
         with open(index) as f:
@@ -371,12 +437,18 @@ def weights_digest(name_or_path: str | None, sample_bytes: int = 4096) -> str | 
         return None
     folder = Path(name_or_path)
     if not folder.is_dir():
-        config = cached_file(name_or_path, "config.json", _raise_exceptions_for_missing_entries=False,
-                             _raise_exceptions_for_connection_errors=False)
+        config = cached_file(
+            name_or_path,
+            "config.json",
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
         if not config:
             return None
         folder = Path(config).parent
-    files = sorted(f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern) if f.is_file())
+    files = sorted(
+        f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern) if f.is_file()
+    )
     if not files:
         return None
     digest = hashlib.sha256()
@@ -389,17 +461,24 @@ def weights_digest(name_or_path: str | None, sample_bytes: int = 4096) -> str | 
                 header = stream.read(header_size)
                 digest.update(header)
                 tensors = json.loads(header)
-                offsets = sorted(8 + header_size + v["data_offsets"][0] for k, v in tensors.items()
-                                 if k != "__metadata__")
+                offsets = sorted(
+                    8 + header_size + v["data_offsets"][0]
+                    for k, v in tensors.items()
+                    if k != "__metadata__"
+                )
             else:
-                offsets = sorted({0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)})
+                offsets = sorted(
+                    {0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)}
+                )
             for offset in offsets:
                 stream.seek(offset)
                 digest.update(stream.read(sample_bytes))
     return digest.hexdigest()[:16]
 
 
-def load_pretrained(name_or_path: str, config, allow_new_weights: bool = False) -> tuple[torch.nn.Module, str | None]:
+def load_pretrained(
+    name_or_path: str, config, allow_new_weights: bool = False
+) -> tuple[torch.nn.Module, str | None]:
     """`AutoModelForCausalLM.from_pretrained` in fp32, and whether the checkpoint fits the model.
 
     transformers initialises the model's weights that the checkpoint lacks at random, and drops the
@@ -420,18 +499,23 @@ def load_pretrained(name_or_path: str, config, allow_new_weights: bool = False) 
     from transformers import AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    model, info = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        name_or_path, config=config, dtype=torch.float32, output_loading_info=True
+    )
     missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
     if is_deepspeed_zero3_enabled() and (saved := checkpoint_keys(name_or_path)) is not None:
         unexpected |= saved - set(model.state_dict())
-    fix = ("pass a --config_name that matches the checkpoint (or none: its own config)"
-           + ("" if allow_new_weights or not missing else ", or --allow_new_weights to train new weights on purpose"))
+    fix = "pass a --config_name that matches the checkpoint (or none: its own config)" + (
+        ""
+        if allow_new_weights or not missing
+        else ", or --allow_new_weights to train new weights on purpose"
+    )
     return model, weights_mismatch([] if allow_new_weights else missing, unexpected, fix)
 
 
-def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_weights: bool,
-                             tokenizer=None) -> torch.nn.Module:
+def load_pretrained_on_ranks(
+    accelerator, name_or_path: str, config, allow_new_weights: bool, tokenizer=None
+) -> torch.nn.Module:
     """`load_pretrained` on every rank, or on rank 0 alone where prepare broadcasts its weights; with
     `tokenizer`, its generation config takes the eos and pad ids (`align_generation_ids`).
 
@@ -452,7 +536,11 @@ def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_w
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
     model, error = None, None
     try:
-        if plugin is not None and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process:
+        if (
+            plugin is not None
+            and plugin.cpu_ram_efficient_loading
+            and not accelerator.is_main_process
+        ):
             with no_init_weights():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             model.tie_weights()
@@ -467,8 +555,14 @@ def load_pretrained_on_ranks(accelerator, name_or_path: str, config, allow_new_w
     return tensor_parallel(accelerator, model)  # tp.yaml: each rank keeps its slices
 
 
-def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device,
-                       prompt_tokens: int | None = 16) -> str:
+def sample_from_export(
+    export_dir: str,
+    first_block: dict,
+    tokenizer,
+    max_new_tokens: int,
+    device,
+    prompt_tokens: int | None = 16,
+) -> str:
     """Reload `export_dir` with plain transformers (no project code) and sample `max_new_tokens`
     (top-k 50) after the first `prompt_tokens` tokens (None: all) of `first_block` (a validation
     block): proof that the export works. Returns the lines to print."""
@@ -481,11 +575,18 @@ def sample_from_export(export_dir: str, first_block: dict, tokenizer, max_new_to
     if "attention_mask" in first_block:
         ids = ids[first_block["attention_mask"].bool()]
     prompt = ids[:prompt_tokens].to(device)
-    sample = reloaded.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
-                               max_new_tokens=max_new_tokens, do_sample=True, top_k=50,
-                               pad_token_id=reloaded.config.pad_token_id)
-    return (f"--- sample from {export_dir}, prompt from the validation data ---\n"
-            f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt):])}\n---")
+    sample = reloaded.generate(
+        prompt[None],
+        attention_mask=torch.ones_like(prompt[None]),
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        top_k=50,
+        pad_token_id=reloaded.config.pad_token_id,
+    )
+    return (
+        f"--- sample from {export_dir}, prompt from the validation data ---\n"
+        f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt) :])}\n---"
+    )
 
 
 def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
@@ -509,24 +610,37 @@ def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
     for key in ("num_attention_heads", "num_key_value_heads"):  # each tp rank computes whole heads
         if (heads := getattr(model.config, key, None)) and heads % config.tp_size:
-            raise Stop(f"parallelism_config_tp_size {config.tp_size}: the model's {key} {heads} is not a multiple of "
-                       "it, and each tp rank computes whole attention heads")
+            raise Stop(
+                f"parallelism_config_tp_size {config.tp_size}: the model's {key} {heads} is not a multiple of "
+                "it, and each tp rank computes whole attention heads"
+            )
     distributed = DistributedConfig(tp_size=config.tp_size)
     try:
         plan, _, _ = model._resolve_parallel_plans(distributed)
     except (AttributeError, ValueError) as err:
-        raise Stop(f"parallelism_config_tp_size {config.tp_size}: {type(model).__name__} has no tensor-parallel plan "
-                   f"in transformers ({str(err).splitlines()[0]}); launch it with fsdp.yaml or hsdp.yaml") from None
+        raise Stop(
+            f"parallelism_config_tp_size {config.tp_size}: {type(model).__name__} has no tensor-parallel plan "
+            f"in transformers ({str(err).splitlines()[0]}); launch it with fsdp.yaml or hsdp.yaml"
+        ) from None
     # A tied LM head shares the embedding's weight, which the plan shards once (both by vocabulary rows);
     # tie_weights points the head at the sharded tensor again.
     own = dict(model.named_parameters())
-    plan = {name: style for name, style in plan.items() if name in own or name not in dict(
-        model.named_parameters(remove_duplicate=False))}
+    plan = {
+        name: style
+        for name, style in plan.items()
+        if name in own or name not in dict(model.named_parameters(remove_duplicate=False))
+    }
     try:
         apply_tensor_parallelism(model, accelerator.torch_device_mesh["tp"], plan)
-    except (RuntimeError, ValueError, AssertionError) as err:  # e.g. heads that tp ranks cannot split evenly
-        raise Stop(f"parallelism_config_tp_size {config.tp_size}: cannot slice {type(model).__name__} with its "
-                   f"tensor-parallel plan: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    except (
+        RuntimeError,
+        ValueError,
+        AssertionError,
+    ) as err:  # e.g. heads that tp ranks cannot split evenly
+        raise Stop(
+            f"parallelism_config_tp_size {config.tp_size}: cannot slice {type(model).__name__} with its "
+            f"tensor-parallel plan: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
     model.tie_weights()
     # The slices are on the mesh's device already (distribute_tensor moves each whole tensor there, then
     # keeps this rank's part); the rest (RMSNorm weights, rotary buffers) follows, so the model is on one device.

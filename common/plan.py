@@ -124,12 +124,29 @@ sys.path.insert(0, str(REPO))
 
 from common import metrics, models  # noqa: E402
 
-PRESET_VOCAB = {"debug": 4096, "llama-3.2-1b": 128256, "llama-3-8b": 128256}  # recipe BPE / Llama 3 tokenizer
-CATEGORIES = ("params", "grads", "fp32_master", "adam_moments", "comm_buffers", "activations", "logits_loss")
+PRESET_VOCAB = {
+    "debug": 4096,
+    "llama-3.2-1b": 128256,
+    "llama-3-8b": 128256,
+}  # recipe BPE / Llama 3 tokenizer
+CATEGORIES = (
+    "params",
+    "grads",
+    "fp32_master",
+    "adam_moments",
+    "comm_buffers",
+    "activations",
+    "logits_loss",
+)
 
 
 COMM_KINDS = ("ddp", "zero2", "zero2_allreduce", "zero3")
-CHECKPOINTING = ("none", "full", "selective_layer", "selective_op")  # activation checkpointing modes
+CHECKPOINTING = (
+    "none",
+    "full",
+    "selective_layer",
+    "selective_op",
+)  # activation checkpointing modes
 
 
 def checkpoint_mode(checkpointing) -> str:
@@ -140,12 +157,19 @@ def checkpoint_mode(checkpointing) -> str:
     """
     mode = {False: "none", True: "full"}.get(checkpointing, checkpointing)
     if mode not in CHECKPOINTING:
-        raise ValueError(f"checkpointing {checkpointing!r}: expected one of {', '.join(CHECKPOINTING)}")
+        raise ValueError(
+            f"checkpointing {checkpointing!r}: expected one of {', '.join(CHECKPOINTING)}"
+        )
     return mode
 
 
-def predicted_comm_bytes(kind: str, n_params: int, grad_bytes: int, param_bytes: int | None = None,
-                         world_size: int | None = None) -> float:
+def predicted_comm_bytes(
+    kind: str,
+    n_params: int,
+    grad_bytes: int,
+    param_bytes: int | None = None,
+    world_size: int | None = None,
+) -> float:
     """Bytes each rank sends per optimizer step, by the ZeRO paper's analysis (arXiv 1910.02054, §7).
 
     Args:
@@ -218,13 +242,23 @@ def model_shape(config, lora: dict | None = None) -> dict:
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora["r"],
-                                                     target_modules=lora.get("target_modules", "all-linear")))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    task_type="CAUSAL_LM",
+                    r=lora["r"],
+                    target_modules=lora.get("target_modules", "all-linear"),
+                ),
+            )
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     blocks = models.decoder_blocks(model)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None else 0
-    block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) if blocks is not None else 0
+    block_trainable = (
+        sum(p.numel() for p in blocks[0].parameters() if p.requires_grad)
+        if blocks is not None
+        else 0
+    )
     adapters = {id(m) for name, m in model.named_modules() if ".lora_" in name}
     h = config.hidden_size
     heads = config.num_attention_heads
@@ -233,22 +267,36 @@ def model_shape(config, lora: dict | None = None) -> dict:
     return {
         "n_params": n,
         "param_dim0_rest": [(p.shape[0], p.numel() // p.shape[0]) for p in params],
-        "linear_weights": sum(m.weight.numel() for m in model.modules()
-                              if isinstance(m, torch.nn.Linear) and id(m) not in adapters),
-        "largest_module": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        "linear_weights": sum(
+            m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and id(m) not in adapters
+        ),
+        "largest_module": max(
+            sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
+        ),
         "block_params": block_params,
         "root_params": n - block_params * config.num_hidden_layers,
         "small_params": sum(p.numel() for p in params if p.numel() <= 10 * h),
-        "gathered_modules": sum(1 for m in model.modules()
-                                if sum(p.numel() for p in m.parameters(recurse=False)) > 10 * h),
-        "hidden": h, "layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
+        "gathered_modules": sum(
+            1
+            for m in model.modules()
+            if sum(p.numel() for p in m.parameters(recurse=False)) > 10 * h
+        ),
+        "hidden": h,
+        "layers": config.num_hidden_layers,
+        "heads": heads,
+        "head_dim": head_dim,
         "kv_dim": getattr(config, "num_key_value_heads", heads) * head_dim,
-        "intermediate": getattr(config, "intermediate_size", 4 * h), "vocab": config.vocab_size,
+        "intermediate": getattr(config, "intermediate_size", 4 * h),
+        "vocab": config.vocab_size,
         "trainable": sum(p.numel() for p in trainable),
         "trainable_dim0_rest": [(p.shape[0], p.numel() // p.shape[0]) for p in trainable],
         "block_trainable": block_trainable,
-        "largest_trainable": max(sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
-                                 for m in model.modules()),
+        "largest_trainable": max(
+            sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+            for m in model.modules()
+        ),
         "lora_r": lora["r"] if lora else 0,
     }
 
@@ -256,12 +304,22 @@ def model_shape(config, lora: dict | None = None) -> dict:
 def shard_elements(shape: dict, ranks: int, trainable: bool = False) -> int:
     """Parameter elements on the fullest rank when each tensor is split along dim 0 over `ranks`: all the
     parameters, or (trainable) those that train (the LoRA adapters under LoRA)."""
-    return sum(math.ceil(d0 / ranks) * rest for d0, rest in shape["trainable_dim0_rest" if trainable
-                                                                    else "param_dim0_rest"])
+    return sum(
+        math.ceil(d0 / ranks) * rest
+        for d0, rest in shape["trainable_dim0_rest" if trainable else "param_dim0_rest"]
+    )
 
 
-def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, compute_bytes: int,
-                     checkpointing: bool, weight_copies: bool, packing: str = "stream") -> dict:
+def activation_bytes(
+    shape: dict,
+    batch: int,
+    seq: int,
+    residual_bytes: int,
+    compute_bytes: int,
+    checkpointing: bool,
+    weight_copies: bool,
+    packing: str = "stream",
+) -> dict:
     """Bytes autograd saves in one micro batch's forward (the module docstring's table).
 
     Args:
@@ -291,25 +349,51 @@ def activation_bytes(shape: dict, batch: int, seq: int, residual_bytes: int, com
     h, hkv, i, a = shape["hidden"], shape["kv_dim"], shape["intermediate"], shape["heads"]
     hq, layers = shape["heads"] * shape["head_dim"], shape["layers"]
     casts = r != c
-    block = t * (2 * ((4 + r) * h + 4) + (5 if casts else 2) * c * h + c * (2 * h + 2 * hkv) + 4 * a + 4 * c * i)
-    if packing != "stream":  # an explicit mask: saved as a bias, and k, v repeated to every query head
+    block = t * (
+        2 * ((4 + r) * h + 4)
+        + (5 if casts else 2) * c * h
+        + c * (2 * h + 2 * hkv)
+        + 4 * a
+        + 4 * c * i
+    )
+    if (
+        packing != "stream"
+    ):  # an explicit mask: saved as a bias, and k, v repeated to every query head
         block += batch * seq * seq * c + t * c * 2 * (hq - hkv)
-    rotary_batch = batch if packing == "documents" else 1  # cos and sin follow the position ids' batch
-    block_weights = 2 * (shape["linear_weights"] - shape["vocab"] * h) // layers if weight_copies else 0
-    kept = {"none": block, "full": t * r * h,
-            # torchtitan's per-op policy: the block input, the outputs of q, v, gate and down projections,
-            # attention's output and log-sum-exp
-            "selective_op": t * (r * h + c * (2 * hq + hkv + i + h) + 4 * a)}
-    if mode == "selective_layer":  # every second block checkpointed (torchtitan's default frequency 2)
+    rotary_batch = (
+        batch if packing == "documents" else 1
+    )  # cos and sin follow the position ids' batch
+    block_weights = (
+        2 * (shape["linear_weights"] - shape["vocab"] * h) // layers if weight_copies else 0
+    )
+    kept = {
+        "none": block,
+        "full": t * r * h,
+        # torchtitan's per-op policy: the block input, the outputs of q, v, gate and down projections,
+        # attention's output and log-sum-exp
+        "selective_op": t * (r * h + c * (2 * hq + hkv + i + h) + 4 * a),
+    }
+    if (
+        mode == "selective_layer"
+    ):  # every second block checkpointed (torchtitan's default frequency 2)
         blocks = (layers // 2) * kept["full"] + (layers - layers // 2) * block
     else:
         blocks = layers * kept[mode]
     checkpointed = mode != "none"
     rotary = 0 if checkpointed else 2 * rotary_batch * seq * shape["head_dim"] * r  # cos, sin
     head = t * (16 + (4 + r) * h + 4 + c * h) + 4 + rotary
-    copies = 2 * (shape["vocab"] * h if checkpointed else shape["linear_weights"]) if weight_copies else 0
-    out = {"blocks": blocks, "head": head, "log_softmax": 4 * t * shape["vocab"], "weight_copies": copies,
-           "recompute": block + block_weights if checkpointed else 0}
+    copies = (
+        2 * (shape["vocab"] * h if checkpointed else shape["linear_weights"])
+        if weight_copies
+        else 0
+    )
+    out = {
+        "blocks": blocks,
+        "head": head,
+        "log_softmax": 4 * t * shape["vocab"],
+        "weight_copies": copies,
+        "recompute": block + block_weights if checkpointed else 0,
+    }
     out["saved"] = blocks + head + out["log_softmax"] + copies
     return out
 
@@ -330,14 +414,27 @@ def read_strategy(config_path: Path) -> dict:
     try:
         cfg = yaml.safe_load(config_path.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"--config {config_path}: cannot read it: {' '.join(str(err).split())}") from None
+        raise ValueError(
+            f"--config {config_path}: cannot read it: {' '.join(str(err).split())}"
+        ) from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"--config {config_path}: not an accelerate config (a YAML mapping of keys)")
+        raise ValueError(
+            f"--config {config_path}: not an accelerate config (a YAML mapping of keys)"
+        )
     dtype_bytes = {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2, "float16": 2}
-    out = {"name": config_path.stem, "mixed_precision": str(cfg.get("mixed_precision", "no")),
-           "num_processes": int(cfg.get("num_processes", 1)), "num_machines": int(cfg.get("num_machines", 1)),
-           "reshard": True, "offload_optimizer": False, "offload_param": False, "grad_accum_bytes": None,
-           "comm_bytes": None, "ds": {}, "replicas": 1}
+    out = {
+        "name": config_path.stem,
+        "mixed_precision": str(cfg.get("mixed_precision", "no")),
+        "num_processes": int(cfg.get("num_processes", 1)),
+        "num_machines": int(cfg.get("num_machines", 1)),
+        "reshard": True,
+        "offload_optimizer": False,
+        "offload_param": False,
+        "grad_accum_bytes": None,
+        "comm_bytes": None,
+        "ds": {},
+        "replicas": 1,
+    }
     kind = str(cfg.get("distributed_type", "NO"))
     if kind == "NO":
         out["kind"] = "single"
@@ -348,17 +445,27 @@ def read_strategy(config_path: Path) -> dict:
         out["kind"] = "fsdp1" if int(fsdp.get("fsdp_version", 1)) == 1 else "fsdp"
         reshard = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
         if "HYBRID" in str(reshard).upper():
-            raise ValueError(f"--config {config_path}: {reshard} shards within a node only; the planner does not "
-                             "model it (plan FULL_SHARD for one node's ranks instead)")
+            raise ValueError(
+                f"--config {config_path}: {reshard} shards within a node only; the planner does not "
+                "model it (plan FULL_SHARD for one node's ranks instead)"
+            )
         if str(reshard).upper() == "NO_SHARD":
-            out["kind"] = "ddp"  # every rank holds everything, gradients all-reduced: DDP's memory and traffic
+            out["kind"] = (
+                "ddp"  # every rank holds everything, gradients all-reduced: DDP's memory and traffic
+            )
         out["reshard"] = reshard is True or str(reshard).upper() in ("TRUE", "FULL_SHARD")
-        out["offload_param"] = out["offload_optimizer"] = bool(fsdp.get("fsdp_offload_params", False))
+        out["offload_param"] = out["offload_optimizer"] = bool(
+            fsdp.get("fsdp_offload_params", False)
+        )
         mesh = cfg.get("parallelism_config") or {}
         if int(mesh.get("parallelism_config_tp_size") or 1) > 1:
-            raise ValueError(f"--config {config_path}: tensor parallel (parallelism_config_tp_size "
-                             f"{mesh['parallelism_config_tp_size']}): the planner does not model it")
-        if out["kind"] == "fsdp" and int(mesh.get("parallelism_config_dp_replicate_size") or 1) > 1:  # HSDP
+            raise ValueError(
+                f"--config {config_path}: tensor parallel (parallelism_config_tp_size "
+                f"{mesh['parallelism_config_tp_size']}): the planner does not model it"
+            )
+        if (
+            out["kind"] == "fsdp" and int(mesh.get("parallelism_config_dp_replicate_size") or 1) > 1
+        ):  # HSDP
             out["replicas"] = int(mesh["parallelism_config_dp_replicate_size"])
     elif kind == "DEEPSPEED":
         ds_yaml = cfg.get("deepspeed_config") or {}
@@ -367,28 +474,45 @@ def read_strategy(config_path: Path) -> dict:
             try:
                 ds = json.loads((REPO / path).read_text())
             except (OSError, ValueError) as err:
-                raise ValueError(f"--config {config_path}: deepspeed_config_file {path!r}: {err}") from None
+                raise ValueError(
+                    f"--config {config_path}: deepspeed_config_file {path!r}: {err}"
+                ) from None
         else:  # the keys in the YAML itself, as `accelerate config` writes them
-            ds = {"zero_optimization": {
-                "stage": ds_yaml.get("zero_stage", 0),
-                "offload_optimizer": {"device": ds_yaml.get("offload_optimizer_device", "none")},
-                "offload_param": {"device": ds_yaml.get("offload_param_device", "none")}}}
+            ds = {
+                "zero_optimization": {
+                    "stage": ds_yaml.get("zero_stage", 0),
+                    "offload_optimizer": {
+                        "device": ds_yaml.get("offload_optimizer_device", "none")
+                    },
+                    "offload_param": {"device": ds_yaml.get("offload_param_device", "none")},
+                }
+            }
         zero = ds.get("zero_optimization", {})
         stage = zero.get("stage", 0)
         if str(stage) not in ("0", "1", "2", "3"):
-            raise ValueError(f"--config {config_path}: zero_optimization.stage {stage!r}: expected 0, 1, 2 or 3")
+            raise ValueError(
+                f"--config {config_path}: zero_optimization.stage {stage!r}: expected 0, 1, 2 or 3"
+            )
         out["kind"] = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[int(stage)]
         out["ds"] = zero
-        out["offload_optimizer"] = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+        out["offload_optimizer"] = (zero.get("offload_optimizer") or {}).get(
+            "device", "none"
+        ) != "none"
         out["offload_param"] = (zero.get("offload_param") or {}).get("device", "none") != "none"
-        out["grad_accum_bytes"] = dtype_bytes.get(str((ds.get("data_types") or {}).get("grad_accum_dtype")))
+        out["grad_accum_bytes"] = dtype_bytes.get(
+            str((ds.get("data_types") or {}).get("grad_accum_dtype"))
+        )
         out["comm_bytes"] = dtype_bytes.get(str(ds.get("communication_data_type")))
     else:
-        raise ValueError(f"--config {config_path}: distributed_type {kind!r} is not one the planner knows")
+        raise ValueError(
+            f"--config {config_path}: distributed_type {kind!r} is not one the planner knows"
+        )
     return out
 
 
-RESERVED_SLACK = 0.06  # reserved over allocated: the allocator's slack (assumed, see the module docstring)
+RESERVED_SLACK = (
+    0.06  # reserved over allocated: the allocator's slack (assumed, see the module docstring)
+)
 
 
 def logits_factor(compiled_loss: bool = False, transformers_version: str | None = None) -> float:
@@ -408,9 +532,20 @@ def _ds_size(zero: dict, key: str, auto: float) -> float:
     return auto if value == "auto" else float(value)
 
 
-def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int, accumulation: int,
-                  checkpointing: bool | str, mixed_precision: str, logits_bytes: float | None = None,
-                  grads_at_peak: bool = True, machines: int = 1, packing: str = "stream") -> dict:
+def plan_strategy(
+    strategy: dict,
+    shape: dict,
+    ranks: int,
+    batch: int,
+    seq: int,
+    accumulation: int,
+    checkpointing: bool | str,
+    mixed_precision: str,
+    logits_bytes: float | None = None,
+    grads_at_peak: bool = True,
+    machines: int = 1,
+    packing: str = "stream",
+) -> dict:
     """Bytes per rank (fullest rank) and communication per optimizer step for one strategy.
 
     Args:
@@ -442,9 +577,13 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
     benchmarks/results/lora_states_cpu2.md.
     """
     kind, n, h = strategy["kind"], shape["n_params"], shape["hidden"]
-    t = shape.get("trainable", n)  # elements with gradients and optimizer state (the adapters under LoRA)
+    t = shape.get(
+        "trainable", n
+    )  # elements with gradients and optimizer state (the adapters under LoRA)
     low = 4 if mixed_precision == "no" else 2
-    replicas = strategy.get("replicas", 1)  # HSDP: FSDP shards over ranks / replicas, replicates across
+    replicas = strategy.get(
+        "replicas", 1
+    )  # HSDP: FSDP shards over ranks / replicas, replicates across
     shard = shard_elements(shape, ranks // replicas)
     tshard = shard_elements(shape, ranks // replicas, trainable=True)
     zero = strategy["ds"]
@@ -453,16 +592,24 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
     if kind == "single":
         ranks = 1
     if kind in ("fsdp", "fsdp1"):
-        states = {"params": 4 * shard, "grads": 4 * tshard, "fp32_master": 0, "adam_moments": 8 * tshard}
+        states = {
+            "params": 4 * shard,
+            "grads": 4 * tshard,
+            "fp32_master": 0,
+            "adam_moments": 8 * tshard,
+        }
         if accumulation > 1:  # unsharded fp32 gradients held between micro batches (no_sync)
             states["grads"] += 4 * (t - tshard)
     elif kind in ("zero2", "zero3"):
         part, tpart = math.ceil(n / ranks), math.ceil(t / ranks)
         grad_bytes = strategy["grad_accum_bytes"] or low
         persistent = shape["small_params"] if kind == "zero3" else 0
-        states = {"params": low * (part + persistent) if kind == "zero3" else low * n,
-                  "grads": grad_bytes * tpart, "fp32_master": 4 * tpart,  # ZeRO-3 in fp32 too: a copy (measured)
-                  "adam_moments": 8 * tpart}
+        states = {
+            "params": low * (part + persistent) if kind == "zero3" else low * n,
+            "grads": grad_bytes * tpart,
+            "fp32_master": 4 * tpart,  # ZeRO-3 in fp32 too: a copy (measured)
+            "adam_moments": 8 * tpart,
+        }
     if strategy["offload_optimizer"]:
         moved = ["fp32_master", "adam_moments"] + (["grads"] if kind == "zero3" else [])
         if kind in ("fsdp", "fsdp1"):
@@ -475,26 +622,53 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
 
     # communication buffers (transient)
     if kind in ("single", "ddp"):
-        buffers = 0 if kind == "single" else 4 * t  # DDP reducer buckets: a second copy of the grads
+        buffers = (
+            0 if kind == "single" else 4 * t
+        )  # DDP reducer buckets: a second copy of the grads
     elif kind in ("fsdp", "fsdp1"):
-        buffers = (low * shape["root_params"] + 2 * low * shape["block_params"]
-                   + 4 * shape.get("block_trainable", shape["block_params"]))  # one block's unsharded gradients
-        if not strategy["reshard"]:  # every unit's gathered parameters stay from its forward to its backward
+        buffers = (
+            low * shape["root_params"]
+            + 2 * low * shape["block_params"]
+            + 4 * shape.get("block_trainable", shape["block_params"])
+        )  # one block's unsharded gradients
+        if not strategy[
+            "reshard"
+        ]:  # every unit's gathered parameters stay from its forward to its backward
             buffers += low * (n - shard)
     elif kind == "zero2":
         buffers = 2 * low * _ds_size(zero, "reduce_bucket_size", h * h)
     else:
-        buffers = ((strategy["comm_bytes"] or low) * _ds_size(zero, "reduce_bucket_size", h * h)
-                   + low * _ds_size(zero, "stage3_prefetch_bucket_size", 0.9 * h * h)
-                   + low * (shape["largest_module"] + shape.get("largest_trainable", shape["largest_module"])))
+        buffers = (
+            (strategy["comm_bytes"] or low) * _ds_size(zero, "reduce_bucket_size", h * h)
+            + low * _ds_size(zero, "stage3_prefetch_bucket_size", 0.9 * h * h)
+            + low
+            * (shape["largest_module"] + shape.get("largest_trainable", shape["largest_module"]))
+        )
 
-    residual = 4 if kind in ("single", "ddp") else low  # FSDP / DeepSpeed compute on low-precision params
-    act = activation_bytes(shape, batch, seq, residual, low, checkpointing, weight_copies=residual == 4 and low == 2,
-                           packing=packing)
+    residual = (
+        4 if kind in ("single", "ddp") else low
+    )  # FSDP / DeepSpeed compute on low-precision params
+    act = activation_bytes(
+        shape,
+        batch,
+        seq,
+        residual,
+        low,
+        checkpointing,
+        weight_copies=residual == 4 and low == 2,
+        packing=packing,
+    )
     activations = act["saved"] - act["log_softmax"] + act["recompute"]
     factor = logits_factor() if logits_bytes is None else logits_bytes
-    logits = int(factor * batch * seq * shape["vocab"])  # peak at the loss: see the module docstring
-    out = {**states, "comm_buffers": int(buffers), "activations": activations, "logits_loss": logits}
+    logits = int(
+        factor * batch * seq * shape["vocab"]
+    )  # peak at the loss: see the module docstring
+    out = {
+        **states,
+        "comm_buffers": int(buffers),
+        "activations": activations,
+        "logits_loss": logits,
+    }
     out["total"] = sum(out[k] for k in CATEGORIES)
     if not grads_at_peak and accumulation == 1 and kind in ("single", "ddp", "fsdp", "fsdp1"):
         # set to None between steps: no gradients at the activation peak (the start of the backward);
@@ -503,40 +677,59 @@ def plan_strategy(strategy: dict, shape: dict, ranks: int, batch: int, seq: int,
     out["reserved"] = int(out["total"] * (1 + RESERVED_SLACK))
     out["host"] = host
     eval_tokens = batch * seq
-    out["eval_peak"] = (sum(states.values()) + low * eval_tokens * shape["vocab"]
-                        + 2 * 4 * min(metrics.LOSS_CHUNK_ELEMENTS, eval_tokens * shape["vocab"]))
+    out["eval_peak"] = (
+        sum(states.values())
+        + low * eval_tokens * shape["vocab"]
+        + 2 * 4 * min(metrics.LOSS_CHUNK_ELEMENTS, eval_tokens * shape["vocab"])
+    )
 
     # communication per optimizer step (ZeRO paper volumes, ring share (N-1)/N, each in its dtype)
     grad_comm = 4 if kind in ("single", "ddp", "fsdp", "fsdp1") else (strategy["comm_bytes"] or low)
     g = "Ψ" if t == n else "Ψt"  # Ψt: the trainable elements (LoRA adapters)
     if kind in ("single", "ddp"):
-        comm, pattern = predicted_comm_bytes("ddp", t, grad_comm, world_size=ranks), f"AR 2{g}×{grad_comm}B"
+        comm, pattern = (
+            predicted_comm_bytes("ddp", t, grad_comm, world_size=ranks),
+            f"AR 2{g}×{grad_comm}B",
+        )
     else:
         gathers = 2 if kind == "zero3" or (kind.startswith("fsdp") and strategy["reshard"]) else 1
         # DeepSpeed 0.19.8's ZeRO-1/2 all-reduces the gradients (2Ψ) unless the JSON sets
         # use_multi_rank_bucket_allreduce: false; ZeRO-3 and FSDP reduce-scatter them (Ψ)
         allreduce = kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True)
         group = ranks // replicas  # the ranks a parameter is sharded over
-        reduce = predicted_comm_bytes("zero2_allreduce" if allreduce else "zero2", t, grad_comm, 0, group)
-        gathered = t if kind == "zero2" else n  # ZeRO-2 gathers the updated partitions; FSDP, ZeRO-3 every param
+        reduce = predicted_comm_bytes(
+            "zero2_allreduce" if allreduce else "zero2", t, grad_comm, 0, group
+        )
+        gathered = (
+            t if kind == "zero2" else n
+        )  # ZeRO-2 gathers the updated partitions; FSDP, ZeRO-3 every param
         gather = predicted_comm_bytes("zero3" if gathers == 2 else "zero2", gathered, 0, low, group)
         # DeepSpeed reduces every micro batch; FSDP (no_sync) once per step but gathers every micro batch
         reduces = accumulation if kind.startswith("zero") else 1
         gather_times = 1 if kind == "zero2" else accumulation
         comm = reduce * reduces + gather * gather_times
-        pattern = (f"{reduces}×{f'AR 2{g}' if allreduce else f'RS {g}'}×{grad_comm}B + "
-                   f"{gather_times * gathers}×AG {g if kind == 'zero2' else 'Ψ'}×{low}B")
+        pattern = (
+            f"{reduces}×{f'AR 2{g}' if allreduce else f'RS {g}'}×{grad_comm}B + "
+            f"{gather_times * gathers}×AG {g if kind == 'zero2' else 'Ψ'}×{low}B"
+        )
     # Across machines: a ring over all ranks (node by node) crosses a machine boundary in 1 of every
     # ranks-per-machine hops, so that share of each rank's bytes rides the network. HSDP keeps its
     # reduce-scatters and all-gathers inside a machine (shards: a machine's ranks) and all-reduces each
     # rank's gradient shard with its replicas on the other machines: 2 x Ψ/shards x 4B x (R-1)/R.
     inter = comm * machines / ranks if machines > 1 and kind != "single" else 0
     if replicas > 1:
-        across = predicted_comm_bytes("ddp", math.ceil(t / (ranks // replicas)), grad_comm, world_size=replicas)
+        across = predicted_comm_bytes(
+            "ddp", math.ceil(t / (ranks // replicas)), grad_comm, world_size=replicas
+        )
         inter = across if machines > 1 else 0
         comm += across
         pattern += f" + AR 2{g}/{ranks // replicas}×{grad_comm}B across {replicas} replicas"
-    out.update(comm_per_step=int(comm), comm_inter_node=int(inter), comm_pattern=pattern, activations_detail=act)
+    out.update(
+        comm_per_step=int(comm),
+        comm_inter_node=int(inter),
+        comm_pattern=pattern,
+        activations_detail=act,
+    )
     return out
 
 
@@ -556,7 +749,9 @@ def parse_memory(text: str) -> int:
     except ValueError:
         size = 0
     if size <= 0:
-        raise ValueError(f"--device_memory {text!r}: expected a positive size such as 80GB or 141GiB")
+        raise ValueError(
+            f"--device_memory {text!r}: expected a positive size such as 80GB or 141GiB"
+        )
     return size
 
 
@@ -566,7 +761,10 @@ def detect_memory(ranks_per_machine: int) -> tuple[int, str]:
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, f"detected: {props.name}"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // ranks_per_machine, f"no GPU: host RAM {ram / 1e9:.1f} GB shared by {ranks_per_machine} CPU ranks"
+    return (
+        ram // ranks_per_machine,
+        f"no GPU: host RAM {ram / 1e9:.1f} GB shared by {ranks_per_machine} CPU ranks",
+    )
 
 
 def load_model_config(name: str, vocab_size: int | None):
@@ -580,11 +778,15 @@ def load_model_config(name: str, vocab_size: int | None):
     from transformers import AutoConfig
 
     if not os.path.exists(name):
-        raise ValueError(f"--model_config {name!r}: not a preset ({', '.join(models.PRESETS)}) and no such local path")
+        raise ValueError(
+            f"--model_config {name!r}: not a preset ({', '.join(models.PRESETS)}) and no such local path"
+        )
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--model_config {name!r}: cannot read a config there: {' '.join(str(err).split())}") from None
+        raise ValueError(
+            f"--model_config {name!r}: cannot read a config there: {' '.join(str(err).split())}"
+        ) from None
     if vocab_size:
         config.vocab_size = vocab_size
     return config
@@ -594,8 +796,12 @@ def load_model_config(name: str, vocab_size: int | None):
 # Time: step time and tokens/s per rank for each strategy
 # ---------------------------------------------------------------------------------------------
 
-DEFAULT_EFFICIENCY = 0.6  # uncalibrated: matmuls at 60% of the dense peak (assumed; torchtitan's rows fit 0.45-0.65)
-MEMORY_EFFICIENCY = 0.8  # share of the datasheet memory bandwidth elementwise kernels reach (assumed)
+DEFAULT_EFFICIENCY = (
+    0.6  # uncalibrated: matmuls at 60% of the dense peak (assumed; torchtitan's rows fit 0.45-0.65)
+)
+MEMORY_EFFICIENCY = (
+    0.8  # share of the datasheet memory bandwidth elementwise kernels reach (assumed)
+)
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default (25 MiB)
 DS_ALLGATHER_BUCKET = 5e8  # DeepSpeed ZeRO-1/2 allgather_bucket_size default (elements)
 
@@ -622,20 +828,38 @@ class Device(dict):
 # nodes (DGX A100), NDR 400 Gb/s (50 GB/s -> 40) for H100/H200 (DGX H100). Latency: 5 us per ring
 # hop (assumed; 0.6 ms for a collective over 128 ranks).
 GPUS = {
-    "a100": dict(peak_flops=312e12, memory_bandwidth=2.039e12, intra_node=240e9, network=20e9, pcie=25e9),
-    "h100": dict(peak_flops=989e12, memory_bandwidth=3.35e12, intra_node=360e9, network=40e9, pcie=51e9),
-    "h100-nvl": dict(peak_flops=835e12, memory_bandwidth=3.9e12, intra_node=240e9, network=40e9, pcie=51e9),
-    "h100-pcie": dict(peak_flops=756e12, memory_bandwidth=2.0e12, intra_node=51e9, network=40e9, pcie=51e9),
-    "h200": dict(peak_flops=989e12, memory_bandwidth=4.8e12, intra_node=360e9, network=40e9, pcie=51e9),
+    "a100": dict(
+        peak_flops=312e12, memory_bandwidth=2.039e12, intra_node=240e9, network=20e9, pcie=25e9
+    ),
+    "h100": dict(
+        peak_flops=989e12, memory_bandwidth=3.35e12, intra_node=360e9, network=40e9, pcie=51e9
+    ),
+    "h100-nvl": dict(
+        peak_flops=835e12, memory_bandwidth=3.9e12, intra_node=240e9, network=40e9, pcie=51e9
+    ),
+    "h100-pcie": dict(
+        peak_flops=756e12, memory_bandwidth=2.0e12, intra_node=51e9, network=40e9, pcie=51e9
+    ),
+    "h200": dict(
+        peak_flops=989e12, memory_bandwidth=4.8e12, intra_node=360e9, network=40e9, pcie=51e9
+    ),
 }
 # CPU ranks (gloo): no datasheet peak; 1e12 FLOP/s and 20 GB/s of memory per rank are placeholders
 # for calibration (the efficiency fitted against them is a scale, not a share of a real peak). The gloo
 # bus bandwidths and latency are measured on this project's
 # 2-core host, 2 ranks, 32 MiB buffers (benchmarks/results/gloo_cpu2.md): all-reduce 1.15 GB/s,
 # all-gather 0.30, reduce-scatter 0.22; 0.3-0.6 ms for a 4-byte collective (one hop at 2 ranks).
-CPU = dict(peak_flops=1e12, memory_bandwidth=20e9, network=1e9, pcie=0.0, gpus_per_node=1 << 30,
-           intra_node={"all_reduce": 1.15e9, "all_gather": 0.30e9, "reduce_scatter": 0.22e9},
-           latency=0.4e-3, overlap=False, host_bandwidth=10e9)
+CPU = dict(
+    peak_flops=1e12,
+    memory_bandwidth=20e9,
+    network=1e9,
+    pcie=0.0,
+    gpus_per_node=1 << 30,
+    intra_node={"all_reduce": 1.15e9, "all_gather": 0.30e9, "reduce_scatter": 0.22e9},
+    latency=0.4e-3,
+    overlap=False,
+    host_bandwidth=10e9,
+)
 
 
 def device_spec(name: str, **overrides) -> Device:
@@ -646,11 +870,20 @@ def device_spec(name: str, **overrides) -> Device:
         ValueError: an unknown name.
     """
     if name == "cpu":
-        base = {**CPU, "source": "CPU ranks over gloo: bus bandwidths measured (benchmarks/results/gloo_cpu2.md), "
-                                 "peak FLOP/s a placeholder"}
+        base = {
+            **CPU,
+            "source": "CPU ranks over gloo: bus bandwidths measured (benchmarks/results/gloo_cpu2.md), "
+            "peak FLOP/s a placeholder",
+        }
     elif name in GPUS:
-        base = {"gpus_per_node": 8, "latency": 5e-6, "overlap": True, "host_bandwidth": 20e9, **GPUS[name],
-                "source": f"{name} datasheet"}
+        base = {
+            "gpus_per_node": 8,
+            "latency": 5e-6,
+            "overlap": True,
+            "host_bandwidth": 20e9,
+            **GPUS[name],
+            "source": f"{name} datasheet",
+        }
     else:
         raise ValueError(f"--gpu {name!r}: expected one of {', '.join([*GPUS, 'cpu'])}")
     changed = {k: v for k, v in overrides.items() if v is not None}
@@ -665,8 +898,13 @@ def detect_device() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name(0).upper()
-    for key, words in (("h200", ("H200",)), ("h100-nvl", ("H100 NVL",)), ("h100-pcie", ("H100 PCIE",)),
-                       ("h100", ("H100", "H800")), ("a100", ("A100", "A800"))):
+    for key, words in (
+        ("h200", ("H200",)),
+        ("h100-nvl", ("H100 NVL",)),
+        ("h100-pcie", ("H100 PCIE",)),
+        ("h100", ("H100", "H800")),
+        ("a100", ("A100", "A800")),
+    ):
         if any(w in name for w in words):
             return key
     return "h100"
@@ -678,7 +916,11 @@ def bus_bandwidth(device: Device, op: str, ranks: int) -> float:
     per channel, and NCCL runs one channel per NIC, so with a NIC per GPU all of a node's NICs carry
     the ring's inter-node hops in parallel (NCCL's rings; nccl-tests doc/PERFORMANCE.md)."""
     intra = device.intra_node[op] if isinstance(device.intra_node, dict) else device.intra_node
-    return intra if ranks <= device.gpus_per_node else min(intra, device.network * device.gpus_per_node)
+    return (
+        intra
+        if ranks <= device.gpus_per_node
+        else min(intra, device.network * device.gpus_per_node)
+    )
 
 
 def collective_seconds(device: Device, op: str, nbytes: float, ranks: int, count: int = 1) -> float:
@@ -690,11 +932,18 @@ def collective_seconds(device: Device, op: str, nbytes: float, ranks: int, count
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     share = (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks
-    return count * share * ranks * device.latency + nbytes * share / bus_bandwidth(device, op, ranks)
+    return count * share * ranks * device.latency + nbytes * share / bus_bandwidth(
+        device, op, ranks
+    )
 
 
-def compute_work(shape: dict, seq: int, checkpointing: str = "none", compiled: bool = False,
-                 compute_bytes: int = 2) -> dict:
+def compute_work(
+    shape: dict,
+    seq: int,
+    checkpointing: str = "none",
+    compiled: bool = False,
+    compute_bytes: int = 2,
+) -> dict:
     """Matmul FLOPs and elementwise memory traffic per token of one training micro batch (forward,
     backward and recomputation), split forward / backward.
 
@@ -724,27 +973,50 @@ def compute_work(shape: dict, seq: int, checkpointing: str = "none", compiled: b
         ValueError: an unknown checkpointing mode.
     """
     checkpointing = checkpoint_mode(checkpointing)
-    h, hkv, i, layers, v = shape["hidden"], shape["kv_dim"], shape["intermediate"], shape["layers"], shape["vocab"]
+    h, hkv, i, layers, v = (
+        shape["hidden"],
+        shape["kv_dim"],
+        shape["intermediate"],
+        shape["layers"],
+        shape["vocab"],
+    )
     hq = shape["heads"] * shape["head_dim"]
     head = v * h
     linear = shape["linear_weights"]
     attention = 2 * layers * hq * seq  # causal, forward
     block_linear = linear - head
-    recompute_flops = {"none": 0.0, "full": 2 * block_linear + attention,
-                       "selective_layer": block_linear + attention / 2,
-                       "selective_op": 2 * layers * (h * hkv + hq * h + h * i)}[checkpointing]
+    recompute_flops = {
+        "none": 0.0,
+        "full": 2 * block_linear + attention,
+        "selective_layer": block_linear + attention / 2,
+        "selective_op": 2 * layers * (h * hkv + hq * h + h * i),
+    }[checkpointing]
     fwd_layer = (16 * h + 4 * hkv + 6 * i) if compiled else (108 * h + 28 * hkv + 10 * i)
-    recompute_share = {"none": 0.0, "full": 1.0, "selective_layer": 0.5, "selective_op": 1.0}[checkpointing]
+    recompute_share = {"none": 0.0, "full": 1.0, "selective_layer": 0.5, "selective_op": 1.0}[
+        checkpointing
+    ]
     scale = compute_bytes / 2
-    return {"flops_fwd": 2.0 * linear + attention,
-            "flops_bwd": 4.0 * linear + 2 * attention + recompute_flops,
-            "bytes_fwd": scale * (layers * fwd_layer + 12 * v),
-            "bytes_bwd": scale * (layers * fwd_layer * (2 + recompute_share) + 24 * v)}
+    return {
+        "flops_fwd": 2.0 * linear + attention,
+        "flops_bwd": 4.0 * linear + 2 * attention + recompute_flops,
+        "bytes_fwd": scale * (layers * fwd_layer + 12 * v),
+        "bytes_bwd": scale * (layers * fwd_layer * (2 + recompute_share) + 24 * v),
+    }
 
 
-def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch: int, seq: int,
-                  accumulation: int = 1, checkpointing: str = "none", compiled: bool = False,
-                  efficiency: float = 0.5, mixed_precision: str = "bf16") -> dict:
+def time_strategy(
+    strategy: dict,
+    shape: dict,
+    device: Device,
+    ranks: int,
+    batch: int,
+    seq: int,
+    accumulation: int = 1,
+    checkpointing: str = "none",
+    compiled: bool = False,
+    efficiency: float = 0.5,
+    mixed_precision: str = "bf16",
+) -> dict:
     """Seconds per optimizer step and tokens/s per rank for one strategy: compute, the communication
     left exposed, and the optimizer.
 
@@ -808,39 +1080,67 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
     zero = strategy.get("ds") or {}
     grad = 4 if kind in ("single", "ddp", "fsdp", "fsdp1") else (strategy.get("comm_bytes") or low)
 
-    replicas = strategy.get("replicas", 1)  # HSDP: FSDP's collectives within a shard group of ranks / replicas
+    replicas = strategy.get(
+        "replicas", 1
+    )  # HSDP: FSDP's collectives within a shard group of ranks / replicas
 
     def cs(op, nbytes, count=1):
-        return collective_seconds(device, op, nbytes, ranks // replicas if kind == "fsdp" else ranks, count)
+        return collective_seconds(
+            device, op, nbytes, ranks // replicas if kind == "fsdp" else ranks, count
+        )
 
     # per micro batch: (forward comm, backward comm, exposed extra); the last micro batch may differ
     micro, last, step_comm, count = (0.0, 0.0, 0.0), None, 0.0, 0
     if kind in ("single", "ddp"):
         buckets = max(1, math.ceil(4 * t / DDP_BUCKET_BYTES))
-        last = (0.0, cs("all_reduce", 4 * t, buckets), cs("all_reduce", min(4 * t, DDP_BUCKET_BYTES)))
+        last = (
+            0.0,
+            cs("all_reduce", 4 * t, buckets),
+            cs("all_reduce", min(4 * t, DDP_BUCKET_BYTES)),
+        )
         count = buckets if ranks > 1 else 0
     elif kind in ("fsdp", "fsdp1"):
-        units, blocks, root = shape["layers"] + 1, shape["block_params"] * shape["layers"], shape["root_params"]
+        units, blocks, root = (
+            shape["layers"] + 1,
+            shape["block_params"] * shape["layers"],
+            shape["root_params"],
+        )
         tblocks = shape.get("block_trainable", shape["block_params"]) * shape["layers"]
         troot = t - tblocks  # trainable elements outside the blocks
         gather_fwd = cs("all_gather", low * blocks, units - 1)
-        gather_bwd = cs("all_gather", low * blocks, units - 1) if strategy.get("reshard", True) else 0.0
+        gather_bwd = (
+            cs("all_gather", low * blocks, units - 1) if strategy.get("reshard", True) else 0.0
+        )
         first = cs("all_gather", low * root)
         micro = (gather_fwd, gather_bwd, first)
-        last = (gather_fwd, gather_bwd + cs("reduce_scatter", 4 * tblocks, units - 1),
-                first + cs("reduce_scatter", 4 * troot))
-        if replicas > 1:  # HSDP: each block's gradient shard all-reduced with its replicas; beyond one node,
+        last = (
+            gather_fwd,
+            gather_bwd + cs("reduce_scatter", 4 * tblocks, units - 1),
+            first + cs("reduce_scatter", 4 * troot),
+        )
+        if (
+            replicas > 1
+        ):  # HSDP: each block's gradient shard all-reduced with its replicas; beyond one node,
             # over each rank's own network link (the replicas are on other machines); the last one is exposed
-            link = device if ranks <= device.gpus_per_node else Device({**device, "gpus_per_node": 1})
+            link = (
+                device if ranks <= device.gpus_per_node else Device({**device, "gpus_per_node": 1})
+            )
             shards = ranks // replicas
-            last = (last[0],
-                    last[1] + collective_seconds(link, "all_reduce", 4 * tblocks / shards, replicas, units - 1),
-                    last[2] + collective_seconds(link, "all_reduce", 4 * troot / shards, replicas))
+            last = (
+                last[0],
+                last[1]
+                + collective_seconds(link, "all_reduce", 4 * tblocks / shards, replicas, units - 1),
+                last[2] + collective_seconds(link, "all_reduce", 4 * troot / shards, replicas),
+            )
         count = (2 * units - 1) * accumulation + units if ranks > 1 else 0
     elif kind in ("zero2", "zero3"):
         bucket = _ds_size(zero, "reduce_bucket_size", shape["hidden"] ** 2)
         buckets = max(1, math.ceil(t / bucket))
-        op = "all_reduce" if kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
+        op = (
+            "all_reduce"
+            if kind == "zero2" and zero.get("use_multi_rank_bucket_allreduce", True)
+            else "reduce_scatter"
+        )
         reduce = cs(op, grad * t, buckets)
         tail = cs(op, grad * min(t, bucket))
         if kind == "zero2":
@@ -851,14 +1151,22 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
         else:
             modules = max(1, shape["gathered_modules"])
             gather = cs("all_gather", low * n, modules)
-            largest = shape["largest_module"]  # gathered first in the forward, its gradients reduced last
-            micro = (gather, gather + reduce, cs("all_gather", low * largest) + cs(op, grad * max(largest, bucket)))
+            largest = shape[
+                "largest_module"
+            ]  # gathered first in the forward, its gradients reduced last
+            micro = (
+                gather,
+                gather + reduce,
+                cs("all_gather", low * largest) + cs(op, grad * max(largest, bucket)),
+            )
             count = (2 * modules + buckets) * accumulation if ranks > 1 else 0
     last = last or micro
 
     def exposed(comm):
         f, b, extra = comm
-        return f + b + extra if not device.overlap else max(0.0, f - fwd) + max(0.0, b - bwd) + extra
+        return (
+            f + b + extra if not device.overlap else max(0.0, f - fwd) + max(0.0, b - bwd) + extra
+        )
 
     exposed_comm = (accumulation - 1) * exposed(micro) + exposed(last) + step_comm
     total_comm = (accumulation - 1) * sum(micro) + sum(last) + step_comm
@@ -866,33 +1174,63 @@ def time_strategy(strategy: dict, shape: dict, device: Device, ranks: int, batch
     shard = t if kind in ("single", "ddp") else t / ranks
     opt_bytes = (32 + (6 if kind in ("zero2", "zero3") else 0)) * shard
     if strategy.get("offload_optimizer"):
-        optimizer = opt_bytes / device.host_bandwidth + (6 * shard / device.pcie if device.pcie else 0.0)
+        optimizer = opt_bytes / device.host_bandwidth + (
+            6 * shard / device.pcie if device.pcie else 0.0
+        )
     else:
         optimizer = opt_bytes / mem_rate
-    if strategy.get("offload_param") and device.pcie:  # parameters cross PCIe at each forward and backward gather
-        exposed_comm += accumulation * 2 * low * (n if kind in ("single", "ddp") else n / ranks) / device.pcie
+    if (
+        strategy.get("offload_param") and device.pcie
+    ):  # parameters cross PCIe at each forward and backward gather
+        exposed_comm += (
+            accumulation * 2 * low * (n if kind in ("single", "ddp") else n / ranks) / device.pcie
+        )
     compute = accumulation * (fwd + bwd)
     step = compute + exposed_comm + optimizer
-    return {"compute": compute, "exposed_comm": exposed_comm, "optimizer": optimizer, "step": step,
-            "comm": total_comm, "tokens_per_s": accumulation * tokens / step, "collectives": count,
-            "efficiency": efficiency}
+    return {
+        "compute": compute,
+        "exposed_comm": exposed_comm,
+        "optimizer": optimizer,
+        "step": step,
+        "comm": total_comm,
+        "tokens_per_s": accumulation * tokens / step,
+        "collectives": count,
+        "efficiency": efficiency,
+    }
 
 
-def calibrate(measured_tokens_per_s: float, strategy: dict, shape: dict, device: Device, ranks: int, batch: int,
-              seq: int, **kwargs) -> float:
+def calibrate(
+    measured_tokens_per_s: float,
+    strategy: dict,
+    shape: dict,
+    device: Device,
+    ranks: int,
+    batch: int,
+    seq: int,
+    **kwargs,
+) -> float:
     """The efficiency at which `time_strategy` predicts `measured_tokens_per_s` (per rank) for this run:
     bisection (tokens/s rises with the efficiency). kwargs: time_strategy's other arguments.
 
     Raises:
         ValueError: the measurement is out of reach (faster than the peak allows, or not positive).
     """
+
     def rate(e):
-        return time_strategy(strategy, shape, device, ranks, batch, seq, efficiency=e, **kwargs)["tokens_per_s"]
+        return time_strategy(strategy, shape, device, ranks, batch, seq, efficiency=e, **kwargs)[
+            "tokens_per_s"
+        ]
 
     low, high = 1e-6, 1.0
-    if measured_tokens_per_s <= 0 or rate(high) < measured_tokens_per_s or rate(low) > measured_tokens_per_s:
-        raise ValueError(f"{measured_tokens_per_s:,.0f} tokens/s per rank is out of the model's reach on "
-                         f"{device.name} (at 100% of the peak: {rate(high):,.0f}); give --peak_tflops or --gpu")
+    if (
+        measured_tokens_per_s <= 0
+        or rate(high) < measured_tokens_per_s
+        or rate(low) > measured_tokens_per_s
+    ):
+        raise ValueError(
+            f"{measured_tokens_per_s:,.0f} tokens/s per rank is out of the model's reach on "
+            f"{device.name} (at 100% of the peak: {rate(high):,.0f}); give --peak_tflops or --gpu"
+        )
     for _ in range(60):
         mid = (low * high) ** 0.5
         low, high = (mid, high) if rate(mid) < measured_tokens_per_s else (low, mid)
@@ -923,48 +1261,92 @@ def read_measurement(path: str | Path) -> list[dict]:
         text = path.read_text()
         if path.suffix == ".json":
             data = json.loads(text)
-            header, rows = data["header"], [(r["strategy"], r["tokens_per_second"]) for r in data["rows"]]
+            header, rows = (
+                data["header"],
+                [(r["strategy"], r["tokens_per_second"]) for r in data["rows"]],
+            )
         else:
             header = next(line for line in text.splitlines() if "micro batch" in line)
-            rows = [(cells[1].strip(), float(cells[3].replace(",", ""))) for line in text.splitlines()
-                    if len(cells := line.split("|")) > 4 and re.fullmatch(r"\s*[\d,.]+\s*", cells[3])]
+            rows = [
+                (cells[1].strip(), float(cells[3].replace(",", "")))
+                for line in text.splitlines()
+                if len(cells := line.split("|")) > 4 and re.fullmatch(r"\s*[\d,.]+\s*", cells[3])
+            ]
         ranks = int(re.search(r"(\d+) ranks", header).group(1))
         batch, seq = map(int, re.search(r"micro batch (\d+) x (\d+) tokens", header).groups())
         precision = next((p for p in ("bf16", "fp16") if f", {p}," in header), "no")
     except (OSError, ValueError, KeyError, AttributeError, StopIteration) as err:
-        raise ValueError(f"--calibrate {path}: not a compare_strategies result or llama.py run directory "
-                         f"({type(err).__name__}: {' '.join(str(err).split())})") from None
+        raise ValueError(
+            f"--calibrate {path}: not a compare_strategies result or llama.py run directory "
+            f"({type(err).__name__}: {' '.join(str(err).split())})"
+        ) from None
     if not rows:
         raise ValueError(f"--calibrate {path}: no strategy rows with tokens/s")
     kinds = {"ddp": "ddp", "fsdp": "fsdp", "fsdp1": "fsdp1", "single": "single"}
-    return [{"strategy": name, "kind": kinds.get(name, "zero2" if "zero2" in name else "zero3"),
-             "tokens_per_s": rate / ranks, "ranks": ranks, "batch": batch, "seq": seq, "accumulation": 1,
-             "checkpointing": "none", "compiled": False, "mixed_precision": precision,
-             "model_config": header.split()[0], "source": f"{path} ({name})"} for name, rate in rows]
+    return [
+        {
+            "strategy": name,
+            "kind": kinds.get(name, "zero2" if "zero2" in name else "zero3"),
+            "tokens_per_s": rate / ranks,
+            "ranks": ranks,
+            "batch": batch,
+            "seq": seq,
+            "accumulation": 1,
+            "checkpointing": "none",
+            "compiled": False,
+            "mixed_precision": precision,
+            "model_config": header.split()[0],
+            "source": f"{path} ({name})",
+        }
+        for name, rate in rows
+    ]
 
 
 def _read_run(run: Path) -> dict:
     info = json.loads((run / "run_info.json").read_text())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rates = sorted(r["tokens_per_second"] for r in records if "tokens_per_second" in r and r.get("step", 0) > 2)
+    records = [
+        json.loads(line)
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    rates = sorted(
+        r["tokens_per_second"] for r in records if "tokens_per_second" in r and r.get("step", 0) > 2
+    )
     if not rates:
-        raise ValueError(f"{run / 'metrics.jsonl'} has no step after the first 2 with tokens_per_second")
+        raise ValueError(
+            f"{run / 'metrics.jsonl'} has no step after the first 2 with tokens_per_second"
+        )
     args, ds = info["args"], info.get("deepspeed") or {}
-    kind = {"MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "NO": "single"}.get(info["distributed_type"])
+    kind = {"MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "NO": "single"}.get(
+        info["distributed_type"]
+    )
     if info["distributed_type"] == "DEEPSPEED":
-        kind = "zero3" if int(ds.get("zero_stage", 0)) == 3 else "zero2" if int(ds.get("zero_stage", 0)) else "ddp"
+        kind = (
+            "zero3"
+            if int(ds.get("zero_stage", 0)) == 3
+            else "zero2"
+            if int(ds.get("zero_stage", 0))
+            else "ddp"
+        )
     if kind is None:
         raise ValueError(f"distributed_type {info['distributed_type']!r}")
     name = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3"}.get(kind, kind)
     if kind == "zero3" and ds.get("offload_optimizer_device", "none") != "none":
         name += "_offload"
-    return {"strategy": name, "kind": kind, "tokens_per_s": rates[len(rates) // 2], "ranks": info["world_size"],
-            "batch": args["per_device_train_batch_size"], "seq": args["block_size"],
-            "accumulation": args.get("gradient_accumulation_steps", 1),
-            "checkpointing": "full" if args.get("gradient_checkpointing") else "none",
-            "compiled": bool(info.get("torch_compile")), "mixed_precision": info["mixed_precision"],
-            "model_config": args.get("model_config") or args.get("model_name_or_path"),
-            "source": f"{run} ({name}, median of {len(rates)} steps)"}
+    return {
+        "strategy": name,
+        "kind": kind,
+        "tokens_per_s": rates[len(rates) // 2],
+        "ranks": info["world_size"],
+        "batch": args["per_device_train_batch_size"],
+        "seq": args["block_size"],
+        "accumulation": args.get("gradient_accumulation_steps", 1),
+        "checkpointing": "full" if args.get("gradient_checkpointing") else "none",
+        "compiled": bool(info.get("torch_compile")),
+        "mixed_precision": info["mixed_precision"],
+        "model_config": args.get("model_config") or args.get("model_name_or_path"),
+        "source": f"{run} ({name}, median of {len(rates)} steps)",
+    }
 
 
 if __name__ == "__main__":  # `python common/plan.py ...` is `python tools/plan.py ...`

@@ -71,7 +71,11 @@ def onednn_cap() -> str | None:
     """`ONEDNN_MAX_CPU_ISA` when it keeps oneDNN below bf16 instructions (then its bf16 and fp16
     matmuls are emulated on any x86 CPU: how the suite reproduces an AVX2 host on a newer one), else None."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return isa if isa in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI") else None
+    return (
+        isa
+        if isa in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
+        else None
+    )
 
 
 def cpu_native_dtypes() -> set[str]:
@@ -96,7 +100,11 @@ def cpu_hardware_dtypes() -> set[str]:
 def native_dtypes(device_type: str, capability: tuple[int, int] | None) -> set[str]:
     """The low precisions `device_type` computes natively: bf16 from CUDA 8.0 on, fp16 from 7.0; CPUs by their ISA."""
     if device_type == "cuda":
-        return {d for d, cc in (("bf16", (8, 0)), ("fp16", (7, 0))) if capability is not None and capability >= cc}
+        return {
+            d
+            for d, cc in (("bf16", (8, 0)), ("fp16", (7, 0)))
+            if capability is not None and capability >= cc
+        }
     return cpu_native_dtypes() if device_type == "cpu" else set()
 
 
@@ -107,8 +115,14 @@ def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
         return f"compute capability {capability[0]}.{capability[1]}"
     if device_type == "cpu":
         isa = [torch.backends.cpu.get_cpu_capability()]
-        isa += [name for name, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
-                                       ("AMX", torch.cpu._is_amx_tile_supported)) if has()]
+        isa += [
+            name
+            for name, has in (
+                ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
+                ("AMX", torch.cpu._is_amx_tile_supported),
+            )
+            if has()
+        ]
         isa += [f"ONEDNN_MAX_CPU_ISA={onednn_cap()}"] if onednn_cap() else []
         return f"this CPU ({', '.join(isa)})"
     return device_type
@@ -121,8 +135,13 @@ def _lacks(cc: str, dtype: str) -> str:
     return f"{cc} has no {dtype} instructions"
 
 
-def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None,
-                     n_params: int, forced: bool = True) -> tuple[str, str]:
+def choose_precision(
+    requested: str,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    n_params: int,
+    forced: bool = True,
+) -> tuple[str, str]:
     """Pick the mixed precision for the hardware (the device is an input; a CPU's ISA is `cpu_native_dtypes`).
 
     Args:
@@ -152,29 +171,47 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
     cc = device_name(device_type, capability)
     native = native_dtypes(device_type, capability)
     if requested == "bf16" and device_type == "cuda" and "bf16" not in native:
-        raise Stop(f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute capability "
-                         "8.0+ (Ampere or newer); use --precision fp16 (loss-scaled) or --precision auto")
+        raise Stop(
+            f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute capability "
+            "8.0+ (Ampere or newer); use --precision fp16 (loss-scaled) or --precision auto"
+        )
     if requested == "fp16" and "bf16" in native and n_params >= LARGE_MODEL_PARAMS:
-        warnings.warn(f"--precision fp16 on bf16-capable hardware ({cc}) for a {n_params / 1e9:.1f}B-parameter "
-                      "model: fp16's narrow range needs loss scaling and can still overflow in large models; "
-                      "bf16 needs neither and is at least as fast there. Use --precision bf16 unless you must match "
-                      "an fp16 reference.", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"--precision fp16 on bf16-capable hardware ({cc}) for a {n_params / 1e9:.1f}B-parameter "
+            "model: fp16's narrow range needs loss scaling and can still overflow in large models; "
+            "bf16 needs neither and is at least as fast there. Use --precision bf16 unless you must match "
+            "an fp16 reference.",
+            UserWarning,
+            stacklevel=2,
+        )
     if requested in ("bf16", "fp16") and device_type == "cpu" and requested not in native:
         if forced:
-            return requested, (f"{requested} as requested, emulated: {_lacks(cc, requested)}, so each "
-                               f"step is several times slower than fp32 (about 14x for llama.py on AVX2)")
-        return "no", (f"fp32, not the config's {requested}: {_lacks(cc, requested)}, and emulating it is several "
-                      f"times slower; force it with `accelerate launch --mixed_precision {requested}`")
+            return requested, (
+                f"{requested} as requested, emulated: {_lacks(cc, requested)}, so each "
+                f"step is several times slower than fp32 (about 14x for llama.py on AVX2)"
+            )
+        return "no", (
+            f"fp32, not the config's {requested}: {_lacks(cc, requested)}, and emulating it is several "
+            f"times slower; force it with `accelerate launch --mixed_precision {requested}`"
+        )
     if requested != "auto":
         return requested, f"{requested} as requested ({cc})"
     if "bf16" in native:
-        why = "bf16 instructions" if device_type == "cpu" else "Ampere or newer has bf16 tensor cores"
+        why = (
+            "bf16 instructions" if device_type == "cpu" else "Ampere or newer has bf16 tensor cores"
+        )
         return "bf16", f"auto: {cc}: {why}; bf16 keeps fp32's range, so no loss scaling"
     if "fp16" in native and device_type == "cuda":
-        return "fp16", f"auto: {cc} (Volta/Turing) has fp16 tensor cores but no bf16; fp16 with dynamic loss scaling"
+        return (
+            "fp16",
+            f"auto: {cc} (Volta/Turing) has fp16 tensor cores but no bf16; fp16 with dynamic loss scaling",
+        )
     if device_type in ("cuda", "cpu"):
         return "no", f"auto: {cc}: no bf16 and no fast fp16, so fp32"
-    return "no", f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly"
+    return (
+        "no",
+        f"auto: no rule for device type {device_type!r}, so fp32; pass --precision bf16 or fp16 explicitly",
+    )
 
 
 def for_launch(launch_config: dict, hardware: dict) -> dict:
@@ -192,15 +229,21 @@ def for_launch(launch_config: dict, hardware: dict) -> dict:
     requested = launch_config.get("mixed_precision") or "no"
     if hardware["device_type"] != "cpu":
         return {"requested": requested, "used": requested, "reason": f"{requested} as requested"}
-    used, reason = choose_precision(requested, hardware["device_type"], hardware["capability"],
-                                    0,  # before the model: no large-model fp16 warning
-                                    forced=launch_config.get("mixed_precision_forced", True))
+    used, reason = choose_precision(
+        requested,
+        hardware["device_type"],
+        hardware["capability"],
+        0,  # before the model: no large-model fp16 warning
+        forced=launch_config.get("mixed_precision_forced", True),
+    )
     if (used != requested or "emulated" in reason) and int(os.environ.get("RANK", 0)) == 0:
         print(f"precision: {reason}", flush=True)
     return {"requested": requested, "used": used, "reason": reason}
 
 
-MIN_LOSS_SCALE = 1.0  # DeepSpeed's default `min_loss_scale`; torch's GradScaler has no floor of its own
+MIN_LOSS_SCALE = (
+    1.0  # DeepSpeed's default `min_loss_scale`; torch's GradScaler has no floor of its own
+)
 SKIPS_IN_A_ROW_WARNING = 10
 
 
@@ -218,8 +261,9 @@ def loss_scale(accelerator, model=None) -> float | None:
     return None
 
 
-def loss_scale_verdict(scale: float | None, skipped_in_a_row: int,
-                       min_scale: float = MIN_LOSS_SCALE) -> tuple[str | None, str | None]:
+def loss_scale_verdict(
+    scale: float | None, skipped_in_a_row: int, min_scale: float = MIN_LOSS_SCALE
+) -> tuple[str | None, str | None]:
     """Judge the fp16 loss scale after an optimizer step; call on every rank after each step.
 
     A step whose gradients overflowed is skipped and the scale halved; a few skips early in a
@@ -239,12 +283,16 @@ def loss_scale_verdict(scale: float | None, skipped_in_a_row: int,
     if scale is None:
         return None, None
     if scale < min_scale:
-        return None, (f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
-                      f"{skipped_in_a_row} skipped steps in a row: the gradients overflow at any scale. Lower "
-                      "--learning_rate, lengthen --warmup_steps, or train in bf16")
+        return None, (
+            f"the fp16 loss scale fell to {scale:g}, below its minimum {min_scale:g}, after "
+            f"{skipped_in_a_row} skipped steps in a row: the gradients overflow at any scale. Lower "
+            "--learning_rate, lengthen --warmup_steps, or train in bf16"
+        )
     if skipped_in_a_row == SKIPS_IN_A_ROW_WARNING:
-        return (f"warning: {skipped_in_a_row} fp16 steps in a row skipped for inf/NaN gradients (loss scale now "
-                f"{scale:g}); the run stops if the scale falls below {min_scale:g}"), None
+        return (
+            f"warning: {skipped_in_a_row} fp16 steps in a row skipped for inf/NaN gradients (loss scale now "
+            f"{scale:g}); the run stops if the scale falls below {min_scale:g}"
+        ), None
     return None, None
 
 
@@ -282,11 +330,16 @@ class NonFiniteGuard:
         gradient norm (0-dim tensors on the run's device, or floats). No host read, no host-to-device copy."""
         if not self.on:
             return
-        loss, norm = (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else
-                      torch.full((), v, dtype=torch.float64, device=self.first.device) for v in (loss, norm))
+        loss, norm = (
+            v.detach().to(torch.float64)
+            if isinstance(v, torch.Tensor)
+            else torch.full((), v, dtype=torch.float64, device=self.first.device)
+            for v in (loss, norm)
+        )
         new = (self.first[0] == 0) & ~(torch.isfinite(loss) & torch.isfinite(norm))
-        self.first = torch.where(new, torch.stack([torch.full_like(loss, step), loss, norm.to(loss.device)]),
-                                 self.first)
+        self.first = torch.where(
+            new, torch.stack([torch.full_like(loss, step), loss, norm.to(loss.device)]), self.first
+        )
 
     def problem(self) -> str | None:
         """One line naming the first step whose loss or gradient norm was not finite on any rank, or None.
@@ -298,9 +351,11 @@ class NonFiniteGuard:
         if not bad:
             return None
         step, loss, norm = min(bad)
-        return (f"step {step:.0f}: the training loss is {loss:g} and the gradient norm {norm:g} in {self.precision}; "
-                "stopped before saving any weights (only fp16 loss scaling skips such a step and goes on). Lower "
-                "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data")
+        return (
+            f"step {step:.0f}: the training loss is {loss:g} and the gradient norm {norm:g} in {self.precision}; "
+            "stopped before saving any weights (only fp16 loss scaling skips such a step and goes on). Lower "
+            "--learning_rate, lengthen --warmup_steps, keep --max_grad_norm clipping on, or check the data"
+        )
 
 
 class StepHealth:
@@ -331,15 +386,18 @@ class StepHealth:
         if not has_targets:
             self.empty_windows += 1
             if self.empty_windows == 1:
-                self.accelerator.print(f"warning: step {step}: no target tokens in the whole "
-                                       "window; skipped (no optimizer, scheduler or weight-decay "
-                                       "update)")
+                self.accelerator.print(
+                    f"warning: step {step}: no target tokens in the whole "
+                    "window; skipped (no optimizer, scheduler or weight-decay "
+                    "update)"
+                )
             return
         skipped = self.accelerator.optimizer_step_was_skipped
         self.skipped_steps += skipped
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        warning, error = loss_scale_verdict(loss_scale(self.accelerator, self.model),
-                                            self.skipped_in_a_row)
+        warning, error = loss_scale_verdict(
+            loss_scale(self.accelerator, self.model), self.skipped_in_a_row
+        )
         if warning:
             self.accelerator.print(warning)
         self.scale_error = f"step {step}: {error}" if error else None
@@ -364,21 +422,30 @@ class StepHealth:
         """Print a warning for each kind of step skipped in the run's `steps`; returns the
         summary's counts (empty_windows; skipped_steps under fp16 loss scaling)."""
         if self.empty_windows:
-            self.accelerator.print(f"warning: {self.empty_windows} of {steps} windows had no "
-                                   "target tokens and were skipped")
+            self.accelerator.print(
+                f"warning: {self.empty_windows} of {steps} windows had no "
+                "target tokens and were skipped"
+            )
         if self.skipped_steps:
-            self.accelerator.print(f"warning: {self.skipped_steps} of {steps} "
-                                   f"{precision_name(self.accelerator.mixed_precision)} steps "
-                                   "were skipped for inf/NaN gradients")
+            self.accelerator.print(
+                f"warning: {self.skipped_steps} of {steps} "
+                f"{precision_name(self.accelerator.mixed_precision)} steps "
+                "were skipped for inf/NaN gradients"
+            )
         fp16 = loss_scale(self.accelerator, self.model) is not None
-        return {"empty_windows": self.empty_windows,
-                **({"skipped_steps": self.skipped_steps} if fp16 else {})}
+        return {
+            "empty_windows": self.empty_windows,
+            **({"skipped_steps": self.skipped_steps} if fp16 else {}),
+        }
 
 
 def warn_nonfinite_loss(step: int, loss: float, mixed_precision: str) -> None:
     """Warn that step `step`'s logged training loss is not finite, with the usual remedies: for a
     run that goes on (fp16 loss scaling skips such steps; elsewhere `NonFiniteGuard` stops it)."""
-    warnings.warn(f"step {step}: the training loss is {loss} ({precision_name(mixed_precision)}); "
-                  "usual remedies: lower --learning_rate or lengthen --warmup_steps; keep "
-                  "--max_grad_norm clipping on; look for a bad batch; on hardware with bf16 use "
-                  "--precision bf16 (fp32's range, no loss scaling)", stacklevel=2)
+    warnings.warn(
+        f"step {step}: the training loss is {loss} ({precision_name(mixed_precision)}); "
+        "usual remedies: lower --learning_rate or lengthen --warmup_steps; keep "
+        "--max_grad_norm clipping on; look for a bad batch; on hardware with bf16 use "
+        "--precision bf16 (fp32's range, no loss scaling)",
+        stacklevel=2,
+    )

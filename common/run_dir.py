@@ -38,15 +38,26 @@ _held: list[int] = []  # the lock's file descriptor, open for the life of the pr
 
 def _holder() -> dict:
     """Who is taking the lock: host, pid, the job (SLURM, torchrun) and when."""
-    job = {k: os.environ[v] for k, v in (("slurm_job", "SLURM_JOB_ID"), ("torchrun_run", "TORCHELASTIC_RUN_ID"))
-           if os.environ.get(v, "none") != "none"}
-    return {"host": socket.gethostname(), "pid": os.getpid(), **job,
-            "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    job = {
+        k: os.environ[v]
+        for k, v in (("slurm_job", "SLURM_JOB_ID"), ("torchrun_run", "TORCHELASTIC_RUN_ID"))
+        if os.environ.get(v, "none") != "none"
+    }
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **job,
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+    }
 
 
 def _describe(info: dict) -> str:
-    job = "".join(f", {name} {info[k]}" for k, name in (("slurm_job", "SLURM job"), ("torchrun_run", "torchrun run"))
-                  if k in info)
+    job = "".join(
+        f", {name} {info[k]}"
+        for k, name in (("slurm_job", "SLURM job"), ("torchrun_run", "torchrun run"))
+        if k in info
+    )
     return f"pid {info.get('pid', '?')} on {info.get('host', '?')}{job}, since {info.get('since', '?')}"
 
 
@@ -71,12 +82,16 @@ def lock(output_dir: str) -> str | None:
             info = {}
         os.close(fd)  # (closing any descriptor of the file would drop a lock this process held)
         if err.errno not in (errno.EACCES, errno.EAGAIN):
-            warnings.warn(f"cannot lock {path} ({err.strerror}): a second job started in --output_dir "
-                          f"{output_dir} would not be stopped")
+            warnings.warn(
+                f"cannot lock {path} ({err.strerror}): a second job started in --output_dir "
+                f"{output_dir} would not be stopped"
+            )
             return None
-        return (f"--output_dir {output_dir} is in use by a live job: {_describe(info)}, started as "
-                f"`{info.get('command', '?')}`. Wait for it to end or stop it, or give another --output_dir (if "
-                f"that job is gone, e.g. a crashed node whose lock the file server still holds, delete {path})")
+        return (
+            f"--output_dir {output_dir} is in use by a live job: {_describe(info)}, started as "
+            f"`{info.get('command', '?')}`. Wait for it to end or stop it, or give another --output_dir (if "
+            f"that job is gone, e.g. a crashed node whose lock the file server still holds, delete {path})"
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_holder()).encode(), 0)
     os.fsync(fd)
@@ -91,14 +106,22 @@ def _entries_to_delete(output_dir: Path, resume_from_checkpoint: str | None) -> 
     keep = {output_dir / LOCK}
     if resume_from_checkpoint:  # an explicit checkpoint inside the folder
         resume = Path(resume_from_checkpoint).resolve()
-        keep |= {p for p in output_dir.iterdir() if p.resolve() == resume or p.resolve() in resume.parents}
+        keep |= {
+            p
+            for p in output_dir.iterdir()
+            if p.resolve() == resume or p.resolve() in resume.parents
+        }
     return [p for p in sorted(output_dir.iterdir()) if p not in keep]
 
 
 def _not_a_run_folder(output_dir: Path) -> str | None:
     """Why a folder must not be emptied wholesale (a repository, a home, the working folder); else None."""
     here = output_dir.resolve()
-    if here == Path.home().resolve() or here == Path.cwd().resolve() or here in Path.cwd().resolve().parents:
+    if (
+        here == Path.home().resolve()
+        or here == Path.cwd().resolve()
+        or here in Path.cwd().resolve().parents
+    ):
         return "is the home or working folder (or above it)"
     if (here / ".git").exists():
         return "holds a .git repository"
@@ -114,8 +137,10 @@ def clear(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
     out = Path(output_dir)
     doomed = _entries_to_delete(out, resume_from_checkpoint)
     if doomed and (why := _not_a_run_folder(out)):
-        return (f"--overwrite_output_dir would delete everything in {output_dir}, which {why}: give the run a "
-                "folder of its own")
+        return (
+            f"--overwrite_output_dir would delete everything in {output_dir}, which {why}: give the run a "
+            "folder of its own"
+        )
     for p in doomed:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     return None

@@ -27,8 +27,10 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_bat
     if base_lr <= 0:
         raise Stop(f"--learning_rate must be positive, got {base_lr}")
     if global_batch <= 0 or reference_global_batch <= 0:
-        raise Stop(f"batches must be positive, got global batch {global_batch}, "
-                         f"--reference_global_batch {reference_global_batch}")
+        raise Stop(
+            f"batches must be positive, got global batch {global_batch}, "
+            f"--reference_global_batch {reference_global_batch}"
+        )
     return base_lr * global_batch / reference_global_batch
 
 
@@ -39,8 +41,13 @@ def peak_learning_rate(args, global_batch: int) -> tuple[float, str]:
     after a warmup: with --scale_lr, --learning_rate (tuned at --reference_global_batch) is
     scaled by the linear rule (`scaled_learning_rate`); without, it is used as given.
     """
-    peak = scaled_learning_rate(args.learning_rate, global_batch, args.reference_global_batch) \
-        if args.scale_lr else args.learning_rate
-    return peak, (f"LR: base {args.learning_rate:g} (tuned at global batch "
-                  f"{args.reference_global_batch}), effective {peak:g} at global batch "
-                  f"{global_batch}, {args.warmup_steps} warmup steps")
+    peak = (
+        scaled_learning_rate(args.learning_rate, global_batch, args.reference_global_batch)
+        if args.scale_lr
+        else args.learning_rate
+    )
+    return peak, (
+        f"LR: base {args.learning_rate:g} (tuned at global batch "
+        f"{args.reference_global_batch}), effective {peak:g} at global batch "
+        f"{global_batch}, {args.warmup_steps} warmup steps"
+    )

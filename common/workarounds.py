@@ -110,8 +110,14 @@ def allow_mixed_precision_with_deepspeed_json() -> list[str]:
     fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS")
     if not fields:
         return []
-    os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields.split(",") if f != "mixed_precision")
-    return ["allow_mixed_precision_with_deepspeed_json"] if "mixed_precision" in fields.split(",") else []
+    os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(
+        f for f in fields.split(",") if f != "mixed_precision"
+    )
+    return (
+        ["allow_mixed_precision_with_deepspeed_json"]
+        if "mixed_precision" in fields.split(",")
+        else []
+    )
 
 
 def ddp_ranks_on_cpu() -> list[str]:
@@ -196,19 +202,28 @@ def install_cpu_grad_scaler(accelerator) -> list[str]:
             it at `prepare` ("Type fp16 is not supported on your device", from its CPU
             accelerator's `is_fp16_supported`, which asks oneDNN).
     """
-    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu" or accelerator.scaler is not None:
+    if (
+        accelerator.mixed_precision != "fp16"
+        or accelerator.device.type != "cpu"
+        or accelerator.scaler is not None
+    ):
         return []  # (under DeepSpeed, `mixed_precision` reads the JSON's fp16/bf16 blocks)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         from deepspeed.accelerator import get_accelerator
 
         if not get_accelerator().is_fp16_supported():
-            raise Stop("fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
-                       "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
-                       "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler")
+            raise Stop(
+                "fp16 under DeepSpeed on this CPU: DeepSpeed's CPU accelerator reports no fp16 support "
+                "(oneDNN has no fp16 kernels here), so its engine would refuse it; use bf16, or a "
+                "DDP/FSDP accelerate config, where fp16 runs with a CPU GradScaler"
+            )
         return []  # the DeepSpeed engine scales the loss itself
-    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+    kwargs = (
+        accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+    )
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
         accelerator.scaler = ShardedGradScaler("cpu", **kwargs)
     else:  # FSDP2 gradients are DTensors, whose overflow check is already reduced across ranks
         accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
@@ -236,9 +251,11 @@ def keep_fp32_reduction(accelerator) -> list[str]:
     if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
         return []
     plugin = accelerator.state.fsdp_plugin
-    plugin.mixed_precision_policy = replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32,
-                                            **({"output_dtype": None} if accelerator.is_fsdp2 else
-                                               {"buffer_dtype": torch.float32}))
+    plugin.mixed_precision_policy = replace(
+        plugin.mixed_precision_policy,
+        reduce_dtype=torch.float32,
+        **({"output_dtype": None} if accelerator.is_fsdp2 else {"buffer_dtype": torch.float32}),
+    )
     return ["keep_fp32_reduction"]
 
 
@@ -262,7 +279,9 @@ def drop_fp32_output_copy(accelerator, model) -> list[str]:
 
     if not accelerator.native_amp:
         return []
-    autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+    autocast = get_mixed_precision_context_manager(
+        accelerator.native_amp, accelerator.autocast_handler
+    )
     # The module whose forward prepare wrapped, and any copy of it that runs instead: regional
     # compilation (--dynamo_use_regional_compilation) builds a new top module whose __dict__ holds
     # the wrapped forward rebound to it; DDP / FSDP1 (.module) and whole-model compile (._orig_mod)
@@ -272,7 +291,9 @@ def drop_fp32_output_copy(accelerator, model) -> list[str]:
     candidates.append(accelerator.unwrap_model(model, keep_torch_compile=False))
     dropped = False
     for module in {id(c): c for c in candidates if isinstance(c, torch.nn.Module)}.values():
-        original = module.__dict__.get("_original_forward")  # set by prepare when it wrapped the forward
+        original = module.__dict__.get(
+            "_original_forward"
+        )  # set by prepare when it wrapped the forward
         if original is None:
             continue
         if hasattr(original, "__func__"):
@@ -304,16 +325,30 @@ def eager_state_dict_keys(accelerator, model) -> list[str]:
 
     def strip(module, state_dict, prefix, local_metadata):
         inner = prefix + "_orig_mod."
-        renamed = [(prefix + k[len(inner):] if k.startswith(inner) else k, v) for k, v in state_dict.items()]
+        renamed = [
+            (prefix + k[len(inner) :] if k.startswith(inner) else k, v)
+            for k, v in state_dict.items()
+        ]
         state_dict.clear()
         state_dict.update(renamed)  # keeps the order
 
-    def restore(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def restore(
+        module,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,
+        error_msgs,
+    ):
         inner = prefix + "_orig_mod."
         for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+            state_dict[inner + k[len(prefix) :]] = state_dict.pop(k)
 
-    wrappers = [m for m in model.modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
+    wrappers = [
+        m for m in model.modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+    ]
     for m in wrappers:
         m.register_state_dict_post_hook(strip)
         m.register_load_state_dict_pre_hook(restore)
@@ -371,8 +406,15 @@ def relink_offload_lr_scheduler(accelerator) -> list[str]:
         torch_scheduler = getattr(scheduler, "scheduler", scheduler)
         held = getattr(torch_scheduler, "optimizer", None)
         for wrapped in accelerator._optimizers:
-            base = getattr(getattr(wrapped, "optimizer", None), "optimizer", None)  # wrapper -> ZeRO -> base
-            if held is None or base is None or held is base or held.param_groups is base.param_groups:
+            base = getattr(
+                getattr(wrapped, "optimizer", None), "optimizer", None
+            )  # wrapper -> ZeRO -> base
+            if (
+                held is None
+                or base is None
+                or held is base
+                or held.param_groups is base.param_groups
+            ):
                 continue
             held.param_groups = base.param_groups
             applied = ["relink_offload_lr_scheduler"]
@@ -402,21 +444,35 @@ def fsdp_trainable_state_only(accelerator):
         return
     import accelerate.accelerator as accelerator_module
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     trainable = StateDictOptions(ignore_frozen_params=True)
 
     def save_trainable(fsdp_plugin, accelerator, model, output_dir, model_index=0, **_):
-        dcp.save({"model": get_model_state_dict(model, options=trainable)},
-                 checkpoint_id=os.path.join(output_dir, f"pytorch_model_fsdp_{model_index}"))
+        dcp.save(
+            {"model": get_model_state_dict(model, options=trainable)},
+            checkpoint_id=os.path.join(output_dir, f"pytorch_model_fsdp_{model_index}"),
+        )
 
     def load_trainable(fsdp_plugin, accelerator, model, input_dir, model_index=0, **_):
         state_dict = get_model_state_dict(model, options=trainable)
-        dcp.load({"model": state_dict}, checkpoint_id=os.path.join(input_dir, f"pytorch_model_fsdp_{model_index}"))
-        set_model_state_dict(model, state_dict, options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        dcp.load(
+            {"model": state_dict},
+            checkpoint_id=os.path.join(input_dir, f"pytorch_model_fsdp_{model_index}"),
+        )
+        set_model_state_dict(
+            model, state_dict, options=StateDictOptions(ignore_frozen_params=True, strict=False)
+        )
 
     saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
-    accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = save_trainable, load_trainable
+    accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = (
+        save_trainable,
+        load_trainable,
+    )
     try:
         yield ["fsdp_trainable_state_only"]
     finally:
@@ -435,14 +491,20 @@ def fsdp1_cpu_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
         name -> full-size tensor on rank 0 (the other ranks' dicts are empty); None when this
         is not FSDP1 on CPU (use `accelerator.get_state_dict`).
     """
-    if (accelerator.distributed_type != DistributedType.FSDP or accelerator.is_fsdp2
-            or accelerator.device.type != "cpu"):
+    if (
+        accelerator.distributed_type != DistributedType.FSDP
+        or accelerator.is_fsdp2
+        or accelerator.device.type != "cpu"
+    ):
         return None
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+    ):
         return model.state_dict()
 
 
@@ -501,7 +563,9 @@ def replicate_parallel_for_accelerate(accelerator) -> list[str]:
 
     class ReplicateParallel:
         def prepare_module_tp(self, module, mesh):
-            if not getattr(module, "_replicated_params_local", False):  # once per module, not per parameter
+            if not getattr(
+                module, "_replicated_params_local", False
+            ):  # once per module, not per parameter
                 ALL_PARALLEL_STYLES["local_params"].install_forward(module, mesh)
                 module._replicated_params_local = True
 
@@ -529,11 +593,14 @@ def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
     tp, plain = config.non_data_parallel_size, accelerator.gather_for_metrics
 
     def one_copy(tensor: torch.Tensor) -> torch.Tensor:  # [ranks x n, ...] -> [data ranks x n, ...]
-        return tensor.reshape(-1, tp, tensor.shape[0] // (accelerator.num_processes), *tensor.shape[1:])[:, 0] \
-            .reshape(-1, *tensor.shape[1:])
+        return tensor.reshape(
+            -1, tp, tensor.shape[0] // (accelerator.num_processes), *tensor.shape[1:]
+        )[:, 0].reshape(-1, *tensor.shape[1:])
 
     def gather_for_metrics(input_data, use_gather_object=False):
-        accelerator.gather = lambda data: recursively_apply(one_copy, type(accelerator).gather(accelerator, data))
+        accelerator.gather = lambda data: recursively_apply(
+            one_copy, type(accelerator).gather(accelerator, data)
+        )
         try:
             return plain(input_data, use_gather_object=use_gather_object)
         finally:
@@ -544,6 +611,7 @@ def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
 
 
 # Stages: one call in the recipes for each point where workarounds apply.
+
 
 def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
     """Keep `accelerator.unwrap_model` from importing DeepSpeed where no DeepSpeed engine can exist.
@@ -571,9 +639,13 @@ def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
 def accelerator_built(accelerator) -> list[str]:
     """Right after `Accelerator(...)`: `install_cpu_grad_scaler`, `keep_fp32_reduction`,
     `replicate_parallel_for_accelerate`, `gather_metrics_once_per_tp_group`, `no_deepspeed_import_on_unwrap`."""
-    return install_cpu_grad_scaler(accelerator) + keep_fp32_reduction(accelerator) + \
-        replicate_parallel_for_accelerate(accelerator) + gather_metrics_once_per_tp_group(accelerator) + \
-        no_deepspeed_import_on_unwrap(accelerator)
+    return (
+        install_cpu_grad_scaler(accelerator)
+        + keep_fp32_reduction(accelerator)
+        + replicate_parallel_for_accelerate(accelerator)
+        + gather_metrics_once_per_tp_group(accelerator)
+        + no_deepspeed_import_on_unwrap(accelerator)
+    )
 
 
 def prepared(accelerator, model) -> list[str]:

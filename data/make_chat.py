@@ -49,13 +49,23 @@ from common.data import load_shakespeare  # noqa: E402
 
 OUT_DIR = REPO_ROOT / "data" / "chat"
 VALIDATION_WORKS = ("alls_well_that_ends_well", "antony_and_cleopatra")
-NOT_PLAYS = ("lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece", "sonnets")
+NOT_PLAYS = (
+    "lovers_complaint",
+    "passionate_pilgrim",
+    "phoenix_and_the_turtle",
+    "rape_of_lucrece",
+    "sonnets",
+)
 N_TRAIN, N_VALIDATION = 4000, 400
 MAX_TURN_CHARS, MAX_CONV_CHARS, TURN_CHARS = 400, 800, 40
 SYSTEM_EVERY = 4
 
-HEADER = re.compile(r"[A-Z][A-Za-z'&\- ]{0,35}\.|[A-Z][A-Z'&\- ]{1,35}")  # matched against the whole line
-NOT_SPEAKERS = re.compile(r"(ACT|Act|SCENE|Scene|SONG|EPILOGUE|PROLOGUE)\b|[IVXLC]+\.?$")  # headings, stanza numbers
+HEADER = re.compile(
+    r"[A-Z][A-Za-z'&\- ]{0,35}\.|[A-Z][A-Z'&\- ]{1,35}"
+)  # matched against the whole line
+NOT_SPEAKERS = re.compile(
+    r"(ACT|Act|SCENE|Scene|SONG|EPILOGUE|PROLOGUE)\b|[IVXLC]+\.?$"
+)  # headings, stanza numbers
 SMALL_WORDS = {"and", "of", "the", "or", "that", "in", "a"}
 ROMAN = {"II", "III", "IV", "V", "VI", "VIII"}
 
@@ -63,8 +73,14 @@ ROMAN = {"II", "III", "IV", "V", "VI", "VIII"}
 def title_case(text: str) -> str:
     """'THE TRAGEDY OF KING RICHARD THE SECOND' -> 'The Tragedy of King Richard the Second'."""
     words = text.split()
-    return " ".join(w if w.rstrip(",;") in ROMAN else w.lower() if i and w.lower() in SMALL_WORDS
-                    else w[0] + w[1:].lower() for i, w in enumerate(words))
+    return " ".join(
+        w
+        if w.rstrip(",;") in ROMAN
+        else w.lower()
+        if i and w.lower() in SMALL_WORDS
+        else w[0] + w[1:].lower()
+        for i, w in enumerate(words)
+    )
 
 
 def runs(text: str) -> list[list[tuple[str, str]]]:
@@ -72,27 +88,45 @@ def runs(text: str) -> list[list[tuple[str, str]]]:
     found, run = [], []
     for block in re.split(r"\n[ \t]*\n", text):
         lines = [line.strip() for line in block.strip("\n").split("\n")]
-        body = re.sub(r"\[[^\]]*\]", "", "\n".join(lines[1:]))  # stage directions, also over several lines
-        header, body = lines[0], re.sub(r"\[[^\n]*|\]", "", body)  # and one left open to the line's end
+        body = re.sub(
+            r"\[[^\]]*\]", "", "\n".join(lines[1:])
+        )  # stage directions, also over several lines
+        header, body = (
+            lines[0],
+            re.sub(r"\[[^\n]*|\]", "", body),
+        )  # and one left open to the line's end
         body = "\n".join(line.strip() for line in body.split("\n") if line.strip())
-        if HEADER.fullmatch(header) and not NOT_SPEAKERS.match(header) and re.search(r"[a-z]", body):
+        if (
+            HEADER.fullmatch(header)
+            and not NOT_SPEAKERS.match(header)
+            and re.search(r"[a-z]", body)
+        ):
             run.append((title_case(header.rstrip(".")), body))
         else:
             found, run = found + [run] if run else found, []
     return found + [run] if run else found
 
 
-def conversations(speeches: list[tuple[str, str]], title: str, counter: list[int]) -> list[list[dict]]:
+def conversations(
+    speeches: list[tuple[str, str]], title: str, counter: list[int]
+) -> list[list[dict]]:
     """Cut one run into conversations (rule 3); `counter` ([conversations made so far]) is shared by all runs."""
     made, i = [], 0
     while i < len(speeches):
         for k in range(counter[0] % 3 + 1, 0, -1):
-            window = speeches[i:i + 2 * k]
+            window = speeches[i : i + 2 * k]
             speakers = [s for s, _ in window]
-            if (len(window) < 2 * k or speakers[0] == speakers[1] or speakers != speakers[:2] * k
-                    or max(len(t) for _, t in window) > MAX_TURN_CHARS):
+            if (
+                len(window) < 2 * k
+                or speakers[0] == speakers[1]
+                or speakers != speakers[:2] * k
+                or max(len(t) for _, t in window) > MAX_TURN_CHARS
+            ):
                 continue
-            messages = [{"role": ("user", "assistant")[j % 2], "content": t} for j, (_, t) in enumerate(window)]
+            messages = [
+                {"role": ("user", "assistant")[j % 2], "content": t}
+                for j, (_, t) in enumerate(window)
+            ]
             if counter[0] % SYSTEM_EVERY == 0:
                 system = f"You are {speakers[1]}, in {title}. Answer in character."
                 messages.insert(0, {"role": "system", "content": system})
@@ -125,13 +159,17 @@ def main() -> None:
     OUT_DIR.mkdir(exist_ok=True)
     for split, n in (("train", N_TRAIN), ("validation", N_VALIDATION)):
         rows = evenly(splits[split], n)
-        data = "".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in rows).encode()
+        data = "".join(
+            json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in rows
+        ).encode()
         (OUT_DIR / f"{split}.jsonl").write_bytes(data)
         exchanges = [sum(t["role"] == "assistant" for t in m) for m in rows]
-        print(f"{split}: {len(rows)} of {len(splits[split])} conversations, exchanges "
-              f"{ {k: exchanges.count(k) for k in (1, 2, 3)} }, "
-              f"{sum(m[0]['role'] == 'system' for m in rows)} with a system message, {len(data):,} bytes, "
-              f"sha256 {hashlib.sha256(data).hexdigest()}  data/chat/{split}.jsonl")
+        print(
+            f"{split}: {len(rows)} of {len(splits[split])} conversations, exchanges "
+            f"{ {k: exchanges.count(k) for k in (1, 2, 3)} }, "
+            f"{sum(m[0]['role'] == 'system' for m in rows)} with a system message, {len(data):,} bytes, "
+            f"sha256 {hashlib.sha256(data).hexdigest()}  data/chat/{split}.jsonl"
+        )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from common.args import flag
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch
 from common import errors, metrics, models, precision, workarounds
 from common.errors import Stop
+
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 # The First Folio (1623) groups the plays as Comedies, Histories and Tragedies; Troilus and
@@ -48,32 +49,84 @@ launch.imports_done()  # garbage collection back on, the imports' objects frozen
 # as the late romances conventionally do. The poems are the fourth class.
 GENRES = ["comedy", "tragedy", "history", "poetry"]
 GENRE_OF_WORK = {
-    **dict.fromkeys(["tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor",
-                     "measure_for_measure", "comedy_of_errors", "much_ado_about_nothing",
-                     "loves_labours_lost", "midsummer_nights_dream", "merchant_of_venice",
-                     "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well",
-                     "twelfth_night", "winters_tale", "pericles"], "comedy"),
-    **dict.fromkeys(["john", "richard_ii", "henry_iv_part_1", "henry_iv_part_2", "henry_v",
-                     "henry_vi_part_1", "henry_vi_part_2", "henry_vi_part_3", "richard_iii",
-                     "henry_viii"], "history"),
-    **dict.fromkeys(["troilus_and_cressida", "coriolanus", "tragedy_of_titus_andronicus",
-                     "romeo_and_juliet", "timon_of_athens", "julius_caesar", "macbeth", "hamlet",
-                     "lear", "othello", "antony_and_cleopatra", "cymbeline"], "tragedy"),
-    **dict.fromkeys(["sonnets", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle",
-                     "rape_of_lucrece", "venus_and_adonis"], "poetry"),
+    **dict.fromkeys(
+        [
+            "tempest",
+            "two_gentlemen_of_verona",
+            "merry_wives_of_windsor",
+            "measure_for_measure",
+            "comedy_of_errors",
+            "much_ado_about_nothing",
+            "loves_labours_lost",
+            "midsummer_nights_dream",
+            "merchant_of_venice",
+            "as_you_like_it",
+            "taming_of_the_shrew",
+            "alls_well_that_ends_well",
+            "twelfth_night",
+            "winters_tale",
+            "pericles",
+        ],
+        "comedy",
+    ),
+    **dict.fromkeys(
+        [
+            "john",
+            "richard_ii",
+            "henry_iv_part_1",
+            "henry_iv_part_2",
+            "henry_v",
+            "henry_vi_part_1",
+            "henry_vi_part_2",
+            "henry_vi_part_3",
+            "richard_iii",
+            "henry_viii",
+        ],
+        "history",
+    ),
+    **dict.fromkeys(
+        [
+            "troilus_and_cressida",
+            "coriolanus",
+            "tragedy_of_titus_andronicus",
+            "romeo_and_juliet",
+            "timon_of_athens",
+            "julius_caesar",
+            "macbeth",
+            "hamlet",
+            "lear",
+            "othello",
+            "antony_and_cleopatra",
+            "cymbeline",
+        ],
+        "tragedy",
+    ),
+    **dict.fromkeys(
+        [
+            "sonnets",
+            "lovers_complaint",
+            "passionate_pilgrim",
+            "phoenix_and_the_turtle",
+            "rape_of_lucrece",
+            "venus_and_adonis",
+        ],
+        "poetry",
+    ),
 }
 
 
 @dataclass
 class Args:
     """This recipe's own flags; the core TrainingArguments ones come from common/args.py."""
+
     # data and tokenizer
     block_size: int = flag(128, "tokens per passage, the [CLS] token included", low=2)
     validation_split_percentage: int = flag(10, "held-out tail of every work, in %", low=1, high=99)
     max_train_samples: int = flag(None, "train on a seeded random subset (quick runs)", low=1)
     max_eval_samples: int = flag(None, "evaluate on a seeded random subset (quick runs)", low=1)
-    tokenizer_name_or_path: str = field(default=None, metadata={
-        "help": "default: the project's corpus BPE"})
+    tokenizer_name_or_path: str = field(
+        default=None, metadata={"help": "default: the project's corpus BPE"}
+    )
     vocab_size: int = flag(4096, low=256)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     # model: a small BERT encoder, trained from scratch
@@ -82,15 +135,22 @@ class Args:
     num_attention_heads: int = flag(2, low=1)
     intermediate_size: int = flag(512, low=1)
     per_device_eval_batch_size: int = flag(64, low=1)
-    record_sample_ids: bool = field(default=False, metadata={
-        "help": "each rank writes the sample ids it saw"})
+    record_sample_ids: bool = field(
+        default=False, metadata={"help": "each rank writes the sample ids it saw"}
+    )
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
 # This recipe's defaults for core flags (the rest keep common/args.py's).
-DEFAULTS = dict(output_dir="runs/ddp_classifier", learning_rate=1e-3, weight_decay=0.01,
-                warmup_steps=30, num_train_epochs=2, logging_steps=20,
-                per_device_train_batch_size=32)
+DEFAULTS = dict(
+    output_dir="runs/ddp_classifier",
+    learning_rate=1e-3,
+    weight_decay=0.01,
+    warmup_steps=30,
+    num_train_epochs=2,
+    logging_steps=20,
+    per_device_train_batch_size=32,
+)
 
 
 @torch.no_grad()
@@ -133,13 +193,16 @@ def main() -> int:
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
         dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True
+        ),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
-        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir,
+        kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -160,8 +223,9 @@ def main() -> int:
     with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
         corpus = data.load_shakespeare()
         # The LM recipe's BPE (trained on raw text, no labels): one shared cache for all recipes.
-        tokenizer = data.get_tokenizer(args.tokenizer_name_or_path, data.load_text_dataset(),
-                                       args.vocab_size, args.cache_dir)
+        tokenizer = data.get_tokenizer(
+            args.tokenizer_name_or_path, data.load_text_dataset(), args.vocab_size, args.cache_dir
+        )
     if unknown := sorted(set(corpus["work"]) - GENRE_OF_WORK.keys()):
         raise ValueError(f"works with no genre in GENRE_OF_WORK: {unknown}; add them to the map")
     # Each passage starts with the BPE's one special token, which plays BERT's [CLS]: the classifier
@@ -170,10 +234,14 @@ def main() -> int:
     cls, text_len = tokenizer.eos_token_id, args.block_size - 1
     splits = {split: {"input_ids": [], "labels": []} for split in ("train", "validation")}
     for work, ids in zip(corpus["work"], tokenizer(list(corpus["text"]))["input_ids"]):
-        blocks = [[cls] + ids[i:i + text_len] for i in range(0, len(ids) - text_len + 1, text_len)]
+        blocks = [
+            [cls] + ids[i : i + text_len] for i in range(0, len(ids) - text_len + 1, text_len)
+        ]
         if len(blocks) < 2:
-            raise Stop(f"work {work!r} has {len(ids)} tokens: fewer than 2 passages of "
-                       f"--block_size {args.block_size}")
+            raise Stop(
+                f"work {work!r} has {len(ids)} tokens: fewer than 2 passages of "
+                f"--block_size {args.block_size}"
+            )
         n_held = max(1, len(blocks) * args.validation_split_percentage // 100)
         for split, part in (("train", blocks[:-n_held]), ("validation", blocks[-n_held:])):
             splits[split]["input_ids"] += part
@@ -183,8 +251,9 @@ def main() -> int:
         n = min(args.max_train_samples, len(train_set))
         train_set = train_set.shuffle(seed=args.seed).select(range(n))
     if args.max_eval_samples:
-        eval_set = eval_set.shuffle(seed=args.seed).select(range(min(args.max_eval_samples,
-                                                                     len(eval_set))))
+        eval_set = eval_set.shuffle(seed=args.seed).select(
+            range(min(args.max_eval_samples, len(eval_set)))
+        )
     # sample_id: the row index, carried through the loader so a run can record what each rank saw
     train_set = train_set.add_column("sample_id", list(range(len(train_set)))).with_format("torch")
     eval_set = eval_set.with_format("torch")
@@ -193,8 +262,9 @@ def main() -> int:
     majority = int(torch.bincount(train_set["labels"][:], minlength=len(GENRES)).argmax())
     baseline_accuracy = (eval_set["labels"][:] == majority).float().mean().item()
     steps_per_epoch = len(train_set) // global_batch
-    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(
-        args.num_train_epochs * steps_per_epoch)
+    max_steps = (
+        args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    )
     # The training set against the global batch, warmup against the run (common/checks.py).
     guard.data_ready(train_size=len(train_set), train_unit="passages", steps=max_steps)
     # >>> shared: loaders
@@ -204,52 +274,79 @@ def main() -> int:
     # global RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
     pin = accelerator.device.type == "cuda"  # page-locked host memory, for non-blocking copies
     train_loader = torch.utils.data.DataLoader(
-        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator(), pin_memory=pin)
+        train_set,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
     eval_loader = torch.utils.data.DataLoader(
-        eval_set, batch_size=args.per_device_eval_batch_size, generator=torch.Generator(),
-        pin_memory=pin)
+        eval_set,
+        batch_size=args.per_device_eval_batch_size,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
     # <<< shared
 
     # ---------------------------------------------------------------------------------------------
     # ADAPT: model. A small BERT encoder; its classification head reads the final state at [CLS].
     # ---------------------------------------------------------------------------------------------
     config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
-        intermediate_size=args.intermediate_size, max_position_embeddings=args.block_size,
-        type_vocab_size=1, pad_token_id=tokenizer.pad_token_id, num_labels=len(GENRES),
-        id2label=dict(enumerate(GENRES)), label2id={g: i for i, g in enumerate(GENRES)})
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.block_size,
+        type_vocab_size=1,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=len(GENRES),
+        id2label=dict(enumerate(GENRES)),
+        label2id={g: i for i, g in enumerate(GENRES)},
+    )
     model = BertForSequenceClassification(config)
     n_params = sum(p.numel() for p in model.parameters())
     # From here each rank draws its own dropout masks (seed + rank). The data order is unaffected:
     # the sampler reseeds its own generator from (seed, epoch). A resume restores every stream.
     set_seed(args.seed, device_specific=True)
     # Decay on weight matrices and embeddings only: LayerNorm gains centre on 1, biases are offsets.
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay),
-                                  lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+    )
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so
     # the global batch, seed and passages must be those it was saved with; refused before prepare.
     strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the layout
-    data_state = {"global_batch": global_batch, "seed": args.seed, "block_size": args.block_size,
-                  "train_passages": len(train_set)}  # what fixes which samples step k trains on
+    data_state = {
+        "global_batch": global_batch,
+        "seed": args.seed,
+        "block_size": args.block_size,
+        "train_passages": len(train_set),
+    }  # what fixes which samples step k trains on
     # The optimizer's LR and decay come back from its state whatever the flags say, and with
     # dropout, the masks depend on how a step's samples are split over ranks and micro batches.
-    same_run = {"learning_rate": args.learning_rate, "weight_decay": args.weight_decay,
-                "warmup_steps": args.warmup_steps, **checkpoint.precision_state(accelerator),
-                "max_grad_norm": args.max_grad_norm,
-                "model_config": models.config_state(model.config),
-                "per_device_train_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": accumulation, "world_size": world_size}
+    same_run = {
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "warmup_steps": args.warmup_steps,
+        **checkpoint.precision_state(accelerator),
+        "max_grad_norm": args.max_grad_norm,
+        "model_config": models.config_state(model.config),
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "world_size": world_size,
+    }
     run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, [*data_state, *same_run], lr_decays_after=args.warmup_steps)
+        accelerator, args, run_state, [*data_state, *same_run], lr_decays_after=args.warmup_steps
+    )
     step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, lr_scheduler)
+        model, optimizer, train_loader, eval_loader, lr_scheduler
+    )
     workarounds.prepared(accelerator, model)  # autocast stays; no fp32 copy of every output
     if resume_path:  # model, optimizer, scheduler, grad scaler and every rank's RNG
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
@@ -258,10 +355,12 @@ def main() -> int:
         f" | {len(train_set)} train / {len(eval_set)} held-out passages"
         f" | global batch {global_batch} | {max_steps} steps ({steps_per_epoch} per epoch)"
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+    )
     # metrics.jsonl: a fresh log per run; a resume keeps the lines up to its step (no summaries)
-    metrics_path = metrics.RunLog(accelerator, args, "ddp_classifier",
-                                  step if resume_path else None).path
+    metrics_path = metrics.RunLog(
+        accelerator, args, "ddp_classifier", step if resume_path else None
+    ).path
 
     # ---------------------------------------------------------------------------------------------
     # Training loop. One iteration = one optimizer step = one accumulation window of micro batches.
@@ -294,8 +393,9 @@ def main() -> int:
                     # >>> shared: step
                     if accelerator.sync_gradients:  # the window's last micro batch
                         # the global norm in fp64: every strategy clips with the same number
-                        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
-                                                                     args.max_grad_norm)
+                        norm_before_clip = grad_norm.clip_grad_norm_(
+                            accelerator, model, args.max_grad_norm
+                        )
                     optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()  # a skipped step did not happen: the LR holds
@@ -311,39 +411,59 @@ def main() -> int:
             if warning and accelerator.is_main_process:
                 print(f"step {step}: {warning}")
             if step % args.logging_steps == 0:  # the norm is a device tensor until now: one sync
-                record = {"step": step, "epoch": epoch,
-                          "loss": accelerator.reduce(window_loss, reduction="mean").item(),
-                          "grad_norm": float(norm_before_clip), "lr": lr}
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": accelerator.reduce(window_loss, reduction="mean").item(),
+                    "grad_norm": float(norm_before_clip),
+                    "lr": lr,
+                }
                 if scale is not None:
                     record.update(loss_scale=scale, skipped_steps=skipped_steps)
                 accelerator.log(record, step=step)
                 if accelerator.is_main_process:
                     metrics.append_jsonl(metrics_path, record)
-                accelerator.print(f"step {step}/{max_steps} | loss {record['loss']:.3f} | "
-                                  f"grad norm {record['grad_norm']:.2f}")
+                accelerator.print(
+                    f"step {step}/{max_steps} | loss {record['loss']:.3f} | "
+                    f"grad norm {record['grad_norm']:.2f}"
+                )
             if step % steps_per_epoch == 0 or step == max_steps:  # each epoch's end, the last step
                 preds, labels = evaluate(model, eval_loader, accelerator)
                 accuracy = (preds == labels).float().mean().item()
                 accelerator.log({"eval_accuracy": accuracy}, step=step)
                 if accelerator.is_main_process:
-                    metrics.append_jsonl(metrics_path,
-                                         {"step": step, "epoch": epoch, "eval_accuracy": accuracy})
-                accelerator.print(f"step {step} (epoch {epoch}) | held-out accuracy {accuracy:.3f} "
-                                  f"(majority baseline {baseline_accuracy:.3f})")
+                    metrics.append_jsonl(
+                        metrics_path, {"step": step, "epoch": epoch, "eval_accuracy": accuracy}
+                    )
+                accelerator.print(
+                    f"step {step} (epoch {epoch}) | held-out accuracy {accuracy:.3f} "
+                    f"(majority baseline {baseline_accuracy:.3f})"
+                )
             preempt = preempted()  # a collective: every rank stops at the same step
             save = preempt or (args.save_steps and step % args.save_steps == 0)
             # a non-finite loss or norm stops before any checkpoint or export of its weights
-            problem = f"step {step}: {scale_error}" if scale_error else (
-                (save or step >= max_steps or step % args.logging_steps == 0) and guard.problem())
+            problem = (
+                f"step {step}: {scale_error}"
+                if scale_error
+                else (
+                    (save or step >= max_steps or step % args.logging_steps == 0)
+                    and guard.problem()
+                )
+            )
             if save and not problem:  # after the eval, which a resume does not redo
                 saved_to = checkpoint.save_checkpoint(
-                    accelerator, args.output_dir, step,
+                    accelerator,
+                    args.output_dir,
+                    step,
                     run_state={**run_state, "skipped_steps": skipped_steps},
-                    hf_files=(accelerator.unwrap_model(model).config, tokenizer))
+                    hf_files=(accelerator.unwrap_model(model).config, tokenizer),
+                )
             if problem or preempt:
                 if not problem:
-                    accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                                      "relaunch with --resume_from_checkpoint auto to continue")
+                    accelerator.print(
+                        f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                        "relaunch with --resume_from_checkpoint auto to continue"
+                    )
                 del model, optimizer
                 launch.teardown(accelerator)
                 if problem:
@@ -361,28 +481,52 @@ def main() -> int:
     if accuracy is None:  # resumed from the last step: nothing trained, evaluate what was loaded
         preds, labels = evaluate(model, eval_loader, accelerator)
         accuracy = (preds == labels).float().mean().item()
-    per_genre = {g: ((preds == i) & (labels == i)).sum().item() / max(1, (labels == i).sum().item())
-                 for i, g in enumerate(GENRES)}
+    per_genre = {
+        g: ((preds == i) & (labels == i)).sum().item() / max(1, (labels == i).sum().item())
+        for i, g in enumerate(GENRES)
+    }
     final = checkpoint.export_model(accelerator, model, tokenizer, args.output_dir)  # final/
     if accelerator.is_main_process:
-        metrics.append_jsonl(metrics_path, {
-            "summary": True, "step": step, "eval_accuracy": accuracy,
-            "majority_baseline": baseline_accuracy, "majority_genre": GENRES[majority],
-            "n_eval": len(labels), "n_eval_passages": len(eval_set),
-            "n_train_passages": len(train_set), "n_params": n_params, "world_size": world_size,
-            "distributed_type": strategy, "skipped_steps": skipped_steps,
-            "per_genre_recall": per_genre, "wall_seconds": time.perf_counter() - t_start})
+        metrics.append_jsonl(
+            metrics_path,
+            {
+                "summary": True,
+                "step": step,
+                "eval_accuracy": accuracy,
+                "majority_baseline": baseline_accuracy,
+                "majority_genre": GENRES[majority],
+                "n_eval": len(labels),
+                "n_eval_passages": len(eval_set),
+                "n_train_passages": len(train_set),
+                "n_params": n_params,
+                "world_size": world_size,
+                "distributed_type": strategy,
+                "skipped_steps": skipped_steps,
+                "per_genre_recall": per_genre,
+                "wall_seconds": time.perf_counter() - t_start,
+            },
+        )
         # recall per genre (with its number of held-out passages), then accuracy vs the baseline
         table = ["", "| genre (held-out passages) | recall |", "|---|---|"] + [
             f"| {g} ({(labels == i).sum().item()}) | {per_genre[g]:.3f} |"
-            for i, g in enumerate(GENRES)]
-        print("\n".join([*table, "", f"| held-out passages | accuracy | majority baseline "
-                         f"({GENRES[majority]}) |", "|---|---|---|",
-                         f"| {len(labels)} | {accuracy:.3f} | {baseline_accuracy:.3f} |"]))
+            for i, g in enumerate(GENRES)
+        ]
+        print(
+            "\n".join(
+                [
+                    *table,
+                    "",
+                    f"| held-out passages | accuracy | majority baseline ({GENRES[majority]}) |",
+                    "|---|---|---|",
+                    f"| {len(labels)} | {accuracy:.3f} | {baseline_accuracy:.3f} |",
+                ]
+            )
+        )
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
-    accelerator.print(metrics.final_line(metrics_path,
-                                         f"model in {final}, metrics in {metrics_path}"))
+    accelerator.print(
+        metrics.final_line(metrics_path, f"model in {final}, metrics in {metrics_path}")
+    )
     return 0
 
 

@@ -66,8 +66,13 @@ gc.collect()  # the process's earlier garbage (a notebook's), before imports_don
 gc.disable()  # the imports below run without it: launch.imports_done()
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
-                               DistributedType, GradientAccumulationPlugin, set_seed)
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    set_seed,
+)
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaForCausalLM
 
@@ -77,9 +82,10 @@ from common import precision, workarounds
 from common.errors import Stop
 from common.args import flag, make_output_dir, parse_args, unsupported
 from common.memory import PeakTensorBytes, SavedTensorBytes
+
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 @dataclass
@@ -87,17 +93,21 @@ class Args:
     """The recipe's own flags; the core TrainingArguments ones come from common/args.py."""
 
     num_layers: str = flag("4,8,24", "comma-separated depths L to measure")
-    variants: str = flag("auto", "comma-separated subset of none,hf,manual,fsdp; "
-                                 "auto = none,hf,manual (+ fsdp under FSDP)")
+    variants: str = flag(
+        "auto",
+        "comma-separated subset of none,hf,manual,fsdp; auto = none,hf,manual (+ fsdp under FSDP)",
+    )
     model_config: str = flag("debug", f"preset: {', '.join(models.PRESETS)}")
     vocab_size: int = flag(4096, low=256)
     block_size: int = flag(256, low=2)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     timing_rounds: int = flag(2, "rounds over the variants, in alternating order", low=1)
     ddp_find_unused_parameters: bool = flag(
-        False, "DDP: search the graph for unused parameters each step (with reentrant "
-               "checkpointing this is what raises 'marked ready twice'; the non-reentrant "
-               "variants here work either way)")
+        False,
+        "DDP: search the graph for unused parameters each step (with reentrant "
+        "checkpointing this is what raises 'marked ready twice'; the non-reentrant "
+        "variants here work either way)",
+    )
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
@@ -105,14 +115,21 @@ def build(accelerator, args, tokenizer, num_layers: int, variant: str):
     """The model and optimizer for one variant, prepared (wrapped in DDP or sharded by FSDP2)."""
     set_seed(args.seed)  # the same initial weights for every variant and on every rank
     eos = tokenizer.eos_token_id
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer),
-                                 num_hidden_layers=num_layers, use_cache=False,
-                                 bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    config = models.llama_config(
+        args.model_config,
+        vocab_size=len(tokenizer),
+        num_hidden_layers=num_layers,
+        use_cache=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     model = LlamaForCausalLM(config)
     set_seed(args.seed, device_specific=True)  # from here each rank draws its own (dropout, if any)
     if variant == "hf":
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     elif variant == "manual":
         # Wrap forward, not the module: module hooks (DDP's, FSDP2's all-gathers) stay outside the
         # checkpoint and do not run again when backward recomputes the block.
@@ -120,8 +137,9 @@ def build(accelerator, args, tokenizer, num_layers: int, variant: str):
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if accelerator.distributed_type == DistributedType.FSDP:  # applied in prepare(), per plugin
         accelerator.state.fsdp_plugin.activation_checkpointing = variant == "fsdp"
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay),
-                                  lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     return model, optimizer
@@ -129,8 +147,11 @@ def build(accelerator, args, tokenizer, num_layers: int, variant: str):
 
 def local_grads(model) -> torch.Tensor:
     """This rank's gradients (FSDP2: its shards), flattened to one fp32 vector on the CPU."""
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-             for p in model.parameters() if p.grad is not None]
+    grads = [
+        p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        for p in model.parameters()
+        if p.grad is not None
+    ]
     return torch.cat([g.detach().float().flatten().cpu() for g in grads])
 
 
@@ -167,33 +188,47 @@ def forward_backward_peak(run: dict, on: bool, device: torch.device):
 
 def main() -> int:
     # weight_decay 0.01: what torch's AdamW applied here before the flag existed (now matrices only)
-    args = parse_args(Args, description=__doc__, output_dir="runs/gradient_checkpointing",
-                      per_device_train_batch_size=2, learning_rate=1e-3, weight_decay=0.01,
-                      max_steps=4)
+    args = parse_args(
+        Args,
+        description=__doc__,
+        output_dir="runs/gradient_checkpointing",
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        max_steps=4,
+    )
     no_training_run = "it measures a few steps of each variant and keeps none of them"
-    unsupported(args, "gradient_checkpointing.py",
-                warmup_steps="it trains at a constant --learning_rate (no schedule)",
-                num_train_epochs="it runs --max_steps steps per variant and depth, "
-                                 "never whole epochs",
-                logging_steps="it prints one line per variant and round, and the table",
-                save_steps=f"it saves no checkpoints: {no_training_run}",
-                resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
-                report_to="its figures go to results.json and table.md; "
-                          "there is no training curve to track")
+    unsupported(
+        args,
+        "gradient_checkpointing.py",
+        warmup_steps="it trains at a constant --learning_rate (no schedule)",
+        num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
+        logging_steps="it prints one line per variant and round, and the table",
+        save_steps=f"it saves no checkpoints: {no_training_run}",
+        resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
+        report_to="its figures go to results.json and table.md; "
+        "there is no training curve to track",
+    )
     try:
         depths = [int(n) for n in args.num_layers.split(",")]
     except ValueError:
-        raise Stop(f"--num_layers {args.num_layers!r}: "
-                   "expected comma-separated integers such as 4,8,24")
+        raise Stop(
+            f"--num_layers {args.num_layers!r}: expected comma-separated integers such as 4,8,24"
+        )
     if min(depths) < 1 or args.max_steps < 2:
-        raise Stop(f"need --num_layers >= 1 (got {args.num_layers}) "
-                   f"and --max_steps >= 2 (got {args.max_steps})")
+        raise Stop(
+            f"need --num_layers >= 1 (got {args.num_layers}) "
+            f"and --max_steps >= 2 (got {args.max_steps})"
+        )
     if precision.detect_device()[0] == "cpu" and args.max_steps < 3:
-        raise Stop(f"--max_steps {args.max_steps}: on CPU step 2 is metered for memory, "
-                   "not timed; need at least 3")
+        raise Stop(
+            f"--max_steps {args.max_steps}: on CPU step 2 is metered for memory, "
+            "not timed; need at least 3"
+        )
     if args.model_config not in models.PRESETS:
-        raise Stop(f"unknown --model_config {args.model_config!r}; "
-                   f"choose one of {sorted(models.PRESETS)}")
+        raise Stop(
+            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
+        )
     make_output_dir(args.output_dir)  # before the measurements: a bad path fails now
 
     # ---------------------------------------------------------------------------------------------
@@ -201,10 +236,13 @@ def main() -> int:
     # only where the hardware computes it: common/precision.py).
     # ---------------------------------------------------------------------------------------------
     # the model is known before the data: a preset Llama (for the FSDP-wrap and ZeRO-3 checks)
-    startup = {"model_cls": LlamaForCausalLM,
-               "model_config": models.llama_config(args.model_config, args.vocab_size),
-               "handlers": [DistributedDataParallelKwargs(
-                   find_unused_parameters=args.ddp_find_unused_parameters)]}
+    startup = {
+        "model_cls": LlamaForCausalLM,
+        "model_config": models.llama_config(args.model_config, args.vocab_size),
+        "handlers": [
+            DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
+        ],
+    }
     # >>> shared: accelerator
     # Library workarounds (common/workarounds.py) return the names of those applied
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
@@ -215,13 +253,16 @@ def main() -> int:
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
         dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True
+        ),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
-        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir,
+        kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -232,14 +273,21 @@ def main() -> int:
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     # <<< shared
     is_fsdp = accelerator.distributed_type == DistributedType.FSDP
-    variants = (["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])
-                if args.variants == "auto" else args.variants.split(","))
+    variants = (
+        ["none", "hf", "manual"] + (["fsdp"] if is_fsdp else [])
+        if args.variants == "auto"
+        else args.variants.split(",")
+    )
     if not set(variants) <= {"none", "hf", "manual", "fsdp"} or variants[0] != "none":
-        raise Stop(f"--variants {args.variants!r}: a comma-separated list of none,hf,manual,fsdp, "
-                   "none first (the reference for gradients and ratios)")
+        raise Stop(
+            f"--variants {args.variants!r}: a comma-separated list of none,hf,manual,fsdp, "
+            "none first (the reference for gradients and ratios)"
+        )
     if "fsdp" in variants and not (is_fsdp and accelerator.is_fsdp2):
-        raise Stop("--variants fsdp needs an FSDP2 launch (accelerate_configs/fsdp.yaml); "
-                   f"this one is {accelerator.distributed_type}")
+        raise Stop(
+            "--variants fsdp needs an FSDP2 launch (accelerate_configs/fsdp.yaml); "
+            f"this one is {accelerator.distributed_type}"
+        )
     device = accelerator.device
 
     # ---------------------------------------------------------------------------------------------
@@ -250,30 +298,40 @@ def main() -> int:
         raw = data.load_text_dataset()
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
         train_set = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir)["train"]
-    train_loader = accelerator.prepare(torch.utils.data.DataLoader(
-        train_set.with_format("torch"), batch_size=args.per_device_train_batch_size, shuffle=True,
-        drop_last=True, pin_memory=device.type == "cuda"))  # page-locked: non-blocking copies
+    train_loader = accelerator.prepare(
+        torch.utils.data.DataLoader(
+            train_set.with_format("torch"),
+            batch_size=args.per_device_train_batch_size,
+            shuffle=True,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+    )  # page-locked: non-blocking copies
     train_loader.set_epoch(0)
     accumulation = args.gradient_accumulation_steps
     wanted = args.max_steps * accumulation
     micro_batches = list(itertools.islice(train_loader, wanted))  # this rank's share
     if len(micro_batches) < wanted:
-        raise Stop(f"--max_steps {args.max_steps} x --gradient_accumulation_steps {accumulation}: "
-                   f"the corpus gives only {len(micro_batches)} batches per rank")
-    windows = [micro_batches[i:i + accumulation] for i in range(0, wanted, accumulation)]
+        raise Stop(
+            f"--max_steps {args.max_steps} x --gradient_accumulation_steps {accumulation}: "
+            f"the corpus gives only {len(micro_batches)} batches per rank"
+        )
+    windows = [micro_batches[i : i + accumulation] for i in range(0, wanted, accumulation)]
 
     # ---------------------------------------------------------------------------------------------
     # ADAPT: model. One per variant, the same seeded weights; the variant picks what is recomputed.
     # ---------------------------------------------------------------------------------------------
     results = []
     for num_layers in depths:
-        runs = {v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_bytes": None}
-                for v in variants}
+        runs = {
+            v: {"saved": SavedTensorBytes(), "times": [], "losses": [], "peak_bytes": None}
+            for v in variants
+        }
         # Rounds in alternating order (none,hf,manual then manual,hf,none, ...) so that a drift in
         # the machine's load does not favour one variant; one variant alive at a time, so each
         # memory reading is that variant's alone.
         for rnd in range(args.timing_rounds):
-            for variant in (variants if rnd % 2 == 0 else variants[::-1]):
+            for variant in variants if rnd % 2 == 0 else variants[::-1]:
                 model, optimizer = build(accelerator, args, tokenizer, num_layers, variant)
                 nonfinite = precision.NonFiniteGuard(accelerator, model)  # inf/NaN: stop
                 run = runs[variant]
@@ -307,8 +365,9 @@ def main() -> int:
                             if accelerator.sync_gradients:
                                 if rnd == 0 and step == 0:  # reduced, not yet clipped
                                     run["grads"] = local_grads(model)
-                                norm = grad_norm.clip_grad_norm_(accelerator, model,
-                                                                 args.max_grad_norm)
+                                norm = grad_norm.clip_grad_norm_(
+                                    accelerator, model, args.max_grad_norm
+                                )
                             optimizer.step()  # no-op until the window's last micro batch
                             optimizer.zero_grad()
                         step_loss += loss.detach() / accumulation
@@ -321,9 +380,11 @@ def main() -> int:
                         run["losses"].append(accelerator.reduce(step_loss, reduction="mean").item())
                 if problem := nonfinite.problem():
                     raise Stop(f"L={num_layers} {variant} round {rnd}: {problem}")
-                accelerator.print(f"L={num_layers} {variant} round {rnd}: saved for backward "
-                                  f"{saved.bytes / MIB:.2f} MiB, fastest step "
-                                  f"{min(run['times']):.3f} s, loss {run['losses'][-1]:.4f}")
+                accelerator.print(
+                    f"L={num_layers} {variant} round {rnd}: saved for backward "
+                    f"{saved.bytes / MIB:.2f} MiB, fastest step "
+                    f"{min(run['times']):.3f} s, loss {run['losses'][-1]:.4f}"
+                )
                 del model, optimizer
                 accelerator.free_memory()  # drop Accelerate's references before the next build
 
@@ -333,16 +394,26 @@ def main() -> int:
         ref = runs["none"]
         for variant, run in runs.items():
             loss_diff = max(abs(x - y) for x, y in zip(run["losses"], ref["losses"]))
-            diff, scale = (accelerator.gather(t.abs().max().reshape(1).to(device)).max().item()
-                           for t in (run["grads"] - ref["grads"], ref["grads"]))  # over all ranks
-            results.append({
-                "num_layers": num_layers, "variant": variant, "saved_bytes": run["saved"].bytes,
-                "saved_block_bytes": run["saved"].by_tag.get("blocks", 0),
-                "saved_rest_bytes": run["saved"].by_tag.get("rest", 0),
-                "step_seconds": min(run["times"]),
-                "time_ratio": min(run["times"]) / min(ref["times"]),
-                "max_abs_grad_diff": diff, "max_abs_grad": scale, "losses": run["losses"],
-                "max_abs_loss_diff": loss_diff, "peak_bytes": run["peak_bytes"]})
+            diff, scale = (
+                accelerator.gather(t.abs().max().reshape(1).to(device)).max().item()
+                for t in (run["grads"] - ref["grads"], ref["grads"])
+            )  # over all ranks
+            results.append(
+                {
+                    "num_layers": num_layers,
+                    "variant": variant,
+                    "saved_bytes": run["saved"].bytes,
+                    "saved_block_bytes": run["saved"].by_tag.get("blocks", 0),
+                    "saved_rest_bytes": run["saved"].by_tag.get("rest", 0),
+                    "step_seconds": min(run["times"]),
+                    "time_ratio": min(run["times"]) / min(ref["times"]),
+                    "max_abs_grad_diff": diff,
+                    "max_abs_grad": scale,
+                    "losses": run["losses"],
+                    "max_abs_loss_diff": loss_diff,
+                    "peak_bytes": run["peak_bytes"],
+                }
+            )
 
     # ---------------------------------------------------------------------------------------------
     # The table, with the rule of thumb next to the measurement. A = one block's saved bytes
@@ -350,49 +421,73 @@ def main() -> int:
     # its input x (measured), and backward recomputes one block at a time, so the blocks' memory at
     # the backward peak is about L*x + A (derived from the two): L-fold less only while L*x << A.
     # ---------------------------------------------------------------------------------------------
-    lines = [f"{str(accelerator.distributed_type).split('.')[-1]} x{accelerator.num_processes}, "
-             f"{accelerator.mixed_precision}, {args.model_config} Llama, per-device batch "
-             f"{args.per_device_train_batch_size} x {args.block_size} tokens, {device.type}", "",
-             "| L | variant | saved for backward MiB | blocks MiB | rest MiB "
-             "| blocks at backward peak MiB (derived) | blocks ÷ (rule: ÷L) | step s "
-             "| time × (rule: ×1.33) | max abs grad diff | forward+backward peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{str(accelerator.distributed_type).split('.')[-1]} x{accelerator.num_processes}, "
+        f"{accelerator.mixed_precision}, {args.model_config} Llama, per-device batch "
+        f"{args.per_device_train_batch_size} x {args.block_size} tokens, {device.type}",
+        "",
+        "| L | variant | saved for backward MiB | blocks MiB | rest MiB "
+        "| blocks at backward peak MiB (derived) | blocks ÷ (rule: ÷L) | step s "
+        "| time × (rule: ×1.33) | max abs grad diff | forward+backward peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        base = next(b for b in results
-                    if b["num_layers"] == r["num_layers"] and b["variant"] == "none")
+        base = next(
+            b for b in results if b["num_layers"] == r["num_layers"] and b["variant"] == "none"
+        )
         recomputed = 0 if r["variant"] == "none" else base["saved_block_bytes"] / r["num_layers"]
         r["blocks_peak_bytes"] = r["saved_block_bytes"] + recomputed
         r["blocks_reduction"] = base["saved_block_bytes"] / r["blocks_peak_bytes"]
         peak = f"{r['peak_bytes'] / MIB:.1f}" if r["peak_bytes"] is not None else "n/a"
-        lines.append(f"| {r['num_layers']} | {r['variant']} | {r['saved_bytes'] / MIB:.2f} | "
-                     f"{r['saved_block_bytes'] / MIB:.2f} | {r['saved_rest_bytes'] / MIB:.2f} | "
-                     f"{r['blocks_peak_bytes'] / MIB:.2f} | {r['blocks_reduction']:.1f} "
-                     f"(÷{r['num_layers']}) | {r['step_seconds']:.3f} | {r['time_ratio']:.2f} | "
-                     f"{r['max_abs_grad_diff']:.2e} | {peak} |")
+        lines.append(
+            f"| {r['num_layers']} | {r['variant']} | {r['saved_bytes'] / MIB:.2f} | "
+            f"{r['saved_block_bytes'] / MIB:.2f} | {r['saved_rest_bytes'] / MIB:.2f} | "
+            f"{r['blocks_peak_bytes'] / MIB:.2f} | {r['blocks_reduction']:.1f} "
+            f"(÷{r['num_layers']}) | {r['step_seconds']:.3f} | {r['time_ratio']:.2f} | "
+            f"{r['max_abs_grad_diff']:.2e} | {peak} |"
+        )
     ref = next(r for r in results if r["variant"] == "none")
-    ckpt = next((r for r in results
-                 if r["num_layers"] == ref["num_layers"] and r["variant"] != "none"), None)
+    ckpt = next(
+        (r for r in results if r["num_layers"] == ref["num_layers"] and r["variant"] != "none"),
+        None,
+    )
     if ckpt:
         a, x = (c["saved_block_bytes"] / c["num_layers"] for c in (ref, ckpt))
-        lines += ["", f"Measured: one block saves A = {a / MIB:.2f} MiB without checkpointing "
-                  f"and keeps x = {x / MIB:.2f} MiB (its input) with it, A/x = {a / x:.0f}: "
-                  "the blocks shrink L*A -> L*x + A, about L-fold only while L << A/x. 'rest' "
-                  "(embedding, final norm, LM head, loss) is never checkpointed. Step time: the "
-                  "fastest timed step (the least disturbed by other processes) of this run; the "
-                  "+33% rule counts one extra forward of the blocks, the LM head and loss are not "
-                  "recomputed."]
+        lines += [
+            "",
+            f"Measured: one block saves A = {a / MIB:.2f} MiB without checkpointing "
+            f"and keeps x = {x / MIB:.2f} MiB (its input) with it, A/x = {a / x:.0f}: "
+            "the blocks shrink L*A -> L*x + A, about L-fold only while L << A/x. 'rest' "
+            "(embedding, final norm, LM head, loss) is never checkpointed. Step time: the "
+            "fastest timed step (the least disturbed by other processes) of this run; the "
+            "+33% rule counts one extra forward of the blocks, the LM head and loss are not "
+            "recomputed.",
+        ]
     table = "\n".join(lines)
     if accelerator.is_main_process:
         print(table)
         Path(args.output_dir, "table.md").write_text(table + "\n")
-        Path(args.output_dir, "results.json").write_text(json.dumps(
-            {"distributed_type": accelerator.distributed_type.value, "world_size": world_size,
-             "mixed_precision": accelerator.mixed_precision, "precision": guard.precision,
-             "global_batch": global_batch, "device": device.type, "args": vars(args),
-             "results": [strict_row(r) for r in results]}, indent=1, allow_nan=False))
+        Path(args.output_dir, "results.json").write_text(
+            json.dumps(
+                {
+                    "distributed_type": accelerator.distributed_type.value,
+                    "world_size": world_size,
+                    "mixed_precision": accelerator.mixed_precision,
+                    "precision": guard.precision,
+                    "global_batch": global_batch,
+                    "device": device.type,
+                    "args": vars(args),
+                    "results": [strict_row(r) for r in results],
+                },
+                indent=1,
+                allow_nan=False,
+            )
+        )
     launch.teardown(accelerator)  # the models (freed in the loop) before the process group
-    accelerator.print(f"done: table in {Path(args.output_dir, 'table.md')}, "
-                      f"figures in {Path(args.output_dir, 'results.json')}")
+    accelerator.print(
+        f"done: table in {Path(args.output_dir, 'table.md')}, "
+        f"figures in {Path(args.output_dir, 'results.json')}"
+    )
     return 0
 
 

@@ -48,6 +48,7 @@ from common.errors import Stop
 from common.args import changed_flags, flag, make_output_dir, parse_args
 from common.precision import MIN_LOSS_SCALE  # (Args.precision hides the module)
 from common.memory import SavedTensorBytes, local_tensor_bytes
+
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
@@ -66,7 +67,7 @@ class Args:
     cache_dir: str = data.DEFAULT_CACHE_DIR
     per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
     # fp16 loss scaling (torch.amp.GradScaler arguments)
-    init_scale: float = 2.0 ** 16
+    init_scale: float = 2.0**16
     growth_interval: int = flag(2000, "clean steps before the scale doubles", low=1)
     min_loss_scale: float = flag(MIN_LOSS_SCALE, "stop when the fp16 loss scale falls below this")
     inject_inf_grad_at_step: int = flag(0, "drill: an inf in step N's gradients; 0: never", low=0)
@@ -74,8 +75,15 @@ class Args:
 
 
 # This recipe's defaults for core flags (the rest keep common/args.py's).
-DEFAULTS = dict(output_dir="runs/mixed_precision", per_device_train_batch_size=4,
-                learning_rate=3e-3, weight_decay=0.1, warmup_steps=5, max_steps=30, logging_steps=5)
+DEFAULTS = dict(
+    output_dir="runs/mixed_precision",
+    per_device_train_batch_size=4,
+    learning_rate=3e-3,
+    weight_decay=0.1,
+    warmup_steps=5,
+    max_steps=30,
+    logging_steps=5,
+)
 
 
 def poison_gradients(model):
@@ -93,8 +101,11 @@ def evaluate(model, eval_loader, accelerator) -> float:
     nats = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                       position_ids=batch.get("position_ids")).logits  # --packing documents
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+        ).logits  # --packing documents
         # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
         per_block, targets = metrics.token_nll(logits, batch["labels"])
         del logits
@@ -104,6 +115,8 @@ def evaluate(model, eval_loader, accelerator) -> float:
         tokens += targets.sum()
     model.train()
     return (nats / tokens).item()
+
+
 # <<< shared
 
 
@@ -120,18 +133,32 @@ def main() -> int:
     if args.compare:
         # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
         # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
-        passed = changed_flags(args, Args, DEFAULTS,
-                               skip={"compare", "config_file", "precision", "output_dir"})
+        passed = changed_flags(
+            args, Args, DEFAULTS, skip={"compare", "config_file", "precision", "output_dir"}
+        )
         rows = []
         for mode in ("no", "bf16", "fp16"):
             out = Path(args.output_dir) / mode
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   args.config_file, __file__, *passed, "--precision", mode,
-                   "--output_dir", str(out)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                args.config_file,
+                __file__,
+                *passed,
+                "--precision",
+                mode,
+                "--output_dir",
+                str(out),
+            ]
             print(f"=== {mode}: {' '.join(cmd)}", flush=True)
             ok = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
-            rows.append(json.loads((out / "summary.json").read_text()) if ok
-                        else {"precision": mode, "failed": True})
+            rows.append(
+                json.loads((out / "summary.json").read_text())
+                if ok
+                else {"precision": mode, "failed": True}
+            )
         table = metrics.comparison_table(rows, args.config_file, args.model_config, args.block_size)
         print(table)
         Path(args.output_dir, "comparison.md").write_text(table + "\n")
@@ -147,9 +174,14 @@ def main() -> int:
     device_type, capability = precision.detect_device()
     mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
 
-    startup = {"precision_used": mode, "model_cls": LlamaForCausalLM, "model_config": model_config,
-               "handlers": [GradScalerKwargs(init_scale=args.init_scale,
-                                             growth_interval=args.growth_interval)]}
+    startup = {
+        "precision_used": mode,
+        "model_cls": LlamaForCausalLM,
+        "model_config": model_config,
+        "handlers": [
+            GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)
+        ],
+    }
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
     # >>> shared: accelerator
     # Library workarounds (common/workarounds.py) return the names of those applied
@@ -161,13 +193,16 @@ def main() -> int:
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
         dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True
+        ),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
-        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir,
+        kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -179,9 +214,14 @@ def main() -> int:
     # <<< shared
     if mode == "fp16" and device_type == "cpu" and accelerator.scaler is not None:
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
-    accelerator.print(f"precision: {mode} ({reason})" + (
-        f"; the launch config's mixed_precision={config_mp} is overridden"
-        if config_mp and config_mp != mode else ""))
+    accelerator.print(
+        f"precision: {mode} ({reason})"
+        + (
+            f"; the launch config's mixed_precision={config_mp} is overridden"
+            if config_mp and config_mp != mode
+            else ""
+        )
+    )
 
     # ---------------------------------------------------------------------------------------------
     # ADAPT: data. The bundled corpus, packed; the seeded sampler gives every mode the same batches.
@@ -190,15 +230,19 @@ def main() -> int:
     with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
         raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
-        lm_data = data.pack_dataset(raw, tokenizer, args.block_size,
-                                    args.cache_dir).with_format("torch")
+        lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format(
+            "torch"
+        )
     train_set = lm_data["train"]
     n_eval = min(args.max_eval_samples, len(lm_data["validation"]))
     eval_set = lm_data["validation"].select(range(n_eval))
     updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest is dropped
     guard.data_ready(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")
-    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(
-        args.num_train_epochs * updates_per_epoch)
+    max_steps = (
+        args.max_steps
+        if args.max_steps > 0
+        else math.ceil(args.num_train_epochs * updates_per_epoch)
+    )
     # >>> shared: loaders
     # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
     # ranks; rank r gets every world_size-th micro batch of it. drop_last: full global batches.
@@ -206,47 +250,71 @@ def main() -> int:
     # global RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
     pin = accelerator.device.type == "cuda"  # page-locked host memory, for non-blocking copies
     train_loader = torch.utils.data.DataLoader(
-        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator(), pin_memory=pin)
+        train_set,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
     eval_loader = torch.utils.data.DataLoader(
-        eval_set, batch_size=args.per_device_eval_batch_size, generator=torch.Generator(),
-        pin_memory=pin)
+        eval_set,
+        batch_size=args.per_device_eval_batch_size,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
     # <<< shared
 
     # ---------------------------------------------------------------------------------------------
     # ADAPT: model. fp32 master weights in every mode; the precision only changes the compute.
     # ---------------------------------------------------------------------------------------------
     eos = tokenizer.eos_token_id
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer), bos_token_id=eos,
-                                 eos_token_id=eos, pad_token_id=eos, use_cache=False)
+    config = models.llama_config(
+        args.model_config,
+        vocab_size=len(tokenizer),
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        use_cache=False,
+    )
     set_seed(args.seed)  # the same initial weights in every mode and on every rank
     model = LlamaForCausalLM(config)
     # From here each rank draws its own random numbers (dropout, if a config has any); the data
     # order does not use them: the seedable sampler has its own generator, seeded by seed + epoch.
     set_seed(args.seed, device_specific=True)
     # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay),
-                                  lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+    )
     accelerator.print(metrics.weight_decay_line(optimizer))
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, lr_scheduler)
+        model, optimizer, train_loader, eval_loader, lr_scheduler
+    )
     workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
 
     # Resume only into the same kind of run: the data position follows from the step count, the
     # seed and the block size, and the scaler state means nothing to another precision.
-    run_state = {"precision": mode, **checkpoint.precision_state(accelerator),  # + ZeRO's dtypes
-                 "distributed_type": checkpoint.strategy_name(accelerator),
-                 "world_size": world_size, "global_batch": global_batch, "seed": args.seed,
-                 "block_size": args.block_size,
-                 # the optimizer state brings its own LR and decay back, whatever the flags say
-                 "learning_rate": args.learning_rate, "weight_decay": args.weight_decay,
-                 "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
-                 "model_config": models.config_state(config),
-                 "max_steps": max_steps}
+    run_state = {
+        "precision": mode,
+        **checkpoint.precision_state(accelerator),  # + ZeRO's dtypes
+        "distributed_type": checkpoint.strategy_name(accelerator),
+        "world_size": world_size,
+        "global_batch": global_batch,
+        "seed": args.seed,
+        "block_size": args.block_size,
+        # the optimizer state brings its own LR and decay back, whatever the flags say
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "warmup_steps": args.warmup_steps,
+        "max_grad_norm": args.max_grad_norm,
+        "model_config": models.config_state(config),
+        "max_steps": max_steps,
+    }
     resume_path, saved = checkpoint.resume_or_start(  # all must match; --max_steps: within warmup
-        accelerator, args, run_state, lr_decays_after=args.warmup_steps)
+        accelerator, args, run_state, lr_decays_after=args.warmup_steps
+    )
     step = saved["step"]
     # fp16 bookkeeping the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
     skipped_steps = saved.get("skipped_steps", 0)
@@ -254,8 +322,9 @@ def main() -> int:
     if resume_path:  # model, optimizer, scheduler, RNG and the scaler's scale; micro steps follow
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
     # metrics.jsonl: a resume keeps the lines up to its step, a fresh run starts it empty
-    metrics_path = metrics.RunLog(accelerator, args, "mixed_precision",
-                                  step if resume_path else None).path
+    metrics_path = metrics.RunLog(
+        accelerator, args, "mixed_precision", step if resume_path else None
+    ).path
     scale = precision.loss_scale(accelerator, model)  # None without loss scaling
     accelerator.print(
         f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | "
@@ -263,7 +332,8 @@ def main() -> int:
         + (f" | loss scale {scale:.0f}" if scale is not None else "")
         + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else ""))
+        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+    )
 
     # ---------------------------------------------------------------------------------------------
     # Training loop. The first micro batch of the launch is measured: bytes saved for backward
@@ -280,8 +350,9 @@ def main() -> int:
     while step < max_steps:
         train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
-        batches = accelerator.skip_first_batches(train_loader,
-                                                 done_in_epoch * args.gradient_accumulation_steps)
+        batches = accelerator.skip_first_batches(
+            train_loader, done_in_epoch * args.gradient_accumulation_steps
+        )
         for batch in batches:
             measure = not sizes
             with accelerator.accumulate(model):
@@ -295,14 +366,16 @@ def main() -> int:
                         poison_gradients(model)
                     # Under fp16 this unscales the gradients first, so the norm and the clip
                     # threshold are in true units; an inf/NaN norm means this step is skipped.
-                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
-                                                                 args.max_grad_norm)
+                    norm_before_clip = grad_norm.clip_grad_norm_(
+                        accelerator, model, args.max_grad_norm
+                    )
                 if measure:  # autocast's weight casts apart from the activations
-                    sizes = {"activation_bytes": saved.bytes - saved.weight_copy_bytes,
-                             "weight_copy_bytes": saved.weight_copy_bytes,
-                             "parameter_bytes": local_tensor_bytes(model.parameters()),
-                             "gradient_bytes": local_tensor_bytes(
-                                 p.grad for p in model.parameters())}
+                    sizes = {
+                        "activation_bytes": saved.bytes - saved.weight_copy_bytes,
+                        "weight_copy_bytes": saved.weight_copy_bytes,
+                        "parameter_bytes": local_tensor_bytes(model.parameters()),
+                        "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters()),
+                    }
                 step_lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
                 optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
@@ -320,8 +393,9 @@ def main() -> int:
             # None in fp32/bf16 (no read); fp16: a host read, but scaler.step synced for its check
             scale = precision.loss_scale(accelerator, model)
             # the same verdict on every rank: the scale and the skips are the same everywhere
-            warning, stop = precision.loss_scale_verdict(scale, skipped_in_a_row,
-                                                         args.min_loss_scale)
+            warning, stop = precision.loss_scale_verdict(
+                scale, skipped_in_a_row, args.min_loss_scale
+            )
             stop = stop and f"step {step}: {stop}"
             if warning and accelerator.is_main_process:
                 print(f"step {step}: {warning}", file=sys.stderr, flush=True)
@@ -335,29 +409,42 @@ def main() -> int:
 
             if log_now or stop:
                 loss_mean = accelerator.reduce(window_loss, "mean").item() / window_batches
-                record = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": step_lr,
-                          "grad_norm": float(norm_before_clip),  # read now: no sync on other steps
-                          "loss_scale": scale, "step_skipped": step_skipped,
-                          "skipped_steps": skipped_steps}
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": loss_mean,
+                    "lr": step_lr,
+                    "grad_norm": float(norm_before_clip),  # read now: no sync on other steps
+                    "loss_scale": scale,
+                    "step_skipped": step_skipped,
+                    "skipped_steps": skipped_steps,
+                }
                 nonfinite_losses += not math.isfinite(loss_mean)
                 if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:
                     precision.warn_nonfinite_loss(step, loss_mean, mode)  # the run goes on (fp16)
                 if accelerator.is_main_process:  # inf/NaN -> null, named in "nonfinite"
                     metrics.append_jsonl(metrics_path, record)
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
-                accelerator.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in record.items()))
+                accelerator.print(
+                    " | ".join(
+                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in record.items()
+                    )
+                )
                 last_window_loss = loss_mean
                 window_loss.zero_()
                 window_batches = 0
             if save and not stop:  # + scaler.pt; the skip counts go into COMPLETE.json
                 fp16 = {"skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row}
-                saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step,
-                                                      run_state={**run_state, **fp16})
+                saved_to = checkpoint.save_checkpoint(
+                    accelerator, args.output_dir, step, run_state={**run_state, **fp16}
+                )
             if stop or preempt:
                 if not stop:
-                    accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                                      "relaunch with --resume_from_checkpoint auto to continue")
+                    accelerator.print(
+                        f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                        "relaunch with --resume_from_checkpoint auto to continue"
+                    )
                 del model, optimizer
                 launch.teardown(accelerator)
                 if stop:
@@ -373,20 +460,36 @@ def main() -> int:
     elapsed = time.perf_counter() - t0 if t0 else float("nan")
     eval_loss = evaluate(model, eval_loader, accelerator)
     if accelerator.is_main_process:
-        summary = metrics.strict_json({  # a NaN loss becomes null, named in "nonfinite"
-            **run_state, "requested": args.precision, "reason": reason,
-            "device": accelerator.device.type, "steps": step,
-            "train_loss": last_window_loss, "eval_loss": eval_loss,
-            "tokens_per_second": tokens / elapsed if t0 and step > start_step + 1 else float("nan"),
-            "loss_scale": precision.loss_scale(accelerator, model), "skipped_steps": skipped_steps,
-            "nonfinite_losses": nonfinite_losses, "n_params": n_params, **sizes})
+        summary = metrics.strict_json(
+            {  # a NaN loss becomes null, named in "nonfinite"
+                **run_state,
+                "requested": args.precision,
+                "reason": reason,
+                "device": accelerator.device.type,
+                "steps": step,
+                "train_loss": last_window_loss,
+                "eval_loss": eval_loss,
+                "tokens_per_second": tokens / elapsed
+                if t0 and step > start_step + 1
+                else float("nan"),
+                "loss_scale": precision.loss_scale(accelerator, model),
+                "skipped_steps": skipped_steps,
+                "nonfinite_losses": nonfinite_losses,
+                "n_params": n_params,
+                **sizes,
+            }
+        )
         Path(args.output_dir, "summary.json").write_text(
-            json.dumps(summary, indent=1, allow_nan=False))
+            json.dumps(summary, indent=1, allow_nan=False)
+        )
         accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
-    accelerator.print(metrics.final_line(
-        metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}", eval_loss=eval_loss))
+    accelerator.print(
+        metrics.final_line(
+            metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}", eval_loss=eval_loss
+        )
+    )
     return 0
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from common import checkpoint, checks, data, errors, grad_norm, launch
 from common import metrics, models, precision, schedule, workarounds
 from common.args import choice, flag, make_output_dir, parse_args
+
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 CHAT = Path(__file__).resolve().parent.parent / "data" / "chat"  # the bundled chat set
 
@@ -45,19 +46,26 @@ CHAT = Path(__file__).resolve().parent.parent / "data" / "chat"  # the bundled c
 @dataclass
 class Args:
     """Flags of this recipe (the data ones as in run_clm); common/args.py has the core ones."""
+
     model_name_or_path: str = flag(None, "the pretrained model to fine-tune (required)")
     tokenizer_name_or_path: str = flag(None, "default: the model's")
     chat_template: str = flag(None, "a Jinja chat template file, for a tokenizer that has none")
     assistant_only_loss: bool = flag(True, "loss on the assistant's tokens only; false: on all")
     dataset_name: str = None
     dataset_config_name: str = None
-    train_file: str = flag(None, ".json/.jsonl/.parquet with a 'messages' column, or 'prompt' and "
-                           "'completion'; default: the bundled chat set")
+    train_file: str = flag(
+        None,
+        ".json/.jsonl/.parquet with a 'messages' column, or 'prompt' and "
+        "'completion'; default: the bundled chat set",
+    )
     validation_file: str = None
     validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
     max_length: int = flag(256, "tokens per sequence: a longer conversation loses its tail", low=2)
-    packing: str = choice(("none", "documents"), {"false": "none"}, "pad each row, or pack rows "
-                          "that never attend to each other")
+    packing: str = choice(
+        ("none", "documents"),
+        {"false": "none"},
+        "pad each row, or pack rows that never attend to each other",
+    )
     use_peft: bool = flag(False, "train LoRA adapters on the frozen model")
     lora_r: int = flag(16, "LoRA rank", low=1)
     lora_alpha: int = flag(32, "LoRA scaling numerator (scale: alpha / r)", low=1)
@@ -89,8 +97,11 @@ def evaluate(model, eval_loader, accelerator) -> float:
     nats = torch.zeros((), device=accelerator.device)
     tokens = torch.zeros((), device=accelerator.device)
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                       position_ids=batch.get("position_ids")).logits  # --packing documents
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+        ).logits  # --packing documents
         # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
         per_block, targets = metrics.token_nll(logits, batch["labels"])
         del logits
@@ -100,13 +111,24 @@ def evaluate(model, eval_loader, accelerator) -> float:
         tokens += targets.sum()
     model.train()
     return (nats / tokens).item()
+
+
 # <<< shared
 
 
 def main() -> int:
-    args = parse_args(Args, description=__doc__, output_dir="runs/sft",
-                      per_device_train_batch_size=8, learning_rate=1e-3, weight_decay=0.0,
-                      warmup_steps=6, max_steps=60, logging_steps=10, report_to="tensorboard")
+    args = parse_args(
+        Args,
+        description=__doc__,
+        output_dir="runs/sft",
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        weight_decay=0.0,
+        warmup_steps=6,
+        max_steps=60,
+        logging_steps=10,
+        report_to="tensorboard",
+    )
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     checks.sft_flags(args)  # a model to fine-tune; LoRA flags only with --use_peft
     startup = {"compiles": True, "tensor_parallel": False}  # compile: eager keys
@@ -122,13 +144,16 @@ def main() -> int:
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
         dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True
+        ),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
-        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir,
+        kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -144,30 +169,53 @@ def main() -> int:
     with launch.node_first(accelerator):
         config = AutoConfig.from_pretrained(args.model_name_or_path)
         model_cls = models.causal_lm_class(config)
-        raw = data.load_text_dataset(args.dataset_name, args.dataset_config_name, args.train_file,
-                                     args.validation_file, args.validation_split_percentage,
-                                     columns=(("messages",), ("prompt", "completion")),
-                                     bundled=(f"{CHAT}/train.jsonl", f"{CHAT}/validation.jsonl"))
+        raw = data.load_text_dataset(
+            args.dataset_name,
+            args.dataset_config_name,
+            args.train_file,
+            args.validation_file,
+            args.validation_split_percentage,
+            columns=(("messages",), ("prompt", "completion")),
+            bundled=(f"{CHAT}/train.jsonl", f"{CHAT}/validation.jsonl"),
+        )
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, 0, args.cache_dir)
         to_rows, rows_key = data.chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
         checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.max_length)
         ids = models.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
-        lm_data = data.pack_dataset(raw, tokenizer, args.max_length, args.cache_dir, args.packing,
-                                    to_rows, rows_key, "--max_length").with_format("torch")
+        lm_data = data.pack_dataset(
+            raw,
+            tokenizer,
+            args.max_length,
+            args.cache_dir,
+            args.packing,
+            to_rows,
+            rows_key,
+            "--max_length",
+        ).with_format("torch")
     # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(accelerator, raw, tokenizer, args.max_length, args.packing,
-                                   rows_key)
+    data_digest = checks.same_data(
+        accelerator, raw, tokenizer, args.max_length, args.packing, rows_key
+    )
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
-        lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids)
+        lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids
+    )
     updates_per_epoch = len(train_set) // global_batch
-    max_steps = args.max_steps if args.max_steps > 0 else \
-        math.ceil(args.num_train_epochs * updates_per_epoch)
+    max_steps = (
+        args.max_steps
+        if args.max_steps > 0
+        else math.ceil(args.num_train_epochs * updates_per_epoch)
+    )
     # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
-    guard.data_ready(train_size=len(train_set), train_unit="conversations",
-                     steps=max_steps, model_cls=model_cls, model_config=config)
+    guard.data_ready(
+        train_size=len(train_set),
+        train_unit="conversations",
+        steps=max_steps,
+        model_cls=model_cls,
+        model_config=config,
+    )
     # >>> shared: loaders
     # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
     # ranks; rank r gets every world_size-th micro batch of it. drop_last: full global batches.
@@ -175,25 +223,38 @@ def main() -> int:
     # global RNG that dropout uses, and a resume opens an extra iterator mid-epoch.
     pin = accelerator.device.type == "cuda"  # page-locked host memory, for non-blocking copies
     train_loader = torch.utils.data.DataLoader(
-        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator(), pin_memory=pin)
+        train_set,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
     eval_loader = torch.utils.data.DataLoader(
-        eval_set, batch_size=args.per_device_eval_batch_size, generator=torch.Generator(),
-        pin_memory=pin)
+        eval_set,
+        batch_size=args.per_device_eval_batch_size,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
     # <<< shared
 
     # ADAPT: model. fp32 master weights; the launch config picks the compute precision. With
     # --use_peft the pretrained weights are frozen and LoRA adapters train (peft).
-    model = models.load_pretrained_on_ranks(accelerator, args.model_name_or_path, config, False,
-                                            tokenizer)  # missing or unexpected weights stop it
+    model = models.load_pretrained_on_ranks(
+        accelerator, args.model_name_or_path, config, False, tokenizer
+    )  # missing or unexpected weights stop it
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     model.config.use_cache = False
     targets = args.lora_target_modules  # "all-linear": every Linear but the output head
-    lora = args.use_peft and {"r": args.lora_r, "lora_alpha": args.lora_alpha,
-                              "lora_dropout": args.lora_dropout, "target_modules":
-                              targets if targets == "all-linear" else targets.split(",")}
+    lora = args.use_peft and {
+        "r": args.lora_r,
+        "lora_alpha": args.lora_alpha,
+        "lora_dropout": args.lora_dropout,
+        "target_modules": targets if targets == "all-linear" else targets.split(","),
+    }
     if lora:
         try:  # (peft says which target modules the model lacks)
             model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
@@ -201,39 +262,66 @@ def main() -> int:
             raise errors.Stop(f"--lora_target_modules {targets}: {err}") from None
         checks.lora_targets_found(model, targets)  # peft adapts what it finds, names it does not
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
-    n_trainable = sum(getattr(p, "ds_numel", p.numel())
-                      for p in model.parameters() if p.requires_grad)  # LoRA: the adapters
+    n_trainable = sum(
+        getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad
+    )  # LoRA: the adapters
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.max_length)
 
     peak_lr, lr_line = schedule.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
     accelerator.print(lr_line)
     # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay), lr=peak_lr,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay),
+        lr=peak_lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     # Resume: the step count gives the data position, if global batch, seed and blocks match.
     run_state, must_match = checkpoint.run_state(
-        accelerator, args, model, peak_lr, max_steps, global_batch=global_batch, seed=args.seed,
-        block_size=args.max_length, packing=args.packing, lora=lora, train_blocks=len(train_set),
-        data_digest=data_digest)
+        accelerator,
+        args,
+        model,
+        peak_lr,
+        max_steps,
+        global_batch=global_batch,
+        seed=args.seed,
+        block_size=args.max_length,
+        packing=args.packing,
+        lora=lora,
+        train_blocks=len(train_set),
+        data_digest=data_digest,
+    )
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps)
+        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
+    )
     step = saved["step"]
 
     # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, lr_scheduler)
+        model, optimizer, train_loader, eval_loader, lr_scheduler
+    )
     applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
-        accelerator, model, args, precision=guard.precision, global_batch=global_batch,
-        n_params=n_params, trainable_params=n_trainable, updates_per_epoch=updates_per_epoch,
+        accelerator,
+        model,
+        args,
+        precision=guard.precision,
+        global_batch=global_batch,
+        n_params=n_params,
+        trainable_params=n_trainable,
+        updates_per_epoch=updates_per_epoch,
         max_steps=max_steps,
-        model_type=config.model_type, model_class=model_cls.__name__, data=data.pack_stats(lm_data),
-        flops_per_token=flops_per_token, flops_per_token_method=flops_method,
-        **guard.prepared(accelerator, model, model_cls, global_batch))  # FSDP units, DeepSpeed
+        model_type=config.model_type,
+        model_class=model_cls.__name__,
+        data=data.pack_stats(lm_data),
+        flops_per_token=flops_per_token,
+        flops_per_token_method=flops_method,
+        **guard.prepared(accelerator, model, model_cls, global_batch),
+    )  # FSDP units, DeepSpeed
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
@@ -243,8 +331,9 @@ def main() -> int:
 
     # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()
-    progress = tqdm(total=max_steps, initial=step, desc="train",
-                    disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process
+    )
     t_start = log.start_clock(device, flops_per_token, args.peak_tflops)  # tokens/s, MFU
     epoch = step // updates_per_epoch
     health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
@@ -254,8 +343,11 @@ def main() -> int:
     while step < max_steps and not (problem or preempt):
         train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
-        batches = iter(accelerator.skip_first_batches(
-            train_loader, done_in_epoch * args.gradient_accumulation_steps))
+        batches = iter(
+            accelerator.skip_first_batches(
+                train_loader, done_in_epoch * args.gradient_accumulation_steps
+            )
+        )
         for _ in range(done_in_epoch, updates_per_epoch):
             lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
             t0 = time.perf_counter()
@@ -283,8 +375,9 @@ def main() -> int:
                     # >>> shared: step
                     if accelerator.sync_gradients:  # the window's last micro batch
                         # the global norm in fp64: every strategy clips with the same number
-                        norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
-                                                                     args.max_grad_norm)
+                        norm_before_clip = grad_norm.clip_grad_norm_(
+                            accelerator, model, args.max_grad_norm
+                        )
                     optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()  # a skipped step did not happen: the LR holds
@@ -298,27 +391,41 @@ def main() -> int:
             do_eval = step % args.eval_steps == 0 or step == max_steps
             if step % args.logging_steps == 0 or do_eval:
                 record = log.record(  # + tokens/s, data wait, memory, MFU of the window
-                    step=step, epoch=epoch, lr=lr, empty_windows=health.empty_windows,
+                    step=step,
+                    epoch=epoch,
+                    lr=lr,
+                    empty_windows=health.empty_windows,
                     loss=launch.data_parallel_sum(accelerator, loss_total).item(),  # nats/token
-                    grad_norm=float(norm_before_clip), **health.scale_fields())  # fp16 scale
+                    grad_norm=float(norm_before_clip),
+                    **health.scale_fields(),
+                )  # fp16 scale
                 if do_eval:
                     record["eval_loss"] = evaluate(model, eval_loader, accelerator)
                 log.log(record)  # NaN (an empty window) is written as null
-                progress.set_postfix(loss=f"{record['loss']:.3f}",
-                                     tok_s=f"{record['tokens_per_second']:.0f}")
+                progress.set_postfix(
+                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}"
+                )
             preempt = preempted()  # a collective: every rank stops at the same step, or none
             save = preempt or (args.save_steps and step % args.save_steps == 0)
             # a non-finite loss or norm stops before any checkpoint or export of its weights
             problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
                 saved_to = checkpoint.save_checkpoint(
-                    accelerator, args.output_dir, step, args.save_total_limit,
+                    accelerator,
+                    args.output_dir,
+                    step,
+                    args.save_total_limit,
                     {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
-                    hf_files=(accelerator.unwrap_model(model, keep_torch_compile=False).config,
-                              tokenizer))
+                    hf_files=(
+                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
+                        tokenizer,
+                    ),
+                )
             if preempt and not problem:
-                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                                  "relaunch with --resume_from_checkpoint auto to continue")
+                accelerator.print(
+                    f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                    "relaunch with --resume_from_checkpoint auto to continue"
+                )
             if problem or preempt or step >= max_steps:
                 break
         epoch += 1
@@ -337,9 +444,15 @@ def main() -> int:
     if args.save_logits_probe:  # the live (still sharded) model's logits, for tests of the export
         metrics.save_logits_probe(accelerator, model, eval_set, args.output_dir)
     accelerator.wait_for_everyone()
-    log.summary({"step": step, "wall_seconds": time.perf_counter() - t_start, **skipped,
-                 **log.tokens_seen(),  # input (padding left out) and target tokens, all ranks
-                 **metrics.end_figures(accelerator, model)})  # peak memory, buffer dtypes
+    log.summary(
+        {
+            "step": step,
+            "wall_seconds": time.perf_counter() - t_start,
+            **skipped,
+            **log.tokens_seen(),  # input (padding left out) and target tokens, all ranks
+            **metrics.end_figures(accelerator, model),
+        }
+    )  # peak memory, buffer dtypes
     # Proof that the export works: rank 0 reloads it with plain transformers and answers the first
     # validation conversation: its tokens up to the first target, the assistant's header included.
     sample_tokens = 40 if args.sample_tokens is None and n_params < 1e9 else args.sample_tokens or 0

@@ -45,6 +45,7 @@ from common import metrics, models, precision, workarounds
 from common.args import flag, make_output_dir, parse_args, parse_flags
 from common.data import SHARD_MANIFEST, own_shards
 from common.errors import Stop
+
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
@@ -81,15 +82,25 @@ class TrainArgs:
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
-TRAIN_DEFAULTS = dict(output_dir="runs/sharded_data", per_device_train_batch_size=8,
-                      learning_rate=1e-3, weight_decay=0.1, max_steps=30, logging_steps=5)
+TRAIN_DEFAULTS = dict(
+    output_dir="runs/sharded_data",
+    per_device_train_batch_size=8,
+    learning_rate=1e-3,
+    weight_decay=0.1,
+    max_steps=30,
+    logging_steps=5,
+)
 
 
 def parse_prepare_args(argv: list[str]) -> PrepareArgs:
     """The prepare step's flags; a bad one exits with one `error:` line."""
-    return parse_flags((PrepareArgs,), argv, description="sharded_data.py prepare: tokenize the "
-                       "bundled corpus once and write parquet shards and manifest.json into "
-                       "--output_dir (training: sharded_data.py --help)")[0][0]
+    return parse_flags(
+        (PrepareArgs,),
+        argv,
+        description="sharded_data.py prepare: tokenize the "
+        "bundled corpus once and write parquet shards and manifest.json into "
+        "--output_dir (training: sharded_data.py --help)",
+    )[0][0]
 
 
 def prepare(args: PrepareArgs) -> None:
@@ -110,8 +121,11 @@ class RankShards(torch.utils.data.IterableDataset):
     def __init__(self, paths: list[Path], batch_size: int, seed: int, rank: int):
         self.paths, self.batch_size = [str(p) for p in paths], batch_size
         self.seed, self.rank = seed, rank
-        self.units = [(f, g) for f, p in enumerate(self.paths)
-                      for g in range(pq.ParquetFile(p).num_row_groups)]
+        self.units = [
+            (f, g)
+            for f, p in enumerate(self.paths)
+            for g in range(pq.ParquetFile(p).num_row_groups)
+        ]
         # Shared memory: persistent DataLoader workers keep their own copy of this object and
         # would never see a plain attribute change (datasets' IterableDataset does the same).
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -133,16 +147,22 @@ class RankShards(torch.utils.data.IterableDataset):
             rows = np.random.default_rng([self.seed, epoch, self.rank, u]).permutation(len(table))
             t = table.column("input_ids").combine_chunks().values.to_numpy()
             t, b = t.reshape(len(table), -1)[rows], table.column("block_id").to_numpy()[rows]
-            tokens, ids = (t, b) if tokens is None else (np.concatenate([tokens, t]),
-                                                         np.concatenate([ids, b]))
+            tokens, ids = (
+                (t, b)
+                if tokens is None
+                else (np.concatenate([tokens, t]), np.concatenate([ids, b]))
+            )
             while len(ids) >= self.batch_size:
-                yield {"input_ids": torch.from_numpy(tokens[:self.batch_size].astype(np.int64)),
-                       "block_id": torch.from_numpy(ids[:self.batch_size].copy())}
-                tokens, ids = tokens[self.batch_size:], ids[self.batch_size:]
+                yield {
+                    "input_ids": torch.from_numpy(tokens[: self.batch_size].astype(np.int64)),
+                    "block_id": torch.from_numpy(ids[: self.batch_size].copy()),
+                }
+                tokens, ids = tokens[self.batch_size :], ids[self.batch_size :]
 
 
-def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, seed: int,
-                   buffer_size: int):
+def datasets_route(
+    manifest: dict, data_dir: str, rank: int, world_size: int, seed: int, buffer_size: int
+):
     """The same shards through `datasets` streaming: a torch-formatted IterableDataset of rows
     (`input_ids` int64 [block_size], `block_id` int64) with `set_epoch`. `reshard()` makes each row
     group a shard, and `max_buffer_input_shards=1` reads them one after another: with the defaults,
@@ -155,8 +175,9 @@ def datasets_route(manifest: dict, data_dir: str, rank: int, world_size: int, se
     stream = load_dataset("parquet", data_files=files, split="train", streaming=True).reshard()
     stream = split_dataset_by_node(stream, rank=rank, world_size=world_size, strategy="shards")
     # row groups, then rows within a buffer; reseeded by set_epoch (shared with persistent workers)
-    return stream.shuffle(seed=seed, buffer_size=buffer_size,
-                          max_buffer_input_shards=1).with_format("torch")
+    return stream.shuffle(
+        seed=seed, buffer_size=buffer_size, max_buffer_input_shards=1
+    ).with_format("torch")
 
 
 def main() -> int:
@@ -178,13 +199,16 @@ def main() -> int:
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # non_blocking: batches go to the GPU from pinned memory without waiting for the last step
         dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=True
+        ),
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
-        project_dir=args.output_dir, kwargs_handlers=guard.handlers,
+        project_dir=args.output_dir,
+        kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
@@ -203,26 +227,40 @@ def main() -> int:
     # Each rank checks its own shards (the datasets route re-deals every file each epoch: all),
     # then all compare: one rank's bad shard, or a node whose manifest differs, stops every rank.
     manifest, paths = checks.stop_if_any_rank_fails(
-        accelerator, own_shards, args.data_dir, world_size, rank, args.verify_checksums,
-        every_shard=args.loader == "datasets")
+        accelerator,
+        own_shards,
+        args.data_dir,
+        world_size,
+        rank,
+        args.verify_checksums,
+        every_shard=args.loader == "datasets",
+    )
     manifest_path = Path(args.data_dir) / SHARD_MANIFEST
     manifest_sha256 = hashlib.sha256(manifest_path.read_bytes()).hexdigest()
     checks.same_on_every_rank(accelerator, f"shard manifest {manifest_path}", manifest_sha256[:16])
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
-    dataset = RankShards(paths, batch, args.seed, rank) if args.loader == "parquet" else \
-        datasets_route(manifest, args.data_dir, rank, world_size, args.seed,
-                       args.shuffle_buffer_size)
+    dataset = (
+        RankShards(paths, batch, args.seed, rank)
+        if args.loader == "parquet"
+        else datasets_route(
+            manifest, args.data_dir, rank, world_size, args.seed, args.shuffle_buffer_size
+        )
+    )
     loader_batch = None if args.loader == "parquet" else batch  # RankShards yields whole batches
     workers = args.dataloader_num_workers
     # Not for accelerator.prepare: split_batches would slice each batch across the ranks, and
     # dispatch_batches (the default for iterable datasets) has rank 0 read everything.
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=loader_batch, drop_last=loader_batch is not None, num_workers=workers,
+        dataset,
+        batch_size=loader_batch,
+        drop_last=loader_batch is not None,
+        num_workers=workers,
         pin_memory=args.dataloader_pin_memory and device.type == "cuda",  # async copies to GPU
         prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-forks
         generator=torch.Generator(),  # iter() seeds from here, not the RNG a resume restores
-        worker_init_fn=data.leave_signals_to_the_rank)  # the rank saves first, then stops them
+        worker_init_fn=data.leave_signals_to_the_rank,
+    )  # the rank saves first, then stops them
 
     def epochs(epoch: int, done: int):
         """(epoch, batches of it consumed, batch) forever, from `done` batches into `epoch`. The
@@ -233,12 +271,20 @@ def main() -> int:
             n = 0
             for n, b in enumerate(loader, 1):
                 if n > done:
-                    yield epoch, n, {"sample_id": b["block_id"], "input_ids":
-                                     b["input_ids"].long().to(device, non_blocking=True)}
+                    yield (
+                        epoch,
+                        n,
+                        {
+                            "sample_id": b["block_id"],
+                            "input_ids": b["input_ids"].long().to(device, non_blocking=True),
+                        },
+                    )
             if n == 0:
-                raise ValueError(f"rank {rank}: shards {[p.name for p in paths]} hold less than "
-                                 f"one batch of {batch} per loader worker ({workers}); prepare "
-                                 "more blocks or lower the batch size")
+                raise ValueError(
+                    f"rank {rank}: shards {[p.name for p in paths]} hold less than "
+                    f"one batch of {batch} per loader worker ({workers}); prepare "
+                    "more blocks or lower the batch size"
+                )
             epoch, done = epoch + 1, 0
 
     # -----------------------------------------------------------------------------------------
@@ -246,11 +292,16 @@ def main() -> int:
     # -----------------------------------------------------------------------------------------
     config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
     if block_size > config.max_position_embeddings:
-        raise Stop(f"the shards' block size {block_size} exceeds --model_config {args.model_config}"
-                   f"'s max_position_embeddings {config.max_position_embeddings}")
+        raise Stop(
+            f"the shards' block size {block_size} exceeds --model_config {args.model_config}"
+            f"'s max_position_embeddings {config.max_position_embeddings}"
+        )
     # With the model config: the FSDP wrap class against the model, ZeRO-3 against the plan.
-    guard.check(flags={**guard.facts["flags"], "block_size": block_size},
-                model_cls=LlamaForCausalLM, model_config=config)
+    guard.check(
+        flags={**guard.facts["flags"], "block_size": block_size},
+        model_cls=LlamaForCausalLM,
+        model_config=config,
+    )
     set_seed(args.seed)  # same initial weights on every rank
     model = LlamaForCausalLM(config)
     # From here each rank draws its own random numbers (dropout); the data order does not use
@@ -258,8 +309,9 @@ def main() -> int:
     set_seed(args.seed, device_specific=True)
     model.config.use_cache = False
     # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
-    optimizer = torch.optim.AdamW(models.param_groups(model, args.weight_decay),
-                                  lr=args.learning_rate, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95)
+    )
     accelerator.print(metrics.weight_decay_line(optimizer))
     lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # then constant
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot see our loader
@@ -269,29 +321,42 @@ def main() -> int:
     workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
-    run_state = {"distributed_type": checkpoint.strategy_name(accelerator),
-                 "world_size": world_size, "seed": args.seed, "global_batch": global_batch,
-                 "per_device_train_batch_size": batch, "loader": args.loader,
-                 "dataloader_num_workers": workers, "shuffle_buffer_size": args.shuffle_buffer_size,
-                 "block_size": block_size, "manifest_sha256": manifest_sha256,
-                 "model_config": models.config_state(config), "learning_rate": args.learning_rate,
-                 "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-                 "max_grad_norm": args.max_grad_norm, **checkpoint.precision_state(accelerator),
-                 "max_steps": args.max_steps}  # (never compared: the LR is constant after warmup)
+    run_state = {
+        "distributed_type": checkpoint.strategy_name(accelerator),
+        "world_size": world_size,
+        "seed": args.seed,
+        "global_batch": global_batch,
+        "per_device_train_batch_size": batch,
+        "loader": args.loader,
+        "dataloader_num_workers": workers,
+        "shuffle_buffer_size": args.shuffle_buffer_size,
+        "block_size": block_size,
+        "manifest_sha256": manifest_sha256,
+        "model_config": models.config_state(config),
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "warmup_steps": args.warmup_steps,
+        "max_grad_norm": args.max_grad_norm,
+        **checkpoint.precision_state(accelerator),
+        "max_steps": args.max_steps,
+    }  # (never compared: the LR is constant after warmup)
     resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state)  # all must match
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow the step
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, saved["step"])
         accelerator.print(checkpoint.resumed_line(resume_path, saved["step"]))
-    accelerator.print(f"{accelerator.distributed_type.name} x{world_size} | {args.loader} loader "
-                      f"| {len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB "
-                      f"corpus | {workers} workers | batch {batch} x {block_size} tokens x "
-                      f"{accumulation} accumulation per rank | {accelerator.mixed_precision}")
+    accelerator.print(
+        f"{accelerator.distributed_type.name} x{world_size} | {args.loader} loader "
+        f"| {len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB "
+        f"corpus | {workers} workers | batch {batch} x {block_size} tokens x "
+        f"{accumulation} accumulation per rank | {accelerator.mixed_precision}"
+    )
     # metrics.jsonl (a resume keeps the step lines up to its step) and the trackers
     log = metrics.RunLog(accelerator, args, "sharded_data", saved["step"] if resume_path else None)
 
     # 1. The loader alone: tokens/s it delivers with nothing else running (start-up excluded).
-    loader_tps = metrics.loader_tokens_per_second(loader, args.loader_benchmark_batches,
-                                                  batch * block_size)
+    loader_tps = metrics.loader_tokens_per_second(
+        loader, args.loader_benchmark_batches, batch * block_size
+    )
 
     # 2. Training: what one step consumes, and how long the step waits for data. GPU work is
     # asynchronous: no per-step synchronize (it would stall the host every step); the step time is
@@ -326,8 +391,9 @@ def main() -> int:
                 # >>> shared: step
                 if accelerator.sync_gradients:  # the window's last micro batch
                     # the global norm in fp64: every strategy clips with the same number
-                    norm_before_clip = grad_norm.clip_grad_norm_(accelerator, model,
-                                                                 args.max_grad_norm)
+                    norm_before_clip = grad_norm.clip_grad_norm_(
+                        accelerator, model, args.max_grad_norm
+                    )
                 optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()  # a skipped step did not happen: the LR holds
@@ -345,30 +411,52 @@ def main() -> int:
             print(f"step {step}: {warning}", file=sys.stderr, flush=True)
         if step % args.logging_steps == 0 or step == args.max_steps:
             fp16 = {} if scale is None else {"loss_scale": scale, "skipped_steps": skipped_steps}
-            record = {"step": step, "epoch": epoch,  # the only host reads of the step
-                      "loss": accelerator.reduce(window_loss, reduction="mean").item(), "lr": lr,
-                      "grad_norm": float(norm_before_clip), **fp16}
-            accelerator.print(f"step {step} | epoch {epoch} | loss {record['loss']:.3f} "
-                              f"| lr {lr:.3g}" + (f" | loss scale {scale:g} | skipped steps "
-                                                  f"{skipped_steps}" if fp16 else ""))
+            record = {
+                "step": step,
+                "epoch": epoch,  # the only host reads of the step
+                "loss": accelerator.reduce(window_loss, reduction="mean").item(),
+                "lr": lr,
+                "grad_norm": float(norm_before_clip),
+                **fp16,
+            }
+            accelerator.print(
+                f"step {step} | epoch {epoch} | loss {record['loss']:.3f} "
+                f"| lr {lr:.3g}"
+                + (f" | loss scale {scale:g} | skipped steps {skipped_steps}" if fp16 else "")
+            )
             log.log(record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
         preempt = preempted()  # a collective: every rank stops at the same step (a signal, or None)
         save = preempt or (args.save_steps and step % args.save_steps == 0)
         # a non-finite loss or norm stops before any checkpoint or export of its weights
-        problem = f"step {step}: {scale_error}" if scale_error else (
-            (save or step == args.max_steps or step % args.logging_steps == 0)
-            and nonfinite.problem())
+        problem = (
+            f"step {step}: {scale_error}"
+            if scale_error
+            else (
+                (save or step == args.max_steps or step % args.logging_steps == 0)
+                and nonfinite.problem()
+            )
+        )
         if save and not problem:
             t_save = time.perf_counter()
-            saved_to = checkpoint.save_checkpoint(accelerator, args.output_dir, step, run_state={
-                **run_state, "skipped_steps": skipped_steps, "skipped_in_a_row": in_a_row,
-                # every rank's own [epoch, batches consumed in it] (epochs differ in length)
-                "data_position": gather_object([[epoch, done]])})
+            saved_to = checkpoint.save_checkpoint(
+                accelerator,
+                args.output_dir,
+                step,
+                run_state={
+                    **run_state,
+                    "skipped_steps": skipped_steps,
+                    "skipped_in_a_row": in_a_row,
+                    # every rank's own [epoch, batches consumed in it] (epochs differ in length)
+                    "data_position": gather_object([[epoch, done]]),
+                },
+            )
             save_s += time.perf_counter() - t_save
         if problem or preempt:
             if not problem:
-                accelerator.print(f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                                  "relaunch with --resume_from_checkpoint auto to continue")
+                accelerator.print(
+                    f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                    "relaunch with --resume_from_checkpoint auto to continue"
+                )
             teardown()
             if problem:
                 raise Stop(problem)
@@ -381,14 +469,32 @@ def main() -> int:
     step_tps = trained / compute_s if compute_s and trained else float("nan")
 
     # 3. Live memory, with the persistent workers still alive: the rank's and its workers'.
-    per_rank = metrics.gather_loader_rows(accelerator, [
-        rank, len(paths), loader_tps, step_tps, loader_tps / step_tps,
-        wait_s / (wait_s + compute_s or float("nan"))])  # + memory, every rank's row
-    seen.write(accelerator, args.output_dir,  # --record_sample_ids: each rank its own file
-               shards=[p.name for p in paths] if args.loader == "parquet" else None)
-    log.summary({"step": args.max_steps, "loader": args.loader,
-                 "text_bytes": manifest["text_bytes"], "world_size": world_size,
-                 "precision": guard.precision, "per_rank": per_rank})
+    per_rank = metrics.gather_loader_rows(
+        accelerator,
+        [
+            rank,
+            len(paths),
+            loader_tps,
+            step_tps,
+            loader_tps / step_tps,
+            wait_s / (wait_s + compute_s or float("nan")),
+        ],
+    )  # + memory, every rank's row
+    seen.write(
+        accelerator,
+        args.output_dir,  # --record_sample_ids: each rank its own file
+        shards=[p.name for p in paths] if args.loader == "parquet" else None,
+    )
+    log.summary(
+        {
+            "step": args.max_steps,
+            "loader": args.loader,
+            "text_bytes": manifest["text_bytes"],
+            "world_size": world_size,
+            "precision": guard.precision,
+            "per_rank": per_rank,
+        }
+    )
     accelerator.print(metrics.loader_table(per_rank, manifest["text_bytes"], args.loader))
     teardown()
     accelerator.print(log.final_line(f"metrics in {log.path}"))

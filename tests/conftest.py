@@ -15,7 +15,9 @@ from pathlib import Path
 # the GPUs, before anything initialises CUDA, from itself and from every process it starts (which
 # inherit os.environ: launches, subprocess.run, sbatch jobs), and opts in to CPU ranks, which
 # common/launch.py otherwise refuses on a host with GPUs that torch cannot see.
-HOST_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")  # for the GPU-only tests (test_gpu_syncs.py)
+HOST_CUDA_VISIBLE_DEVICES = os.environ.get(
+    "CUDA_VISIBLE_DEVICES"
+)  # for the GPU-only tests (test_gpu_syncs.py)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["ACCELERATE_RECIPES_ALLOW_CPU"] = "1"
 # torch sets TORCHINDUCTOR_CACHE_DIR to its shared /tmp default in os.environ as soon as a module that
@@ -29,8 +31,18 @@ import pytest  # noqa: E402  (kept with the import above, after the environment 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = ["single", "ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
 # Small and fast, but the real corpus, tokenizer and model: 4 blocks of 128 tokens per rank.
-FAST = ["--per_device_train_batch_size", "4", "--block_size", "128", "--max_eval_samples", "32",
-        "--report_to", "none", "--ddp_timeout", "120"]
+FAST = [
+    "--per_device_train_batch_size",
+    "4",
+    "--block_size",
+    "128",
+    "--max_eval_samples",
+    "32",
+    "--report_to",
+    "none",
+    "--ddp_timeout",
+    "120",
+]
 
 
 @pytest.fixture(scope="session")
@@ -59,11 +71,15 @@ def collectable_heap():
     gc.enable()
 
 
-def launch_command(config, script, *args, num_processes=None, mixed_precision=None, launcher_args=(), root=REPO):
+def launch_command(
+    config, script, *args, num_processes=None, mixed_precision=None, launcher_args=(), root=REPO
+):
     """`accelerate launch --config_file accelerate_configs/{config}.yaml [--num_processes N] [--mixed_precision P]
     {launcher_args} {script} {args}` as a list of strings, the config and script under `root` (this
     repository, or a copy of it); `config` may also be the path of a YAML file."""
-    config_file = config if isinstance(config, Path) else Path(root) / "accelerate_configs" / f"{config}.yaml"
+    config_file = (
+        config if isinstance(config, Path) else Path(root) / "accelerate_configs" / f"{config}.yaml"
+    )
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         cmd += ["--num_processes", str(num_processes)]
@@ -76,30 +92,65 @@ def launch_env(cache_dir, env=None, device_guard=True):
     """The environment of a launch: this one, the shared cache, torch.compile's kernels cached in it (a
     stale /tmp/torchinductor_<user> cannot reach the suite), unbuffered output, one thread per rank, and
     (device_guard) tests/device_guard first on PYTHONPATH; then `env` on top, where None removes a variable."""
-    kernels = os.path.join(cache_dir, f"inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native').lower()}")
-    base = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-            "TORCHINDUCTOR_CACHE_DIR": CALLER_INDUCTOR_CACHE or kernels}
+    kernels = os.path.join(
+        cache_dir, f"inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native').lower()}"
+    )
+    base = {
+        **os.environ,
+        "ACCELERATE_RECIPES_CACHE": cache_dir,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_CACHE_DIR": CALLER_INDUCTOR_CACHE or kernels,
+    }
     if device_guard:  # every process runs tests/device_guard: project code may not hand a collective a host tensor
-        base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "device_guard"),
-                                                           os.environ.get("PYTHONPATH")]))
+        base["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO / "tests" / "device_guard"), os.environ.get("PYTHONPATH")])
+        )
     return {k: v for k, v in {**base, **(env or {})}.items() if v is not None}
 
 
-def launch(config, script, *args, cache_dir, num_processes=None, mixed_precision=None, timeout=900, check=True,
-           launcher_args=(), env=None, device_guard=True, root=REPO):
+def launch(
+    config,
+    script,
+    *args,
+    cache_dir,
+    num_processes=None,
+    mixed_precision=None,
+    timeout=900,
+    check=True,
+    launcher_args=(),
+    env=None,
+    device_guard=True,
+    root=REPO,
+):
     """Run `accelerate launch --config_file accelerate_configs/{config}.yaml {launcher_args} {script} {args}`
     (`launch_command`) in `root`, with `launch_env(cache_dir, env, device_guard)`.
 
     Returns the CompletedProcess; with check=True, fails the test with the output tail on error.
     """
-    cmd = launch_command(config, script, *args, num_processes=num_processes, mixed_precision=mixed_precision,
-                         launcher_args=launcher_args, root=root)
-    proc = subprocess.run(cmd, cwd=root, env=launch_env(cache_dir, env, device_guard), capture_output=True,
-                          text=True, timeout=timeout)
+    cmd = launch_command(
+        config,
+        script,
+        *args,
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        launcher_args=launcher_args,
+        root=root,
+    )
+    proc = subprocess.run(
+        cmd,
+        cwd=root,
+        env=launch_env(cache_dir, env, device_guard),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr ---\n{proc.stderr[-8000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+            f"--- stderr ---\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -108,8 +159,14 @@ def start(config, script, *args, cache_dir, log, env=None, device_guard=True, **
     and stderr into the file `log`. `launch_options`: num_processes, mixed_precision, launcher_args."""
     cmd = launch_command(config, script, *args, **launch_options)
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=launch_env(cache_dir, env, device_guard), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=launch_env(cache_dir, env, device_guard),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def workers(job, script):
@@ -169,17 +226,31 @@ def preempt(config, script, *args, out, cache_dir, world=2, **launch_options):
 
     statuses, log = Path(f"{out}.exit"), Path(f"{out}.log")
     statuses.mkdir()
-    job = start(config, script, "--output_dir", out, *args, cache_dir=cache_dir, log=log,
-                env={"EXIT_STATUS_DIR": str(statuses)}, **launch_options)
+    job = start(
+        config,
+        script,
+        "--output_dir",
+        out,
+        *args,
+        cache_dir=cache_dir,
+        log=log,
+        env={"EXIT_STATUS_DIR": str(statuses)},
+        **launch_options,
+    )
     ranks = {}
 
     def started():
         ranks.update(workers(job, script))  # (a scan of every process: slow, so polled slowly)
         return len(ranks) == world
+
     try:
         wait_until(started, job, f"{world} ranks", poll=0.2)
-        wait_until(lambda: all(catches(p, signal.SIGTERM) for p in ranks.values()), job,
-                   "every rank's SIGTERM handler", poll=0.005)
+        wait_until(
+            lambda: all(catches(p, signal.SIGTERM) for p in ranks.values()),
+            job,
+            "every rank's SIGTERM handler",
+            poll=0.005,
+        )
         job.send_signal(signal.SIGTERM)  # the launcher only: torchrun passes it on to every rank
         status = finish(job, timeout=120)
         assert not psutil.wait_procs(list(ranks.values()), timeout=10)[1], "ranks left running"
@@ -188,9 +259,12 @@ def preempt(config, script, *args, out, cache_dir, world=2, **launch_options):
             os.killpg(job.pid, signal.SIGKILL)
     output = log.read_text()
     assert status == 1 and "SignalException" in output, (status, output[-3000:])
-    assert PREEMPTED_EXIT_CODE == 143  # 128 + SIGTERM, what SLURM and shells read as "ended by SIGTERM"
-    assert {p.name: p.read_text() for p in statuses.iterdir()} == {f"rank{r}": "143" for r in range(world)}, \
-        output[-3000:]
+    assert (
+        PREEMPTED_EXIT_CODE == 143
+    )  # 128 + SIGTERM, what SLURM and shells read as "ended by SIGTERM"
+    assert {p.name: p.read_text() for p in statuses.iterdir()} == {
+        f"rank{r}": "143" for r in range(world)
+    }, output[-3000:]
     preempted = re.search(r"preempted \(SIGTERM\) at step (\d+): saved (\S+);", output)
     assert preempted, output[-3000:]
     step = int(preempted.group(1))
@@ -225,8 +299,14 @@ def ordinary_step_reads(reads, logging_steps, max_steps, start=0, save_steps=0):
     that is not a multiple of `logging_steps` (nor of `save_steps`) covers only the rest of the
     ordinary step s and the training of step s + 1 (which, if it logs, does so seeing s + 1).
     """
-    return [r for r in reads if r[3] is not None and start < r[3] < max_steps and r[3] % logging_steps
-            and not (save_steps and r[3] % save_steps == 0)]
+    return [
+        r
+        for r in reads
+        if r[3] is not None
+        and start < r[3] < max_steps
+        and r[3] % logging_steps
+        and not (save_steps and r[3] % save_steps == 0)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -265,11 +345,17 @@ def run_in_process(monkeypatch, recipe, *argv):
     """
     monkeypatch.setattr(sys, "argv", [str(REPO / recipe), *map(str, argv)])
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **k: pytest.fail("the recipe got past its flag checks"))
+    monkeypatch.setattr(
+        accelerate,
+        "Accelerator",
+        lambda *a, **k: pytest.fail("the recipe got past its flag checks"),
+    )
     from common import errors
 
     lines = []  # what errors.run writes to stderr
-    monkeypatch.setattr(errors.os, "write", lambda fd, data: lines.append(data.decode()) or len(data))
+    monkeypatch.setattr(
+        errors.os, "write", lambda fd, data: lines.append(data.decode()) or len(data)
+    )
     with pytest.raises(SystemExit) as exc:
         runpy.run_path(str(REPO / recipe), run_name="__main__")
     return "".join(lines).strip() if exc.value.code == 1 and lines else str(exc.value.code)
@@ -283,17 +369,60 @@ def corpus_args(corpus):
 
 # The 30-step fp32 run that the recovery, preemption and SLURM tests compare with (global batch 4:
 # 2 per device x 2 ranks): checkpoints at 10, 20 and 30. Pass it after corpus_args.
-RUN30 = ["--block_size", 64, "--per_device_train_batch_size", 2, "--max_steps", 30, "--save_steps", 10,
-         "--warmup_steps", 4, "--logging_steps", 1, "--eval_steps", 30, "--report_to", "none", "--ddp_timeout", 60,
-         "--sample_tokens", 0]  # the export's reload and sample: tests/test_llama.py
+RUN30 = [
+    "--block_size",
+    64,
+    "--per_device_train_batch_size",
+    2,
+    "--max_steps",
+    30,
+    "--save_steps",
+    10,
+    "--warmup_steps",
+    4,
+    "--logging_steps",
+    1,
+    "--eval_steps",
+    30,
+    "--report_to",
+    "none",
+    "--ddp_timeout",
+    60,
+    "--sample_tokens",
+    0,
+]  # the export's reload and sample: tests/test_llama.py
 
 
 # The 10-step runs that tests/test_llama.py checks and tests/test_parity.py compares: global batch 4
 # on every config (4 per device on one process, 2 x 2 ranks), logged every 2nd step so that the odd
 # steps are ordinary ones for the host-read check.
-SHORT = ["--max_steps", 10, "--warmup_steps", 3, "--learning_rate", 3e-3, "--logging_steps", 2, "--eval_steps", 10,
-         "--block_size", 64, "--max_eval_samples", 13, "--per_device_eval_batch_size", 4, "--save_logits_probe",
-         "--report_to", "none", "--ddp_timeout", 120, "--sample_tokens", 0, "--peak_tflops", 0.05]  # MFU on a CPU
+SHORT = [
+    "--max_steps",
+    10,
+    "--warmup_steps",
+    3,
+    "--learning_rate",
+    3e-3,
+    "--logging_steps",
+    2,
+    "--eval_steps",
+    10,
+    "--block_size",
+    64,
+    "--max_eval_samples",
+    13,
+    "--per_device_eval_batch_size",
+    4,
+    "--save_logits_probe",
+    "--report_to",
+    "none",
+    "--ddp_timeout",
+    120,
+    "--sample_tokens",
+    0,
+    "--peak_tflops",
+    0.05,
+]  # MFU on a CPU
 
 
 @pytest.fixture(scope="session")
@@ -310,13 +439,24 @@ def short_run(tmp_path_factory, cache_dir):
             out, reads = base / "run", base / "reads"
             reads.mkdir()
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs every read
-                proc = launch(config, "recipes/llama.py", "--output_dir", out,
-                              "--per_device_train_batch_size", 4 if config == "single" else 2, *SHORT,
-                              cache_dir=cache_dir, mixed_precision=precision)
+                mp.setenv(
+                    "HOST_READS_DIR", str(reads)
+                )  # tests/device_guard/host_reads.py logs every read
+                proc = launch(
+                    config,
+                    "recipes/llama.py",
+                    "--output_dir",
+                    out,
+                    "--per_device_train_batch_size",
+                    4 if config == "single" else 2,
+                    *SHORT,
+                    cache_dir=cache_dir,
+                    mixed_precision=precision,
+                )
             (base / "stderr.log").write_text(proc.stderr)
             done[key] = out, host_reads(reads)
         return done[key]
+
     return run
 
 
@@ -330,8 +470,17 @@ def reference_run(tmp_path_factory, cache_dir):
         key = (config, tuple(map(str, args)))
         if key not in done:
             out = tmp_path_factory.mktemp(f"reference-{config}")
-            launch(config, "recipes/llama.py", "--output_dir", out, "--overwrite_output_dir", *args,
-                   cache_dir=cache_dir, mixed_precision="no")
+            launch(
+                config,
+                "recipes/llama.py",
+                "--output_dir",
+                out,
+                "--overwrite_output_dir",
+                *args,
+                cache_dir=cache_dir,
+                mixed_precision="no",
+            )
             done[key] = out
         return done[key]
+
     return run

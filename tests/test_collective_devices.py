@@ -45,34 +45,55 @@ def guarded_world():
 
 def line_of(text):
     """This file's line number of the first line containing `text`."""
-    return next(i for i, line in enumerate(open(__file__), 1) if text in line and "line_of" not in line)
+    return next(
+        i for i, line in enumerate(open(__file__), 1) if text in line and "line_of" not in line
+    )
 
 
 def test_host_tensors_handed_to_collectives_fail(guarded_world):
     host = torch.tensor([1.0, 2.0])  # host-made
-    message = (f"tests/{HERE}:{line_of('# all_reduce host')} hands torch.distributed.all_reduce a tensor left on "
-               f"the host at tests/{HERE}:{line_of('# host-made')} (torch.tensor without device=): under NCCL")
+    message = (
+        f"tests/{HERE}:{line_of('# all_reduce host')} hands torch.distributed.all_reduce a tensor left on "
+        f"the host at tests/{HERE}:{line_of('# host-made')} (torch.tensor without device=): under NCCL"
+    )
     with pytest.raises(AssertionError, match=f"^{re.escape(message)}"):
         dist.all_reduce(host)  # all_reduce host
-    with pytest.raises(AssertionError, match="accelerate.utils.gather"):  # a view, nested in a dict of lists
+    with pytest.raises(
+        AssertionError, match="accelerate.utils.gather"
+    ):  # a view, nested in a dict of lists
         accelerate.utils.gather({"x": [1, host.view(2, 1)]})
-    with pytest.raises(AssertionError, match="accelerator.gather_for_metrics"):  # no Accelerator needed to fail
+    with pytest.raises(
+        AssertionError, match="accelerator.gather_for_metrics"
+    ):  # no Accelerator needed to fail
         accelerate.Accelerator.gather_for_metrics(None, (host,))
-    with pytest.raises(AssertionError, match=r"at tests/\S+ \(torch.zeros without device=\)"):  # an output too
+    with pytest.raises(
+        AssertionError, match=r"at tests/\S+ \(torch.zeros without device=\)"
+    ):  # an output too
         dist.all_gather([torch.zeros(2)], torch.ones(2, device=DEVICE))
-    with pytest.raises(AssertionError, match="torch.distributed.all_reduce"):  # a dtype change stays on the host
+    with pytest.raises(
+        AssertionError, match="torch.distributed.all_reduce"
+    ):  # a dtype change stays on the host
         dist.all_reduce(host.to(torch.float64))
-    with pytest.raises(AssertionError, match="torch.distributed.broadcast"):  # the default group: not a CPU one
+    with pytest.raises(
+        AssertionError, match="torch.distributed.broadcast"
+    ):  # the default group: not a CPU one
         dist.broadcast(host, src=0, group=dist.group.WORLD)
 
 
 def test_cpu_copies_fail_but_leave_the_device_tensor_alone(guarded_world):
     device_tensor = torch.arange(3.0, device=DEVICE)
-    for host_copy, how in ((device_tensor.cpu(), r"\.cpu\(\)"), (device_tensor.to("cpu"), r"\.to\(cpu\)")):
+    for host_copy, how in (
+        (device_tensor.cpu(), r"\.cpu\(\)"),
+        (device_tensor.to("cpu"), r"\.to\(cpu\)"),
+    ):
         assert torch.equal(host_copy, device_tensor)
-        with pytest.raises(AssertionError, match=rf"left on the host at tests/{HERE}:\d+ \({how}\)"):
+        with pytest.raises(
+            AssertionError, match=rf"left on the host at tests/{HERE}:\d+ \({how}\)"
+        ):
             accelerate.utils.reduce(host_copy)
-    dist.all_reduce(device_tensor)  # on a CPU host .cpu() returns the tensor itself: the guard marked a view
+    dist.all_reduce(
+        device_tensor
+    )  # on a CPU host .cpu() returns the tensor itself: the guard marked a view
     assert device_tensor.tolist() == [0.0, 1.0, 2.0]  # one rank: the sum is the tensor
 
 
@@ -83,12 +104,20 @@ def test_device_tensors_gloo_groups_and_library_calls_pass(guarded_world):
     out = [torch.empty(1, device=DEVICE)]
     dist.all_gather(out, moved)
     assert out[0].item() == 5.0
-    cpu_group = dist.new_group(backend="gloo")  # a CPU group on purpose (common/checkpoint.py's stop_on_signal)
+    cpu_group = dist.new_group(
+        backend="gloo"
+    )  # a CPU group on purpose (common/checkpoint.py's stop_on_signal)
     flag = torch.tensor([3], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group)
     assert flag.item() == 3
-    library = {"torch": torch, "dist": dist}  # code outside the project makes and reduces host tensors unchecked
-    exec(compile("t = torch.tensor([1.0]); dist.all_reduce(t)", "/site-packages/lib.py", "exec"), library)
+    library = {
+        "torch": torch,
+        "dist": dist,
+    }  # code outside the project makes and reduces host tensors unchecked
+    exec(
+        compile("t = torch.tensor([1.0]); dist.all_reduce(t)", "/site-packages/lib.py", "exec"),
+        library,
+    )
     dist.all_reduce(library["t"])  # and its tensors are not marked
 
 
@@ -96,7 +125,13 @@ def test_device_contexts_still_place_factories(guarded_world):
     # `with torch.device(...)` finds the factories by identity; transformers builds and re-initialises
     # models under it (with the wrappers listed instead, its rotary buffers stayed uninitialised memory).
     with torch.device("meta"):
-        made = [torch.arange(4), torch.tensor([1.0]), torch.zeros(2), torch.empty(3), torch.full((2,), 1.0)]
+        made = [
+            torch.arange(4),
+            torch.tensor([1.0]),
+            torch.zeros(2),
+            torch.empty(3),
+            torch.full((2,), 1.0),
+        ]
     assert [t.device.type for t in made] == ["meta"] * 5
 
 
@@ -108,8 +143,16 @@ def test_the_guard_leaves_compiled_graphs_whole():
 
     def graphs():
         torch._dynamo.reset()
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=128))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=128,
+            )
+        )
         x = torch.randint(0, 128, (2, 16))
         explained = torch._dynamo.explain(model)(input_ids=x, labels=x)
         return explained.graph_count, explained.graph_break_count
@@ -150,9 +193,17 @@ print("SEEN " + json.dumps(seen))
 def test_the_host_read_logger_sees_every_idiom(tmp_path):
     script = tmp_path / "idioms.py"
     script.write_text(IDIOMS)
-    env = {**os.environ, "PYTHONPATH": ""}  # not the suite's sitecustomize: this script installs the logger itself
-    proc = subprocess.run([sys.executable, str(script), str(REPO), str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": "",
+    }  # not the suite's sitecustomize: this script installs the logger itself
+    proc = subprocess.run(
+        [sys.executable, str(script), str(REPO), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.split("SEEN ", 1)[1])
     for idiom, reads in seen.items():

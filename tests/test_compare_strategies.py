@@ -17,7 +17,9 @@ def test_paper_volumes_for_a_known_psi():
     assert predicted_comm_bytes("zero2", PSI, grad_bytes=2, param_bytes=2) == 16_851_968  # 2Ψ x 2 B
     assert predicted_comm_bytes("zero3", PSI, grad_bytes=2, param_bytes=2) == 25_277_952  # 3Ψ x 2 B
     # ZeRO-3 is 1.5x ZeRO-2 for the same dtypes
-    assert predicted_comm_bytes("zero3", PSI, 2, 2) / predicted_comm_bytes("zero2", PSI, 2, 2) == 1.5
+    assert (
+        predicted_comm_bytes("zero3", PSI, 2, 2) / predicted_comm_bytes("zero2", PSI, 2, 2) == 1.5
+    )
 
 
 def test_mixed_dtypes_price_each_collective_separately():
@@ -53,11 +55,13 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_median_step_time_skips_warmup():
     tokens = 2048
-    records = [{"step": 1, "tokens_per_second": 100.0},  # slow first steps are left out
-               {"step": 2, "tokens_per_second": 200.0},
-               {"step": 3, "tokens_per_second": 2048.0},  # 1.0 s
-               {"step": 4, "tokens_per_second": 1024.0},  # 2.0 s
-               {"step": 5, "tokens_per_second": 4096.0}]  # 0.5 s
+    records = [
+        {"step": 1, "tokens_per_second": 100.0},  # slow first steps are left out
+        {"step": 2, "tokens_per_second": 200.0},
+        {"step": 3, "tokens_per_second": 2048.0},  # 1.0 s
+        {"step": 4, "tokens_per_second": 1024.0},  # 2.0 s
+        {"step": 5, "tokens_per_second": 4096.0},
+    ]  # 0.5 s
     assert median_step_seconds(records, tokens, skip=2) == 1.0
     with pytest.raises(ValueError, match="warm-up"):
         median_step_seconds(records[:2], tokens, skip=2)

@@ -46,9 +46,23 @@ def compiled(tmp_path_factory, cache_dir, small_corpus, reference_run):
     out = root / "run"
     eager = reference_run("ddp", *corpus_args(small_corpus), *RUN30)
     t0 = time.perf_counter()
-    proc = launch(config_with_dynamo(root, "ddp"), "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus),
-                  *RUN30, "--ddp_timeout", 300, "--save_steps", 5, "--save_logits_probe", "--resume_from_checkpoint",
-                  eager / "checkpoint-20", cache_dir=cache_dir, mixed_precision="no")
+    proc = launch(
+        config_with_dynamo(root, "ddp"),
+        "recipes/llama.py",
+        "--output_dir",
+        out,
+        *corpus_args(small_corpus),
+        *RUN30,
+        "--ddp_timeout",
+        300,
+        "--save_steps",
+        5,
+        "--save_logits_probe",
+        "--resume_from_checkpoint",
+        eager / "checkpoint-20",
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     return out, time.perf_counter() - t0, proc.stdout
 
 
@@ -68,9 +82,16 @@ def test_compiled_ddp_matches_eager_and_exports(compiled, small_corpus, referenc
     assert [r["step"] for r in steps] == [r["step"] for r in eager] == list(range(21, 31))
     for mine, ref in zip(steps, eager):
         for key in ("loss", "grad_norm"):
-            assert mine[key] == pytest.approx(ref[key], rel=FP32_RTOL), (mine["step"], key, mine[key], ref[key])
+            assert mine[key] == pytest.approx(ref[key], rel=FP32_RTOL), (
+                mine["step"],
+                key,
+                mine[key],
+                ref[key],
+            )
     assert steps[-1]["eval_loss"] == pytest.approx(eager[-1]["eval_loss"], rel=FP32_RTOL)
-    assert steps[-1]["loss"] < steps[0]["loss"] - 0.3  # it trained: measured 5.86 -> 5.45 (steps 21-30)
+    assert (
+        steps[-1]["loss"] < steps[0]["loss"] - 0.3
+    )  # it trained: measured 5.86 -> 5.45 (steps 21-30)
 
     # The export: eager key names (no "_orig_mod."), reloaded by plain transformers to the live logits
     weights = load_file(out / "final" / "model.safetensors")
@@ -83,7 +104,9 @@ def test_compiled_ddp_matches_eager_and_exports(compiled, small_corpus, referenc
     print(f"compiled DDP launch: {seconds:.1f} s")
 
 
-def test_an_eager_run_resumes_a_compiled_checkpoint(compiled, tmp_path, cache_dir, small_corpus, reference_run):
+def test_an_eager_run_resumes_a_compiled_checkpoint(
+    compiled, tmp_path, cache_dir, small_corpus, reference_run
+):
     """Checkpoints keep eager key names: an uncompiled run resumes the compiled run's step 25 and
     continues as the eager run did (without it: missing/unexpected '_orig_mod.' keys, a traceback)."""
     out, _, _ = compiled
@@ -92,9 +115,22 @@ def test_an_eager_run_resumes_a_compiled_checkpoint(compiled, tmp_path, cache_di
     assert weights and not [k for k in weights if "_orig_mod" in k]
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    launch("ddp", "recipes/llama.py", "--output_dir", resumed, *corpus_args(small_corpus), *RUN30,
-           "--resume_from_checkpoint", ckpt, cache_dir=cache_dir, mixed_precision="no")
-    eager = {r["step"]: r for r in read_metrics(reference_run("ddp", *corpus_args(small_corpus), *RUN30))[0]}
+    launch(
+        "ddp",
+        "recipes/llama.py",
+        "--output_dir",
+        resumed,
+        *corpus_args(small_corpus),
+        *RUN30,
+        "--resume_from_checkpoint",
+        ckpt,
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
+    eager = {
+        r["step"]: r
+        for r in read_metrics(reference_run("ddp", *corpus_args(small_corpus), *RUN30))[0]
+    }
     steps, _ = read_metrics(resumed)
     assert [r["step"] for r in steps] == list(range(26, 31))
     for r in steps:
@@ -104,46 +140,78 @@ def test_an_eager_run_resumes_a_compiled_checkpoint(compiled, tmp_path, cache_di
 def test_deepspeed_with_a_dynamo_backend_is_one_error_line(tmp_path, cache_dir):
     """accelerate launch does not pass --dynamo_backend to DeepSpeed's ranks: they would train
     uncompiled, silently. The recipe reads the launcher's command line and refuses in one line."""
-    proc = launch("deepspeed_zero2", "recipes/llama.py", "--output_dir", tmp_path / "out", "--max_steps", 1,
-                  "--report_to", "none", launcher_args=["--dynamo_backend", "inductor"], cache_dir=cache_dir,
-                  env={"ACCELERATE_DYNAMO_BACKEND": None}, device_guard=False, check=False, timeout=300)
+    proc = launch(
+        "deepspeed_zero2",
+        "recipes/llama.py",
+        "--output_dir",
+        tmp_path / "out",
+        "--max_steps",
+        1,
+        "--report_to",
+        "none",
+        launcher_args=["--dynamo_backend", "inductor"],
+        cache_dir=cache_dir,
+        env={"ACCELERATE_DYNAMO_BACKEND": None},
+        device_guard=False,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "dynamo backend inductor" in errors[0] and "DeepSpeed" in errors[0]
     assert "ACCELERATE_DYNAMO_BACKEND=INDUCTOR" in errors[0]
-    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    assert not [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("[rank") and "Traceback" in line
+    ]
 
 
 def test_dynamo_checks(tmp_path):
     """The same checks from a YAML (the planner's route) and from a launcher's command line."""
     ds = yaml.safe_load(config_with_dynamo(tmp_path, "deepspeed_zero2").read_text())
-    assert [p.severity for p in checks.config_problems(ds, where="ds.yaml", compiles=True)] == ["error"]
-    fsdp1 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp1", dynamo_use_regional_compilation=True).read_text())
+    assert [p.severity for p in checks.config_problems(ds, where="ds.yaml", compiles=True)] == [
+        "error"
+    ]
+    fsdp1 = yaml.safe_load(
+        config_with_dynamo(tmp_path, "fsdp1", dynamo_use_regional_compilation=True).read_text()
+    )
     [problem] = checks.config_problems(fsdp1, compiles=True)
     assert problem.severity == "error" and "FSDP1" in problem.text
     for allowed in ("fsdp1", "fsdp", "ddp", "single"):  # whole-model compile works under each
-        assert not checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()),
-                                          compiles=True)
-    fsdp2 = yaml.safe_load(config_with_dynamo(tmp_path, "fsdp", dynamo_use_regional_compilation=True).read_text())
+        assert not checks.config_problems(
+            yaml.safe_load(config_with_dynamo(tmp_path, allowed).read_text()), compiles=True
+        )
+    fsdp2 = yaml.safe_load(
+        config_with_dynamo(tmp_path, "fsdp", dynamo_use_regional_compilation=True).read_text()
+    )
     assert not checks.config_problems(fsdp2, compiles=True)
     # a recipe that does not keep eager key names (every one but llama.py) refuses any backend
-    [problem] = checks.config_problems(yaml.safe_load(config_with_dynamo(tmp_path, "ddp").read_text()))
+    [problem] = checks.config_problems(
+        yaml.safe_load(config_with_dynamo(tmp_path, "ddp").read_text())
+    )
     assert problem.severity == "error" and "does not support torch.compile" in problem.text
 
     # launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
     def parent(*argv):
-        proc = subprocess.Popen(["accelerate", "-c", "import time; time.sleep(30)", *map(str, argv)],
-                                executable=sys.executable)
+        proc = subprocess.Popen(
+            ["accelerate", "-c", "import time; time.sleep(30)", *map(str, argv)],
+            executable=sys.executable,
+        )
         time.sleep(0.3)
         try:
             return checks.launcher_dynamo_backend(proc.pid)
         finally:
             proc.kill()
             proc.wait()
+
     assert parent("--dynamo_backend", "inductor", "train.py") == "INDUCTOR"
     assert parent("--dynamo_backend=eager", "train.py") == "EAGER"
-    assert parent("--config_file", tmp_path / "deepspeed_zero2_compiled.yaml", "train.py") == "INDUCTOR"
+    assert (
+        parent("--config_file", tmp_path / "deepspeed_zero2_compiled.yaml", "train.py")
+        == "INDUCTOR"
+    )
     assert parent("--dynamo_backend", "no", "train.py") is None
     assert parent("train.py", "--dynamo_backend", "inductor") is None
 
@@ -152,12 +220,24 @@ def test_other_recipes_refuse_a_dynamo_backend(tmp_path, monkeypatch):
     """Compiled, mixed_precision.py's checkpoints and export would carry '_orig_mod.' keys: one error
     line, before the Accelerator. In this process, with the variables that `accelerate launch
     --dynamo_backend inductor` gives DDP ranks (the compiled fixture launches that route for real)."""
-    for key, value in {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+    for key, value in {
+        "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }.items():
         monkeypatch.setenv(key, value)
-    message = run_in_process(monkeypatch, "recipes/mixed_precision.py", "--output_dir", tmp_path / "out",
-                             "--max_steps", 1)
+    message = run_in_process(
+        monkeypatch,
+        "recipes/mixed_precision.py",
+        "--output_dir",
+        tmp_path / "out",
+        "--max_steps",
+        1,
+    )
     assert message.startswith("error:") and len(message.splitlines()) == 1, message
-    assert "dynamo backend inductor" in message and "does not support torch.compile" in message, message
+    assert "dynamo backend inductor" in message and "does not support torch.compile" in message, (
+        message
+    )
 
 
 def test_documents_packing_compiles_once(cache_dir):
@@ -178,13 +258,19 @@ def test_documents_packing_compiles_once(cache_dir):
     counts, graphs = [], []
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
         for step in range(5):
-            cuts = sorted(torch.randperm(63, generator=torch.Generator().manual_seed(step))[:step + 1] + 1)
-            positions = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, 64])])[None].repeat(2, 1)
+            cuts = sorted(
+                torch.randperm(63, generator=torch.Generator().manual_seed(step))[: step + 1] + 1
+            )
+            positions = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, 64])])[
+                None
+            ].repeat(2, 1)
             ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(step))
             labels = ids.masked_fill(positions == 0, -100)
             num_items = (labels[:, 1:] != -100).sum()
             counts.append(num_items.item())
-            loss = compiled(input_ids=ids, labels=labels, position_ids=positions, num_items_in_batch=num_items).loss
+            loss = compiled(
+                input_ids=ids, labels=labels, position_ids=positions, num_items_in_batch=num_items
+            ).loss
             loss.backward()
             model.zero_grad()
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -211,8 +297,12 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
     model = LlamaForCausalLM(models.llama_config("debug", vocab_size=512, use_cache=False))
     compiled = torch.compile(model, backend="eager")
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-    one_process = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda t: t,
-                                  wait_for_everyone=lambda: None, is_main_process=True)
+    one_process = SimpleNamespace(
+        device=torch.device("cpu"),
+        gather_for_metrics=lambda t: t,
+        wait_for_everyone=lambda: None,
+        is_main_process=True,
+    )
     evaluate(compiled, [{"input_ids": ids, "labels": ids}], one_process)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     eval_set = datasets.Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
@@ -220,8 +310,10 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
         metrics.save_logits_probe(one_process, compiled, eval_set, str(tmp_path))
     assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     with torch.no_grad():
-        torch.testing.assert_close(load_file(tmp_path / "final_logits.safetensors")["logits"],
-                                   model.eval()(input_ids=ids).logits)
+        torch.testing.assert_close(
+            load_file(tmp_path / "final_logits.safetensors")["logits"],
+            model.eval()(input_ids=ids).logits,
+        )
     torch._dynamo.reset()
 
 
@@ -235,7 +327,9 @@ def test_a_cpu_capability_override_gets_its_own_kernel_cache(monkeypatch):
 
     from common import launch as launch_module
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "x")  # so that teardown restores the variable as it was
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", "x"
+    )  # so that teardown restores the variable as it was
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)

@@ -31,19 +31,53 @@ from compare_runs import KEYS, worst_gaps  # noqa: E402
 from common import data, metrics, models  # noqa: E402
 
 STEPS = 5
-FLAGS = ["--block_size", 64, "--max_steps", STEPS, "--warmup_steps", 1, "--learning_rate", 3e-3, "--logging_steps", 1,
-         "--eval_steps", STEPS, "--max_eval_samples", 4, "--per_device_eval_batch_size", 4, "--report_to", "none",
-         "--ddp_timeout", 120]
+FLAGS = [
+    "--block_size",
+    64,
+    "--max_steps",
+    STEPS,
+    "--warmup_steps",
+    1,
+    "--learning_rate",
+    3e-3,
+    "--logging_steps",
+    1,
+    "--eval_steps",
+    STEPS,
+    "--max_eval_samples",
+    4,
+    "--per_device_eval_batch_size",
+    4,
+    "--report_to",
+    "none",
+    "--ddp_timeout",
+    120,
+]
 # Each copy against its architecture's one process, fp32, 2-core AVX-512 CPU: measured at most 1.6e-7 (loss, GPT-2;
 # 2 fp32 ulps), 2.8e-8 (grad norm, Qwen2), 0 (eval loss: the same fp32 value, a gap under one ulp). About 10x;
 # the eval loss gets the loss bound (the gap the same weights give a training loss).
 FP32_RTOL = {"loss": 2e-6, "grad_norm": 3e-7, "eval_loss": 2e-6}
 # Two architectures whose fields differ from Llama's; the files say 4 layers, --config_overrides makes 2.
 ARCHS = {
-    "qwen2": Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=128),
-    "gpt2": GPT2Config(n_embd=64, n_layer=4, n_head=2, n_positions=128, vocab_size=512,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # dropout off: parity needs it
+    "qwen2": Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=128,
+    ),
+    "gpt2": GPT2Config(
+        n_embd=64,
+        n_layer=4,
+        n_head=2,
+        n_positions=128,
+        vocab_size=512,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),  # dropout off: parity needs it
 }
 OVERRIDES = {"qwen2": "num_hidden_layers=2", "gpt2": "n_layer=2"}
 BLOCK_CLASS = {"gpt2": "GPT2Block"}
@@ -80,8 +114,17 @@ def copy_project(dest: Path, paths) -> Path:
 def launch_in(project: Path, config: str, *args, cache_dir, mixed_precision="no", check=True):
     """`accelerate launch` of the copy's recipe and config, from the copy's root (as its README says),
     with nothing from this repository on PYTHONPATH: only the copy."""
-    return launch(config, "recipes/llama.py", *args, root=project, cache_dir=cache_dir, mixed_precision=mixed_precision,
-                  check=check, env={"PYTHONPATH": None}, device_guard=False)
+    return launch(
+        config,
+        "recipes/llama.py",
+        *args,
+        root=project,
+        cache_dir=cache_dir,
+        mixed_precision=mixed_precision,
+        check=check,
+        env={"PYTHONPATH": None},
+        device_guard=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +147,45 @@ def runs(tmp_path_factory, user_files, cache_dir):
     architecture in the parity copy, then each architecture under its strategies (RUNS)."""
     rows = copy_list()
     root = tmp_path_factory.mktemp("copies")
-    copies = {row: copy_project(root / row.split()[0].lower(), rows["every run"] + rows[row])
-              for row in [*STRATEGIES.values(), "the parity check against one process"]}
+    copies = {
+        row: copy_project(root / row.split()[0].lower(), rows["every run"] + rows[row])
+        for row in [*STRATEGIES.values(), "the parity check against one process"]
+    }
     out, logs = tmp_path_factory.mktemp("runs"), {}
     for arch in ARCHS:
-        args = ["--config_name", user_files / arch / "config.json", "--config_overrides", OVERRIDES[arch],
-                "--train_file", user_files / "my_text.txt", "--vocab_size", 512, "--save_logits_probe", *FLAGS]
-        logs[arch, "single"] = launch_in(copies["the parity check against one process"], "single", *args,
-                                         "--per_device_train_batch_size", 4, "--output_dir", out / f"{arch}-single",
-                                         cache_dir=cache_dir).stdout
+        args = [
+            "--config_name",
+            user_files / arch / "config.json",
+            "--config_overrides",
+            OVERRIDES[arch],
+            "--train_file",
+            user_files / "my_text.txt",
+            "--vocab_size",
+            512,
+            "--save_logits_probe",
+            *FLAGS,
+        ]
+        logs[arch, "single"] = launch_in(
+            copies["the parity check against one process"],
+            "single",
+            *args,
+            "--per_device_train_batch_size",
+            4,
+            "--output_dir",
+            out / f"{arch}-single",
+            cache_dir=cache_dir,
+        ).stdout
         for config in (config for run_arch, config in RUNS if run_arch == arch):
-            logs[arch, config] = launch_in(copies[STRATEGIES[config]], config, *args, "--per_device_train_batch_size",
-                                           2, "--output_dir", out / f"{arch}-{config}", cache_dir=cache_dir).stdout
+            logs[arch, config] = launch_in(
+                copies[STRATEGIES[config]],
+                config,
+                *args,
+                "--per_device_train_batch_size",
+                2,
+                "--output_dir",
+                out / f"{arch}-{config}",
+                cache_dir=cache_dir,
+            ).stdout
     return out, copies, logs
 
 
@@ -127,7 +197,9 @@ def test_copy_list_covers_every_config():
     for path in listed:
         assert (REPO / path).exists(), path
     for yaml in (REPO / "accelerate_configs").glob("*.yaml"):
-        row = next((paths for paths in rows.values() if f"accelerate_configs/{yaml.name}" in paths), None)
+        row = next(
+            (paths for paths in rows.values() if f"accelerate_configs/{yaml.name}" in paths), None
+        )
         assert row is not None, f"README copy list misses accelerate_configs/{yaml.name}"
         named = re.search(r"deepspeed_config_file:\s*(\S+)", yaml.read_text())
         if named:
@@ -140,14 +212,19 @@ def test_copied_project_trains_any_causal_lm(arch, config, runs, user_files):
     run, ref = out / f"{arch}-{config}", out / f"{arch}-single"
 
     # Parity with one process, printed by the copy's own compare_runs.py.
-    proc = subprocess.run([sys.executable, "tests/scripts/compare_runs.py", ref, run],
-                          cwd=copies["the parity check against one process"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "tests/scripts/compare_runs.py", ref, run],
+        cwd=copies["the parity check against one process"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gaps = worst_gaps(run, ref)
     assert gaps["steps"] == STEPS
     for key in KEYS:
-        assert gaps[key] is not None and gaps[key] < FP32_RTOL[key], \
+        assert gaps[key] is not None and gaps[key] < FP32_RTOL[key], (
             f"{arch} {config} {key}: {gaps[key]:.2e}\n{proc.stdout}"
+        )
     steps, _ = read_metrics(run)
     assert steps[-1]["loss"] < steps[0]["loss"]
 
@@ -198,12 +275,19 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     assert problem and "\n" not in problem, problem
     assert f"the tokenizer loaded from {model_dir} has 1 entries" in problem
     assert "pass --tokenizer_name_or_path" in problem
-    source = (REPO / "recipes" / "llama.py").read_text()  # raised in the block whose errors end every rank
+    source = (
+        REPO / "recipes" / "llama.py"
+    ).read_text()  # raised in the block whose errors end every rank
     lines = source.split("    with launch.node_first(accelerator):\n", 1)[1].splitlines()
     end = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith(" " * 8))
     block = "\n".join(lines[:end])  # the with-block: every line indented past it
     assert "checks.tokenizer_fits(tokenizer, tokenizer_source," in block
-    fits = (REPO / "common" / "checks.py").read_text().split("def tokenizer_fits(", 1)[1].split("\ndef ", 1)[0]
+    fits = (
+        (REPO / "common" / "checks.py")
+        .read_text()
+        .split("def tokenizer_fits(", 1)[1]
+        .split("\ndef ", 1)[0]
+    )
     assert "data.tokenizer_error(tokenizer, source," in fits and "raise Stop(problem)" in fits
 
 
@@ -212,9 +296,24 @@ def test_vocab_smaller_than_tokenizer_stops_every_rank(tmp_path, small_corpus, c
     train, valid, tokenizer_dir = small_corpus
     model_dir = tmp_path / "qwen2_512"
     AutoModelForCausalLM.from_config(ARCHS["qwen2"]).save_pretrained(model_dir)
-    proc = launch_in(REPO, "ddp", "--model_name_or_path", model_dir, "--tokenizer_name_or_path", tokenizer_dir,
-                     "--train_file", train, "--validation_file", valid, "--output_dir", tmp_path / "out", *FLAGS,
-                     cache_dir=cache_dir, mixed_precision="bf16", check=False)
+    proc = launch_in(
+        REPO,
+        "ddp",
+        "--model_name_or_path",
+        model_dir,
+        "--tokenizer_name_or_path",
+        tokenizer_dir,
+        "--train_file",
+        train,
+        "--validation_file",
+        valid,
+        "--output_dir",
+        tmp_path / "out",
+        *FLAGS,
+        cache_dir=cache_dir,
+        mixed_precision="bf16",
+        check=False,
+    )
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     # one line per rank; torchrun may end the second rank before it prints its own
@@ -227,14 +326,18 @@ def test_lone_txt_splits_at_paragraphs(tmp_path):
     text = "\n".join(f"Speech {i}, line one\nline two\n" for i in range(40))  # 40 paragraphs
     train, validation = data.split_text(text, 5)
     assert validation + train == text
-    assert validation == "Speech 0, line one\nline two\n\nSpeech 1, line one\nline two\n\n"  # 5% of 40
+    assert (
+        validation == "Speech 0, line one\nline two\n\nSpeech 1, line one\nline two\n\n"
+    )  # 5% of 40
     assert train.startswith("Speech 2,")
     assert data.split_text("a\nb\nc\nd\n", 50) == ("c\nd\n", "a\nb\n")  # no blank line: by lines
     with pytest.raises(ValueError, match="1 line, too few"):
         data.split_text("one line only", 5, "x.txt")
     path = tmp_path / "t.txt"
     path.write_text(text)
-    raw = data.load_text_dataset(train_file=str(path))  # before: "only 1 training rows: too few ..."
+    raw = data.load_text_dataset(
+        train_file=str(path)
+    )  # before: "only 1 training rows: too few ..."
     assert raw["validation"]["text"] == [validation] and raw["train"]["text"] == [train]
 
 
@@ -245,7 +348,9 @@ def test_tokenizer_check(tmp_path, small_corpus):
     texts = ["To be, or not to be, that is the question. " * 100]
     problem = data.tokenizer_error(empty, str(model_dir), texts)
     assert problem and str(model_dir) in problem and "--tokenizer_name_or_path" in problem
-    assert data.tokenizer_error(AutoTokenizer.from_pretrained(small_corpus[2]), "bpe", texts) is None
+    assert (
+        data.tokenizer_error(AutoTokenizer.from_pretrained(small_corpus[2]), "bpe", texts) is None
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -254,8 +359,17 @@ def test_flops_per_token_of_any_model(arch):
     config = models.llama_config("debug", 4096) if arch == "llama" else ARCHS[arch]
     model = models.causal_lm_class(config)(config)
     flops, how = metrics.model_flops_per_token(model, 64)
-    lookups = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
-    n = model.num_parameters() - lookups + (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0)
+    lookups = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+        for p in m.parameters()
+    )
+    n = (
+        model.num_parameters()
+        - lookups
+        + (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0)
+    )
     attention = 12 * config.num_hidden_layers * config.hidden_size * 64
     assert flops == 6 * n + attention
     if arch == "llama":  # the config-field formula, unchanged, and named
@@ -273,22 +387,35 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     # pretrained: keeps its bos, gets the missing pad and the eos the data separates documents with
     pretrained = GPT2Config(vocab_size=4096)
     assert models.set_token_ids(pretrained, tokenizer, from_scratch=False) == [
-        f"eos_token_id: 50256 -> {eos}", f"pad_token_id: None -> {eos}"]
-    assert (pretrained.bos_token_id, pretrained.eos_token_id, pretrained.pad_token_id) == (50256, eos, eos)
+        f"eos_token_id: 50256 -> {eos}",
+        f"pad_token_id: None -> {eos}",
+    ]
+    assert (pretrained.bos_token_id, pretrained.eos_token_id, pretrained.pad_token_id) == (
+        50256,
+        eos,
+        eos,
+    )
     # several stop ids (chat models) keep theirs and gain the trained one; a pad of its own (not the
     # eos, whose embedding row padding_idx would freeze) replaces the config's
     chat = GPT2Config(vocab_size=4096, eos_token_id=[7, 8], pad_token_id=9)
-    assert models.set_token_ids(chat, tokenizer, from_scratch=False) == [f"eos_token_id: [7, 8] -> [{eos}, 7, 8]"]
+    assert models.set_token_ids(chat, tokenizer, from_scratch=False) == [
+        f"eos_token_id: [7, 8] -> [{eos}, 7, 8]"
+    ]
     tokenizer.add_special_tokens({"pad_token": "<pad>"})
     pad = tokenizer.pad_token_id
-    assert pad != eos and models.set_token_ids(chat, tokenizer, from_scratch=False) == [f"pad_token_id: 9 -> {pad}"]
+    assert pad != eos and models.set_token_ids(chat, tokenizer, from_scratch=False) == [
+        f"pad_token_id: 9 -> {pad}"
+    ]
     # its generation config (generation_config.json) follows: generate() stops on the trained eos
     small = GPT2Config(vocab_size=4096, n_layer=1, n_embd=8, n_head=2, eos_token_id=7)
     model = models.causal_lm_class(small)(small)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (7, None)
     models.set_token_ids(model.config, tokenizer, from_scratch=False)
     models.align_generation_ids(model, tokenizer)
-    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (eos, pad)
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
+        eos,
+        pad,
+    )
 
 
 def test_a_title_never_becomes_the_whole_validation_split():
@@ -306,6 +433,8 @@ def test_config_overrides_that_break_the_shapes_are_caught_before_training():
 
     import copy
 
-    broken = models.apply_overrides(copy.deepcopy(ARCHS["qwen2"]), "hidden_size=60")  # head_dim stays 16
+    broken = models.apply_overrides(
+        copy.deepcopy(ARCHS["qwen2"]), "hidden_size=60"
+    )  # head_dim stays 16
     assert "must match" in models.forward_error(AutoModelForCausalLM.from_config(broken))
     assert models.forward_error(AutoModelForCausalLM.from_config(ARCHS["qwen2"])) is None

@@ -14,24 +14,66 @@ from common import data
 from conftest import host_reads, launch, ordinary_step_reads, preempt, read_metrics, run_in_process
 from write_audit import audit_writes, files_under, writes_by_file
 
-MASKS = Path(__file__).resolve().parent / "dropout_masks"  # a sitecustomize recording each rank's first dropout mask
+MASKS = (
+    Path(__file__).resolve().parent / "dropout_masks"
+)  # a sitecustomize recording each rank's first dropout mask
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "ddp_classifier.py"
 
 WORLD = 2
 # DDP: 2 epochs of a 3,072-passage subset, 96 steps, ~0.65 accuracy.
-ARGS = ["--num_train_epochs", 2, "--max_train_samples", 3072, "--per_device_train_batch_size", 32,
-        "--logging_steps", 8, "--record_sample_ids", "--ddp_timeout", 120]
+ARGS = [
+    "--num_train_epochs",
+    2,
+    "--max_train_samples",
+    3072,
+    "--per_device_train_batch_size",
+    32,
+    "--logging_steps",
+    8,
+    "--record_sample_ids",
+    "--ddp_timeout",
+    120,
+]
 # A tiny run with accumulation, decay 100 and dropout on: 2 steps per epoch, 6 steps. fp32 on any CPU,
 # so a resume is bit-exact and FSDP can be held to DDP step for step.
-TINY = ["--max_train_samples", 64, "--max_eval_samples", 64, "--per_device_train_batch_size", 8,
-        "--gradient_accumulation_steps", 2, "--max_steps", 6, "--learning_rate", 1e-3, "--warmup_steps", 0,
-        "--weight_decay", 100, "--record_sample_ids", "--ddp_timeout", 120]
+TINY = [
+    "--max_train_samples",
+    64,
+    "--max_eval_samples",
+    64,
+    "--per_device_train_batch_size",
+    8,
+    "--gradient_accumulation_steps",
+    2,
+    "--max_steps",
+    6,
+    "--learning_rate",
+    1e-3,
+    "--warmup_steps",
+    0,
+    "--weight_decay",
+    100,
+    "--record_sample_ids",
+    "--ddp_timeout",
+    120,
+]
 # FSDP trains on TINY like the resume tests' uninterrupted DDP run (which also logs every step and saves at
 # step 3), so its correctness is checked against that run, not against a second 144-step launch. Logging
 # every 2nd step leaves ordinary steps (1, 3, 5) for the host-read check; the epochs end on logging steps.
-RUNS = {"ddp": dict(args=ARGS, precision=None, epochs=2, per_device=32, samples=3072, logging=8, max_steps=96),
-        "fsdp": dict(args=[*TINY, "--logging_steps", 2], precision="no", epochs=3, per_device=8, samples=64,
-                     logging=2, max_steps=6)}
+RUNS = {
+    "ddp": dict(
+        args=ARGS, precision=None, epochs=2, per_device=32, samples=3072, logging=8, max_steps=96
+    ),
+    "fsdp": dict(
+        args=[*TINY, "--logging_steps", 2],
+        precision="no",
+        epochs=3,
+        per_device=8,
+        samples=64,
+        logging=2,
+        max_steps=6,
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +92,30 @@ def launched(tmp_path_factory, cache_dir):
                 # the masks' sitecustomize runs write_audit's too
                 mp.setenv("PYTHONPATH", os.pathsep.join([str(MASKS), os.environ["PYTHONPATH"]]))
                 mp.setenv("DROPOUT_MASK_DIR", str(masks))
-                mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
-                launch(config, RECIPE, "--output_dir", out, *RUNS[config]["args"], cache_dir=cache_dir,
-                       num_processes=WORLD, mixed_precision=RUNS[config]["precision"])
+                mp.setenv(
+                    "HOST_READS_DIR", str(reads)
+                )  # tests/device_guard/host_reads.py logs reads of tensor values
+                launch(
+                    config,
+                    RECIPE,
+                    "--output_dir",
+                    out,
+                    *RUNS[config]["args"],
+                    cache_dir=cache_dir,
+                    num_processes=WORLD,
+                    mixed_precision=RUNS[config]["precision"],
+                )
             steps, summary = read_metrics(out)
-            runs[config] = {**RUNS[config], "config": config, "out": out, "log": log, "masks": masks, "steps": steps,
-                            "summary": summary[0], "reads": host_reads(reads)}
+            runs[config] = {
+                **RUNS[config],
+                "config": config,
+                "out": out,
+                "log": log,
+                "masks": masks,
+                "steps": steps,
+                "summary": summary[0],
+                "reads": host_reads(reads),
+            }
         return runs[config]
 
     return get
@@ -72,7 +132,9 @@ def test_accuracy_beats_majority_baseline(launched):
     assert s["distributed_type"] == "MULTI_CPU" and s["world_size"] == WORLD
     # comedy is the largest genre, about a third of the held-out passages
     assert s["majority_genre"] == "comedy" and 0.30 < s["majority_baseline"] < 0.40
-    assert s["eval_accuracy"] > s["majority_baseline"] + 0.15, s  # measured 0.65 against 0.35 (fp32)
+    assert s["eval_accuracy"] > s["majority_baseline"] + 0.15, (
+        s
+    )  # measured 0.65 against 0.35 (fp32)
     # gather_for_metrics: every held-out passage counted once (1283 is not a multiple of 2 x 64)
     assert s["n_eval"] == s["n_eval_passages"] and s["n_eval"] % (WORLD * 64) != 0
     losses = [r["loss"] for r in run["steps"] if "loss" in r]
@@ -88,9 +150,14 @@ def test_no_host_reads_outside_logging_steps(run):
     every, epoch = run["logging"], run["max_steps"] // run["epochs"]
     assert sorted(run["reads"]) == list(range(WORLD))
     for rank, reads in run["reads"].items():
-        in_loop = [r for r in reads if r[0] == "project" and r[3] is not None]  # `step` exists from the resume check on
+        in_loop = [
+            r for r in reads if r[0] == "project" and r[3] is not None
+        ]  # `step` exists from the resume check on
         assert {(name, step) for _, name, _, step, _ in in_loop} >= {
-            ("item", every), ("__float__", every), ("tolist", epoch)}, rank
+            ("item", every),
+            ("__float__", every),
+            ("tolist", epoch),
+        }, rank
         off = [r for r in ordinary_step_reads(in_loop, every, run["max_steps"])]
         assert not off, f"rank {rank} read tensor values on non-logging steps: {off[:4]}"
 
@@ -99,12 +166,16 @@ def test_each_rank_draws_its_own_dropout_masks(run):
     # Same initial weights on every rank, but not the same dropout: with one seed everywhere (the
     # old recipe) both ranks zeroed exactly the same elements (equal hashes, checked by hand).
     masks = [json.loads((run["masks"] / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    assert masks[0]["shape"] == masks[1]["shape"] and all(0.08 < m["zero_share"] < 0.12 for m in masks), masks
+    assert masks[0]["shape"] == masks[1]["shape"] and all(
+        0.08 < m["zero_share"] < 0.12 for m in masks
+    ), masks
     assert masks[0]["hash"] != masks[1]["hash"], masks
 
 
 def test_each_epoch_is_a_new_permutation_split_disjointly(run):
-    ranks = [json.loads((run["out"] / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = [
+        json.loads((run["out"] / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)
+    ]
     per_device, epochs, samples = run["per_device"], run["epochs"], run["samples"]
     steps = samples // (per_device * WORLD)  # micro batches per rank and epoch
     assert [len(r["epochs"]) for r in ranks] == [epochs] * WORLD
@@ -114,7 +185,12 @@ def test_each_epoch_is_a_new_permutation_split_disjointly(run):
         assert all(len(ids) == steps * per_device for ids in per_rank)
         assert not set(per_rank[0]) & set(per_rank[1])  # disjoint shares of one permutation
         # rank r trains on micro batches r, r + 2, ... of the epoch's permutation: interleave them back
-        order = [i for k in range(steps) for ids in per_rank for i in ids[k * per_device:(k + 1) * per_device]]
+        order = [
+            i
+            for k in range(steps)
+            for ids in per_rank
+            for i in ids[k * per_device : (k + 1) * per_device]
+        ]
         assert len(set(order)) == len(order) == steps * per_device * WORLD
         assert set(order) <= set(range(samples))
         orders.append(order)
@@ -128,15 +204,28 @@ def test_each_epoch_is_a_new_permutation_split_disjointly(run):
 def test_exactly_one_writer_per_file(run):
     writes = writes_by_file(run["out"], run["log"])
     on_disk = files_under(run["out"])
-    assert set(on_disk) <= set(writes), f"files written by code the audit does not see: {set(on_disk) - set(writes)}"
+    assert set(on_disk) <= set(writes), (
+        f"files written by code the audit does not see: {set(on_disk) - set(writes)}"
+    )
     for path, ranks in writes.items():
-        owner = int(path[len("sample_ids/rank"):-len(".json")]) if path.startswith("sample_ids/") else 0
-        if path.startswith(".shared-check-"):  # each rank's mark that it sees --output_dir (removed at once)
+        owner = (
+            int(path[len("sample_ids/rank") : -len(".json")])
+            if path.startswith("sample_ids/")
+            else 0
+        )
+        if path.startswith(
+            ".shared-check-"
+        ):  # each rank's mark that it sees --output_dir (removed at once)
             owner = int(path.rsplit("-", 1)[1])
         assert set(ranks) == {owner}, (path, ranks)
     assert writes["final/model.safetensors"] == [0]  # the checkpoint is written once
-    assert {"metrics.jsonl", "final/config.json", "final/model.safetensors",
-            "sample_ids/rank0.json", "sample_ids/rank1.json"} <= set(on_disk)
+    assert {
+        "metrics.jsonl",
+        "final/config.json",
+        "final/model.safetensors",
+        "sample_ids/rank0.json",
+        "sample_ids/rank1.json",
+    } <= set(on_disk)
 
 
 def test_export_is_the_trained_full_model(launched):
@@ -152,23 +241,51 @@ def test_export_is_the_trained_full_model(launched):
     for work, ids in zip(corpus["work"], tokenizer(list(corpus["text"]))["input_ids"]):
         n_blocks = len(ids) // 127  # [CLS] + 127 tokens of text per passage
         n_held = max(1, n_blocks * 10 // 100)
-        passages += [[tokenizer.eos_token_id] + ids[i * 127:(i + 1) * 127] for i in range(n_blocks - n_held, n_blocks)]
+        passages += [
+            [tokenizer.eos_token_id] + ids[i * 127 : (i + 1) * 127]
+            for i in range(n_blocks - n_held, n_blocks)
+        ]
         labels += [model.config.label2id[genre_of(work)]] * n_held
     with torch.no_grad():
-        preds = torch.cat([model(input_ids=torch.tensor(passages[i:i + 256])).logits.argmax(-1)
-                           for i in range(0, len(passages), 256)])
+        preds = torch.cat(
+            [
+                model(input_ids=torch.tensor(passages[i : i + 256])).logits.argmax(-1)
+                for i in range(0, len(passages), 256)
+            ]
+        )
     accuracy = (preds == torch.tensor(labels)).float().mean().item()
     assert len(labels) == run["summary"]["n_eval"]
     # the live run computed in bf16, the reload in fp32: a few borderline passages may flip
-    assert abs(accuracy - run["summary"]["eval_accuracy"]) < 0.02, (accuracy, run["summary"]["eval_accuracy"])
+    assert abs(accuracy - run["summary"]["eval_accuracy"]) < 0.02, (
+        accuracy,
+        run["summary"]["eval_accuracy"],
+    )
 
 
 def genre_of(work):
     """First Folio grouping, independently of the recipe's table: keywords for the histories and poems."""
     histories = ("john", "richard_", "henry_")
-    poems = ("sonnets", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece")
-    tragedies = ("troilus", "coriolanus", "titus", "romeo", "timon", "julius", "macbeth", "hamlet", "lear",
-                 "othello", "antony", "cymbeline")
+    poems = (
+        "sonnets",
+        "lovers_complaint",
+        "passionate_pilgrim",
+        "phoenix_and_the_turtle",
+        "rape_of_lucrece",
+    )
+    tragedies = (
+        "troilus",
+        "coriolanus",
+        "titus",
+        "romeo",
+        "timon",
+        "julius",
+        "macbeth",
+        "hamlet",
+        "lear",
+        "othello",
+        "antony",
+        "cymbeline",
+    )
     if work.startswith(histories):
         return "history"
     if work in poems:
@@ -184,10 +301,25 @@ SHORT = [*TINY, "--save_steps", 3, "--logging_steps", 1]
 def uninterrupted(tmp_path_factory, cache_dir):
     """SHORT under DDP, straight through: its output dir, metrics, export and sample ids."""
     out = tmp_path_factory.mktemp("cls_resume") / "run"
-    launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, cache_dir=cache_dir,
-           num_processes=WORLD, mixed_precision="no")
-    return {"out": out, "steps": read_metrics(out)[0], "weights": load_file(out / "final" / "model.safetensors"),
-            "ids": [json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]}
+    launch(
+        "ddp",
+        "recipes/ddp_classifier.py",
+        "--output_dir",
+        out,
+        *SHORT,
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="no",
+    )
+    return {
+        "out": out,
+        "steps": read_metrics(out)[0],
+        "weights": load_file(out / "final" / "model.safetensors"),
+        "ids": [
+            json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
+            for r in range(WORLD)
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +327,18 @@ def resumed(uninterrupted, tmp_path_factory, cache_dir):
     """A copy of the uninterrupted run resumed from its checkpoint-3: the output dir."""
     out = tmp_path_factory.mktemp("cls_resumed") / "run"
     shutil.copytree(uninterrupted["out"], out)
-    launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--resume_from_checkpoint",
-           out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD, mixed_precision="no")
+    launch(
+        "ddp",
+        "recipes/ddp_classifier.py",
+        "--output_dir",
+        out,
+        *SHORT,
+        "--resume_from_checkpoint",
+        out / "checkpoint-3",
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="no",
+    )
     return out
 
 
@@ -205,14 +347,22 @@ def test_max_steps_and_the_schedule(uninterrupted):
     losses = [r for r in full["steps"] if "loss" in r]
     assert [r["step"] for r in losses] == [1, 2, 3, 4, 5, 6]
     # linear decay from 1e-3 to 0 over 6 steps, one scheduler step per optimizer step (accumulation 2)
-    assert [r["lr"] for r in losses] == pytest.approx([1e-3 * (6 - k) / 6 for k in range(6)], rel=1e-12)
-    assert [r["step"] for r in full["steps"] if "eval_accuracy" in r] == [2, 4, 6]  # each epoch's end
+    assert [r["lr"] for r in losses] == pytest.approx(
+        [1e-3 * (6 - k) / 6 for k in range(6)], rel=1e-12
+    )
+    assert [r["step"] for r in full["steps"] if "eval_accuracy" in r] == [
+        2,
+        4,
+        6,
+    ]  # each epoch's end
 
 
 def test_no_weight_decay_on_layernorm_and_biases(uninterrupted):
     full = uninterrupted
     lrs = [r["lr"] for r in full["steps"] if "loss" in r]
-    decayed = torch.tensor([1 - lr * 100 for lr in lrs]).prod().item()  # what decay 100 leaves of a weight: 0.70
+    decayed = (
+        torch.tensor([1 - lr * 100 for lr in lrs]).prod().item()
+    )  # what decay 100 leaves of a weight: 0.70
     # AdamW moves each element by about lr per step at most: the sum of the LRs bounds an undecayed gain's drift
     drift = 1.5 * sum(lrs)  # 5.25e-3
     norms = {k: v for k, v in full["weights"].items() if "LayerNorm.weight" in k}
@@ -243,18 +393,39 @@ def test_resume_mid_epoch_is_exact(uninterrupted, resumed):
         assert ids[1] == full["ids"][r][1][16:] and ids[2] == full["ids"][r][2]
 
 
-def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_exactly(uninterrupted, tmp_path,
-                                                                                          cache_dir):
+def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_exactly(
+    uninterrupted, tmp_path, cache_dir
+):
     """SHORT preempted in step 1 (SIGTERM to the launcher: conftest.preempt checks the save, the line and
     each rank's 143), then the same command with --resume_from_checkpoint latest: it ends as the
     uninterrupted run did, step for step over two epoch ends, on the same samples (dropout on: every
     rank's RNG restored)."""
     full, out = uninterrupted, tmp_path / "run"
-    step, _ = preempt("ddp", RECIPE, *SHORT, out=out, cache_dir=cache_dir, num_processes=WORLD, mixed_precision="no")
-    assert step == 1  # the signal arrives while step 1 trains: saved at its end, mid-epoch (2 steps per epoch)
+    step, _ = preempt(
+        "ddp",
+        RECIPE,
+        *SHORT,
+        out=out,
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="no",
+    )
+    assert (
+        step == 1
+    )  # the signal arrives while step 1 trains: saved at its end, mid-epoch (2 steps per epoch)
     assert [r["step"] for r in read_metrics(out)[0]] == [1]
-    proc = launch("ddp", RECIPE, "--output_dir", out, *SHORT, "--resume_from_checkpoint", "latest", cache_dir=cache_dir,
-                  num_processes=WORLD, mixed_precision="no")
+    proc = launch(
+        "ddp",
+        RECIPE,
+        "--output_dir",
+        out,
+        *SHORT,
+        "--resume_from_checkpoint",
+        "latest",
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="no",
+    )
     assert f"resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, proc.stdout[-3000:]
     again = read_metrics(out)[0]
     assert [(r["step"], r.keys()) for r in again] == [(r["step"], r.keys()) for r in full["steps"]]
@@ -275,10 +446,29 @@ def refused(uninterrupted, cache_dir):
     one line; the two tests below read their parts. Returns (the CompletedProcess, metrics.jsonl before)."""
     out = uninterrupted["out"]
     before = (out / "metrics.jsonl").read_text()
-    proc = launch("ddp", "recipes/ddp_classifier.py", "--output_dir", out, *SHORT, "--seed", 43, "--learning_rate",
-                  2e-3, "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 1, "--max_steps", 8,
-                  "--resume_from_checkpoint", out / "checkpoint-3", cache_dir=cache_dir, num_processes=WORLD,
-                  mixed_precision="no", check=False)
+    proc = launch(
+        "ddp",
+        "recipes/ddp_classifier.py",
+        "--output_dir",
+        out,
+        *SHORT,
+        "--seed",
+        43,
+        "--learning_rate",
+        2e-3,
+        "--per_device_train_batch_size",
+        16,
+        "--gradient_accumulation_steps",
+        1,
+        "--max_steps",
+        8,
+        "--resume_from_checkpoint",
+        out / "checkpoint-3",
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="no",
+        check=False,
+    )
     return proc, before
 
 
@@ -286,17 +476,29 @@ def test_resume_with_other_settings_is_refused(uninterrupted, refused):
     # the data position is recomputed from the step: another seed would continue in another order;
     # the optimizer state would silently bring back the old LR; dropout masks follow the batch split
     out, (proc, before) = uninterrupted["out"], refused
-    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}  # the same line from each rank
+    errors = {
+        line for line in proc.stderr.splitlines() if line.startswith("error:")
+    }  # the same line from each rank
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
-    assert (f"cannot resume from {out / 'checkpoint-3'}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
-            "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1") in errors.pop()
-    assert (out / "metrics.jsonl").read_text() == before  # refused at start-up: the log is not even reopened
+    assert (
+        f"cannot resume from {out / 'checkpoint-3'}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
+        "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1"
+    ) in errors.pop()
+    assert (
+        out / "metrics.jsonl"
+    ).read_text() == before  # refused at start-up: the log is not even reopened
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--max_stepz", 5], "error: Some specified arguments are not used by the HfArgumentParser: ['--max_stepz', '5']"),
-    ([], "already holds files (leftover.txt): a fresh run would overwrite them"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--max_stepz", 5],
+            "error: Some specified arguments are not used by the HfArgumentParser: ['--max_stepz', '5']",
+        ),
+        ([], "already holds files (leftover.txt): a fresh run would overwrite them"),
+    ],
+)
 def test_bad_flags_and_a_used_output_dir_are_refused(extra, message, tmp_path, monkeypatch):
     """In this process: both refusals come from common/args.py's parse_args, the recipe's first
     statement (launches of it: every recipe's unknown flag in test_bad_input.py, a used
@@ -304,7 +506,9 @@ def test_bad_flags_and_a_used_output_dir_are_refused(extra, message, tmp_path, m
     (tmp_path / "leftover.txt").write_text("an earlier run")
     out = tmp_path if not extra else tmp_path / "fresh"
     error = run_in_process(monkeypatch, RECIPE, "--output_dir", out, *extra)
-    assert error.startswith("error:") and "\n" not in error and message in error, error  # one line, no traceback
+    assert error.startswith("error:") and "\n" not in error and message in error, (
+        error
+    )  # one line, no traceback
     assert os.listdir(tmp_path) == ["leftover.txt"]  # nothing written
 
 
@@ -314,10 +518,19 @@ def test_fsdp_trains_like_ddp(launched, uninterrupted):
     fsdp, ddp = launched("fsdp"), uninterrupted
     s = fsdp["summary"]
     assert s["distributed_type"] == "FSDP2" and s["world_size"] == WORLD
-    ids = [json.loads((fsdp["out"] / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]
+    ids = [
+        json.loads((fsdp["out"] / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
+        for r in range(WORLD)
+    ]
     assert ids == ddp["ids"]  # every rank, every epoch: the same samples in the same order
-    assert [(r["step"], "loss" in r) for r in fsdp["steps"]] == [(2, True), (2, False), (4, True), (4, False),
-                                                                  (6, True), (6, False)]
+    assert [(r["step"], "loss" in r) for r in fsdp["steps"]] == [
+        (2, True),
+        (2, False),
+        (4, True),
+        (4, False),
+        (6, True),
+        (6, False),
+    ]
     # measured: the same losses, LRs, accuracies and exported weights to the bit, grad norms 2e-16 apart
     # (FSDP sums the fp64 squares shard by shard); a gradient reduction, clip, decay group or dropout
     # stream that differed would move the loss from the first step on
@@ -326,7 +539,9 @@ def test_fsdp_trains_like_ddp(launched, uninterrupted):
         d = same_step[(f["step"], "loss" in f)]
         assert f.keys() == d.keys() and f["epoch"] == d["epoch"], (f, d)
         assert all(f[key] == d[key] for key in ("loss", "lr", "eval_accuracy") if key in f), (f, d)
-        assert "grad_norm" not in f or f["grad_norm"] == pytest.approx(d["grad_norm"], rel=2e-15, abs=0), (f, d)
+        assert "grad_norm" not in f or f["grad_norm"] == pytest.approx(
+            d["grad_norm"], rel=2e-15, abs=0
+        ), (f, d)
     # the export: full weights gathered from the shards, written once, reloadable by plain transformers
     final = fsdp["out"] / "final"
     model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32)
@@ -345,9 +560,11 @@ def test_a_longer_resume_past_the_warmup_is_refused(uninterrupted, refused):
     checkpoint, (proc, before) = uninterrupted["out"] / "checkpoint-3", refused
     assert proc.returncode != 0
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
-    assert errors == {f"error: cannot resume from {checkpoint}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
-                      "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1; "
-                      "max_steps 6 -> 8 (the LR decays over --max_steps "
-                      "after 0 warmup steps, and the checkpoint's 3 steps went past them). Resume with the saved "
-                      "settings, or start a new run (into another --output_dir) from its weights"}, proc.stderr[-3000:]
+    assert errors == {
+        f"error: cannot resume from {checkpoint}: seed 42 -> 43; learning_rate 0.001 -> 0.002; "
+        "per_device_train_batch_size 8 -> 16; gradient_accumulation_steps 2 -> 1; "
+        "max_steps 6 -> 8 (the LR decays over --max_steps "
+        "after 0 warmup steps, and the checkpoint's 3 steps went past them). Resume with the saved "
+        "settings, or start a new run (into another --output_dir) from its weights"
+    }, proc.stderr[-3000:]
     assert (uninterrupted["out"] / "metrics.jsonl").read_text() == before

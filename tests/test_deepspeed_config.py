@@ -78,30 +78,52 @@ def test_json_scales_buckets_and_reduces_in_fp32(name):
     zero = ds["zero_optimization"]
     assert zero["stage"] == STAGES[name]
     assert zero["reduce_bucket_size"] == "auto"
-    assert "allgather_bucket_size" not in zero  # Accelerate has no "auto" for it; DeepSpeed's default allocates nothing
+    assert (
+        "allgather_bucket_size" not in zero
+    )  # Accelerate has no "auto" for it; DeepSpeed's default allocates nothing
     if STAGES[name] == 3:
-        assert zero["stage3_prefetch_bucket_size"] == zero["stage3_param_persistence_threshold"] == "auto"
+        assert (
+            zero["stage3_prefetch_bucket_size"]
+            == zero["stage3_param_persistence_threshold"]
+            == "auto"
+        )
     assert ds["communication_data_type"] == "fp32"
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
 
 
 def test_engines_size_buckets_from_the_model_and_keep_gradients_in_fp32(tmp_path):
     paths = [str(REPO / "ds_configs" / f"{name}.json") for name in ("zero2", "zero3")]
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", ENGINES, str(HIDDEN), *paths], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINES, str(HIDDEN), *paths],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     zero2, zero3 = (results[p] for p in paths)
     for r in (zero2, zero3):
-        assert r["reduce_bucket_size"] == HIDDEN ** 2  # Accelerate's "auto": hidden_size**2, not 5e8
+        assert r["reduce_bucket_size"] == HIDDEN**2  # Accelerate's "auto": hidden_size**2, not 5e8
         assert r["communication_data_type"] == "torch.float32"
-        assert r["gradient_partition_dtypes"] == ["torch.float32"]  # the reduced gradient is not rounded to bf16
+        assert r["gradient_partition_dtypes"] == [
+            "torch.float32"
+        ]  # the reduced gradient is not rounded to bf16
     # ZeRO-2 with overlap_comm: two buckets in the model's dtype (bf16), cast to fp32 to reduce.
-    assert zero2["buckets"] == [[HIDDEN ** 2, "torch.bfloat16"]] * 2
+    assert zero2["buckets"] == [[HIDDEN**2, "torch.bfloat16"]] * 2
     # ZeRO-3: one bucket in the communication dtype; prefetch and persistence also follow the model.
-    assert zero3["buckets"] == [[HIDDEN ** 2, "torch.float32"]]
-    assert zero3["prefetch_bucket_size"] == int(0.9 * HIDDEN ** 2)
+    assert zero3["buckets"] == [[HIDDEN**2, "torch.float32"]]
+    assert zero3["prefetch_bucket_size"] == int(0.9 * HIDDEN**2)
     assert zero3["param_persistence_threshold"] == 10 * HIDDEN

@@ -87,18 +87,29 @@ def test_every_relative_link_resolves(page):
 
 def test_the_readme_is_short():
     lines = (REPO / "README.md").read_text().splitlines()
-    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
+    )
     text = (REPO / "README.md").read_text()
     raw = text.splitlines()
-    wide = [f"{n}: {len(raw[n - 1])} columns" for n, _ in prose_lines(text) if len(raw[n - 1]) > README_MAX_COLUMNS]
+    wide = [
+        f"{n}: {len(raw[n - 1])} columns"
+        for n, _ in prose_lines(text)
+        if len(raw[n - 1]) > README_MAX_COLUMNS
+    ]
     assert not wide, "README.md lines over 120 columns outside code blocks:\n" + "\n".join(wide)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p != MEASUREMENTS], ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if p != MEASUREMENTS], ids=lambda p: str(p.relative_to(REPO))
+)
 def test_no_issue_numbers_or_dates_outside_the_measurements_page(page):
     text = page.read_text()
-    hits = [f"{page.name}:{n}: {m.group(0)}" for n, line in enumerate(text.splitlines(), 1)
-            for m in [*ISSUE.finditer(line), *DATE.finditer(line)]]
+    hits = [
+        f"{page.name}:{n}: {m.group(0)}"
+        for n, line in enumerate(text.splitlines(), 1)
+        for m in [*ISSUE.finditer(line), *DATE.finditer(line)]
+    ]
     assert not hits, "\n".join(hits)
 
 
@@ -108,8 +119,13 @@ def test_the_workarounds_page_lists_every_workaround_of_the_code():
     import ast
 
     tree = ast.parse((REPO / "common" / "workarounds.py").read_text())
-    in_code = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    in_code = {
+        n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+    }
     in_code -= {"accelerator_built", "prepared"}  # the stages: one call each from the recipes
     page = (REPO / "docs" / "workarounds.md").read_text().split("## Ways around")[0]
     in_docs = set(re.findall(r"^\| `(\w+)` \|", page, flags=re.M))
-    assert len(in_code) >= 10 and in_docs == in_code, (sorted(in_code - in_docs), sorted(in_docs - in_code))
+    assert len(in_code) >= 10 and in_docs == in_code, (
+        sorted(in_code - in_docs),
+        sorted(in_docs - in_code),
+    )

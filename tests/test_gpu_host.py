@@ -28,7 +28,9 @@ def fake_smi(tmp_path, monkeypatch, body):
 
 def eight_gpus(tmp_path, monkeypatch):
     lines = "\n".join(SMI_LINE.format(i=i) for i in range(8))
-    fake_smi(tmp_path, monkeypatch, f"cat <<'EOF'\n{lines}\n  MIG 1g.10gb Device 0: (UUID: MIG-0)\nEOF")
+    fake_smi(
+        tmp_path, monkeypatch, f"cat <<'EOF'\n{lines}\n  MIG 1g.10gb Device 0: (UUID: MIG-0)\nEOF"
+    )
 
 
 def test_the_suite_hides_gpus_and_opts_in_to_cpu():
@@ -39,22 +41,31 @@ def test_the_suite_hides_gpus_and_opts_in_to_cpu():
 
 def test_nvidia_smi_gpus_are_counted(tmp_path, monkeypatch):
     eight_gpus(tmp_path, monkeypatch)
-    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "absent")) == (8, "nvidia-smi")  # not the MIG line
+    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "absent")) == (
+        8,
+        "nvidia-smi",
+    )  # not the MIG line
 
 
 def test_driver_proc_entries_are_counted_first(tmp_path, monkeypatch):
     fake_smi(tmp_path, monkeypatch, "exit 1")
     for bus in ("0000:17:00.0", "0000:2a:00.0"):
         (tmp_path / "gpus" / bus).mkdir(parents=True)
-    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "gpus")) == (2, str(tmp_path / "gpus"))
+    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "gpus")) == (
+        2,
+        str(tmp_path / "gpus"),
+    )
 
 
-@pytest.mark.parametrize("body", [
-    None,  # no nvidia-smi on PATH
-    "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9",
-    "exec sleep 30",  # a hung driver
-    "echo 'No devices were found'",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,  # no nvidia-smi on PATH
+        'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."; exit 9',
+        "exec sleep 30",  # a hung driver
+        "echo 'No devices were found'",
+    ],
+)
 def test_no_gpu_when_nvidia_smi_is_absent_fails_or_hangs(body, tmp_path, monkeypatch):
     if body is None:
         (tmp_path / "empty").mkdir()
@@ -68,20 +79,28 @@ def test_no_gpu_when_nvidia_smi_is_absent_fails_or_hangs(body, tmp_path, monkeyp
 def gpu_host(tmp_path, monkeypatch):
     """8 fake GPUs that torch cannot see, no opt-in, no launcher: `cpu_process_group_kwargs` runs in-process."""
     eight_gpus(tmp_path, monkeypatch)
-    monkeypatch.setattr(launch_mod, "host_nvidia_gpus",
-                        functools.partial(launch_mod.host_nvidia_gpus, proc_dir=str(tmp_path / "absent")))
+    monkeypatch.setattr(
+        launch_mod,
+        "host_nvidia_gpus",
+        functools.partial(launch_mod.host_nvidia_gpus, proc_dir=str(tmp_path / "absent")),
+    )
     for name in ("ACCELERATE_RECIPES_ALLOW_CPU", "ACCELERATE_USE_CPU", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
 
 
 def refusal(found="8 NVIDIA GPUs (nvidia-smi)", cuda=None):
     """The message, for a CPU-only torch wheel (cuda=None) or one built for CUDA `cuda`."""
-    why = ("it is a CPU-only build: install a CUDA one" if cuda is None else
-           f"likely causes: a driver too old for CUDA {cuda}, a container started without --gpus, "
-           "CUDA_VISIBLE_DEVICES=''")
-    return (f"this host has {found} but torch {torch.__version__} sees none; {why}. Fix that, or set "
-            "ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway (`accelerate launch --cpu` would run one "
-            "process, not the config's ranks)")
+    why = (
+        "it is a CPU-only build: install a CUDA one"
+        if cuda is None
+        else f"likely causes: a driver too old for CUDA {cuda}, a container started without --gpus, "
+        "CUDA_VISIBLE_DEVICES=''"
+    )
+    return (
+        f"this host has {found} but torch {torch.__version__} sees none; {why}. Fix that, or set "
+        "ACCELERATE_RECIPES_ALLOW_CPU=1 to train on CPU ranks anyway (`accelerate launch --cpu` would run one "
+        "process, not the config's ranks)"
+    )
 
 
 @pytest.mark.parametrize("cuda", [None, "12.8"])
@@ -95,7 +114,9 @@ def test_gpu_host_without_visible_gpus_refuses(cuda, gpu_host, monkeypatch):
         launch_mod.cpu_process_group_kwargs(60)
 
 
-@pytest.mark.parametrize("name, value", [("ACCELERATE_RECIPES_ALLOW_CPU", "1"), ("ACCELERATE_USE_CPU", "True")])
+@pytest.mark.parametrize(
+    "name, value", [("ACCELERATE_RECIPES_ALLOW_CPU", "1"), ("ACCELERATE_USE_CPU", "True")]
+)
 def test_opt_in_to_cpu(name, value, gpu_host, monkeypatch):
     monkeypatch.setenv(name, value)
     assert launch_mod.cpu_process_group_kwargs(60).timeout.total_seconds() == 60
@@ -103,32 +124,48 @@ def test_opt_in_to_cpu(name, value, gpu_host, monkeypatch):
 
 def test_gpus_that_torch_sees_are_fine(gpu_host, monkeypatch):
     monkeypatch.setattr(launch_mod, "_has_accelerator", lambda: True)
-    assert launch_mod.cpu_process_group_kwargs(60).backend == "nccl"  # the default: nothing CPU-specific
+    assert (
+        launch_mod.cpu_process_group_kwargs(60).backend == "nccl"
+    )  # the default: nothing CPU-specific
 
 
 def test_plain_python_refuses_too(gpu_host, monkeypatch, tmp_path):
     # No launcher (run_in_process unsets LOCAL_RANK): the check does not depend on it.
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", tmp_path / "out") == f"error: {refusal()}"
+    assert (
+        run_in_process(monkeypatch, "recipes/llama.py", "--output_dir", tmp_path / "out")
+        == f"error: {refusal()}"
+    )
 
 
-def test_launched_ranks_refuse_without_the_suites_opt_in_and_train_with_it(tmp_path, monkeypatch, cache_dir):
+def test_launched_ranks_refuse_without_the_suites_opt_in_and_train_with_it(
+    tmp_path, monkeypatch, cache_dir
+):
     eight_gpus(tmp_path, monkeypatch)
     args = ["recipes/llama.py", *FAST, "--max_steps", 2, "--eval_steps", 2, "--warmup_steps", 0]
-    with monkeypatch.context() as m:  # what every launched test would hit on a GPU host without conftest's opt-in
+    with (
+        monkeypatch.context() as m
+    ):  # what every launched test would hit on a GPU host without conftest's opt-in
         m.delenv("ACCELERATE_RECIPES_ALLOW_CPU")
-        proc = launch("ddp", *args, "--output_dir", tmp_path / "refused", cache_dir=cache_dir, check=False)
+        proc = launch(
+            "ddp", *args, "--output_dir", tmp_path / "refused", cache_dir=cache_dir, check=False
+        )
     assert proc.returncode != 0
-    n = len(os.listdir(PROC)) if PROC.exists() else 0  # on a real GPU host the driver's entries win over the fake
+    n = (
+        len(os.listdir(PROC)) if PROC.exists() else 0
+    )  # on a real GPU host the driver's entries win over the fake
     found = f"{n} NVIDIA GPU{'s' * (n > 1)} ({PROC})" if n else "8 NVIDIA GPUs (nvidia-smi)"
-    assert ({line for line in proc.stderr.splitlines() if line.startswith("error:")}
-            == {f"error: {refusal(found, torch.version.cuda)}"})
+    assert {line for line in proc.stderr.splitlines() if line.startswith("error:")} == {
+        f"error: {refusal(found, torch.version.cuda)}"
+    }
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
     proc = launch("ddp", *args, "--output_dir", tmp_path / "cpu", cache_dir=cache_dir)
     assert "MULTI_CPU x2" in proc.stdout
     steps, (summary,) = read_metrics(tmp_path / "cpu")
-    assert steps[-1]["step"] == 2 and summary["input_tokens"] == 2 * 2 * 4 * 128  # steps x ranks x batch x block
+    assert (
+        steps[-1]["step"] == 2 and summary["input_tokens"] == 2 * 2 * 4 * 128
+    )  # steps x ranks x batch x block
 
 
 def test_deepspeed_with_use_cpu_is_refused(monkeypatch):

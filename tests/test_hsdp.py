@@ -26,7 +26,15 @@ FLAGS = ["--per_device_train_batch_size", 1, *SHORT, "--save_steps", SAVE]
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("hsdp") / "run"
-    launch("hsdp", "recipes/llama.py", "--output_dir", out, *FLAGS, cache_dir=cache_dir, mixed_precision="no")
+    launch(
+        "hsdp",
+        "recipes/llama.py",
+        "--output_dir",
+        out,
+        *FLAGS,
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     return out
 
 
@@ -48,7 +56,9 @@ def test_hsdp_matches_one_process(hsdp, short_run):
     gaps = worst_gaps(hsdp, reference)
     assert gaps["steps"] == 5 and gaps["lr"] == 0, gaps
     for key in KEYS:
-        assert gaps[key] < FP32_RTOL[key], f"HSDP 2x2 {key}: worst relative gap {gaps[key]:.2e} vs one process"
+        assert gaps[key] < FP32_RTOL[key], (
+            f"HSDP 2x2 {key}: worst relative gap {gaps[key]:.2e} vs one process"
+        )
 
 
 def test_hsdp_export_reloads_to_the_live_logits(hsdp):
@@ -77,14 +87,24 @@ def test_an_hsdp_state_resumes_only_on_its_own_mesh():
         accelerator = fake_accelerator("FSDP")
         accelerator.parallelism_config = ParallelismConfig(**sizes) if sizes else None
         return strategy_name(accelerator)
+
     hsdp = name(dp_replicate_size=2, dp_shard_size=2)
     assert hsdp == "FSDP2 (dp_replicate 2 x dp_shard 2)"
-    assert name() == name(dp_shard_size=4) == "FSDP2"  # FSDP over all ranks: one name, with or without a mesh
+    assert (
+        name() == name(dp_shard_size=4) == "FSDP2"
+    )  # FSDP over all ranks: one name, with or without a mesh
     saved = {"step": 5, "distributed_type": hsdp, "world_size": 4}
     for other in (name(), name(dp_replicate_size=4, dp_shard_size=2)):
-        error = resume_error(Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, [])
+        error = resume_error(
+            Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, []
+        )
         assert error and f"a {hsdp} state of 4 rank(s), this run is {other} with 4" in error, error
-    assert resume_error(Path("ckpt"), saved, {"distributed_type": hsdp, "world_size": 4, "max_steps": 10}, []) is None
+    assert (
+        resume_error(
+            Path("ckpt"), saved, {"distributed_type": hsdp, "world_size": 4, "max_steps": 10}, []
+        )
+        is None
+    )
 
 
 def test_hsdp_resumes_exactly_on_two_machines(hsdp, tmp_path, cache_dir):
@@ -92,10 +112,21 @@ def test_hsdp_resumes_exactly_on_two_machines(hsdp, tmp_path, cache_dir):
     did: each machine's 2 ranks are one dp_shard group and the machines the 2 replicas, the same mesh as
     1 machine x 4, so the resumed steps 6-10 equal the straight run's (measured: bit-equal)."""
     marker = verify_checkpoint(hsdp / f"checkpoint-{SAVE}")
-    assert (marker["world_size"], marker["distributed_type"]) == (4, "FSDP2 (dp_replicate 2 x dp_shard 2)")
+    assert (marker["world_size"], marker["distributed_type"]) == (
+        4,
+        "FSDP2 (dp_replicate 2 x dp_shard 2)",
+    )
     out = tmp_path / "resumed"
-    launch_two_machines("hsdp", out, *FLAGS, "--resume_from_checkpoint", hsdp / f"checkpoint-{SAVE}",
-                        cache_dir=cache_dir, logs=tmp_path / "logs", num_processes=4)
+    launch_two_machines(
+        "hsdp",
+        out,
+        *FLAGS,
+        "--resume_from_checkpoint",
+        hsdp / f"checkpoint-{SAVE}",
+        cache_dir=cache_dir,
+        logs=tmp_path / "logs",
+        num_processes=4,
+    )
     info = json.loads((out / "run_info.json").read_text())
     assert (info["world_size"], info["mesh"]) == (4, {"dp_replicate": 2, "dp_shard": 2})
     want, got = steps_of(hsdp), steps_of(out)

@@ -26,10 +26,20 @@ from conftest import REPO, launch_command, launch_env, read_metrics, strict_json
 from test_checkpoint import SAVE, STEPS, args, batch_args, zero_tensor_bytes
 
 CONFIGS = ["fsdp", "deepspeed_zero2", "deepspeed_zero3"]
-EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp": "FSDP", "fsdp1": "FSDP", "deepspeed_zero2": "DEEPSPEED",
-                 "deepspeed_zero3": "DEEPSPEED"}
-EXPECTED_STRATEGY = {"ddp": "MULTI_CPU", "fsdp": "FSDP2", "fsdp1": "FSDP1", "deepspeed_zero2": "DEEPSPEED_ZERO2",
-                     "deepspeed_zero3": "DEEPSPEED_ZERO3"}  # what the checkpoint marker records
+EXPECTED_TYPE = {
+    "ddp": "MULTI_CPU",
+    "fsdp": "FSDP",
+    "fsdp1": "FSDP",
+    "deepspeed_zero2": "DEEPSPEED",
+    "deepspeed_zero3": "DEEPSPEED",
+}
+EXPECTED_STRATEGY = {
+    "ddp": "MULTI_CPU",
+    "fsdp": "FSDP2",
+    "fsdp1": "FSDP1",
+    "deepspeed_zero2": "DEEPSPEED_ZERO2",
+    "deepspeed_zero3": "DEEPSPEED_ZERO3",
+}  # what the checkpoint marker records
 
 
 def recipe_flags(config, corpus):
@@ -70,10 +80,25 @@ def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600, num_p
     logs.mkdir(parents=True, exist_ok=True)
     procs, files = [], []
     for rank in (0, 1):
-        cmd = launch_command(config, "recipes/llama.py", "--output_dir", out, *flags, num_processes=num_processes,
-                             mixed_precision="no", launcher_args=["--num_machines", 2, "--machine_rank", rank,
-                                                                  "--main_process_ip", "127.0.0.1",
-                                                                  "--main_process_port", port])
+        cmd = launch_command(
+            config,
+            "recipes/llama.py",
+            "--output_dir",
+            out,
+            *flags,
+            num_processes=num_processes,
+            mixed_precision="no",
+            launcher_args=[
+                "--num_machines",
+                2,
+                "--machine_rank",
+                rank,
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+            ],
+        )
         stdout, stderr = logs / f"machine{rank}.out", logs / f"machine{rank}.err"
         files.append((stdout, stderr))
         with open(stdout, "w") as o, open(stderr, "w") as e:
@@ -94,8 +119,11 @@ def launch_two_machines(config, out, *flags, cache_dir, logs, timeout=600, num_p
     if problem:
         for p in procs:
             _kill_tree(p)
-        tails = "".join(f"\n--- machine {r} stdout ---\n{o.read_text()[-3000:]}\n--- machine {r} stderr ---\n"
-                        f"{e.read_text()[-6000:]}" for r, (o, e) in enumerate(files))
+        tails = "".join(
+            f"\n--- machine {r} stdout ---\n{o.read_text()[-3000:]}\n--- machine {r} stderr ---\n"
+            f"{e.read_text()[-6000:]}"
+            for r, (o, e) in enumerate(files)
+        )
         pytest.fail(f"{config} on 2 machines (port {port}): {problem}{tails}")
     return [o.read_text() for o, _ in files]
 
@@ -110,27 +138,38 @@ def assert_same_steps(got, want, steps, config):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_corpus, reference_run):
+def test_two_machines_match_one_and_resume(
+    config, tmp_path, cache_dir, small_corpus, reference_run
+):
     flags = recipe_flags(config, small_corpus)
     straight = reference_run(config, *flags)
     per_epoch = strict_json((straight / "run_info.json").read_text())["updates_per_epoch"]
-    assert per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch  # the checkpoint is mid-way through epoch 2
+    assert (
+        per_epoch < SAVE < 2 * per_epoch and SAVE % per_epoch
+    )  # the checkpoint is mid-way through epoch 2
     want = {r["step"]: r for r in read_metrics(straight)[0]}
     out = tmp_path / "run"
     # FSDP2 saves every 5th step, whose saves the losses must not notice, for a damaged newer checkpoint.
     damaged = config == "fsdp"
     saves = ["--save_steps", 5] if damaged else []
 
-    launch_two_machines(config, out, *flags, *saves, cache_dir=cache_dir, logs=tmp_path / "logs-first")
+    launch_two_machines(
+        config, out, *flags, *saves, cache_dir=cache_dir, logs=tmp_path / "logs-first"
+    )
     info = strict_json((out / "run_info.json").read_text())
     assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
     got = {r["step"]: r for r in read_metrics(out)[0]}
     assert sorted(got) == list(range(1, STEPS + 1))
     assert_same_steps(got, want, range(1, STEPS + 1), config)
     marker = verify_checkpoint(out / f"checkpoint-{SAVE}")
-    assert (marker["step"], marker["world_size"], marker["distributed_type"]) == (SAVE, 2, EXPECTED_STRATEGY[config])
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == \
-        sorted(f"checkpoint-{s}" for s in ([5, SAVE, 15] if damaged else [SAVE]))
+    assert (marker["step"], marker["world_size"], marker["distributed_type"]) == (
+        SAVE,
+        2,
+        EXPECTED_STRATEGY[config],
+    )
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted(
+        f"checkpoint-{s}" for s in ([5, SAVE, 15] if damaged else [SAVE])
+    )
     if damaged:  # machine 1's model shard of checkpoint-15 zeroed (it still loads); two saves without a marker
         shard = sorted((out / "checkpoint-15").glob("pytorch_model_fsdp_0/*.distcp"))[-1]
         zero_tensor_bytes(shard)
@@ -139,17 +178,36 @@ def test_two_machines_match_one_and_resume(config, tmp_path, cache_dir, small_co
 
     # Both machines again, into the same directory: `latest` is checkpoint-10, saved by the first pair
     # (FSDP2: `latest` ignores the unfinished saves and skips checkpoint-15, naming the file).
-    stdouts = launch_two_machines(config, out, *flags, *saves, "--resume_from_checkpoint", "latest",
-                                  cache_dir=cache_dir, logs=tmp_path / "logs-resumed")
-    for machine, text in enumerate(stdouts):  # accelerator.print: each machine's first process says it
-        assert f"resumed from {out / f'checkpoint-{SAVE}'} at step {SAVE}" in text, (config, machine)
+    stdouts = launch_two_machines(
+        config,
+        out,
+        *flags,
+        *saves,
+        "--resume_from_checkpoint",
+        "latest",
+        cache_dir=cache_dir,
+        logs=tmp_path / "logs-resumed",
+    )
+    for machine, text in enumerate(
+        stdouts
+    ):  # accelerator.print: each machine's first process says it
+        assert f"resumed from {out / f'checkpoint-{SAVE}'} at step {SAVE}" in text, (
+            config,
+            machine,
+        )
     if damaged:
-        stderr = "".join((tmp_path / "logs-resumed" / f"machine{r}.err").read_text() for r in (0, 1))
-        assert f"skipping damaged checkpoint: checkpoint file {shard} does not match" in stderr, stderr[-3000:]
+        stderr = "".join(
+            (tmp_path / "logs-resumed" / f"machine{r}.err").read_text() for r in (0, 1)
+        )
+        assert f"skipping damaged checkpoint: checkpoint file {shard} does not match" in stderr, (
+            stderr[-3000:]
+        )
         assert verify_checkpoint(out / "checkpoint-15")["step"] == 15  # saved again, whole
     info = strict_json((out / "run_info.json").read_text())
     assert (info["world_size"], info["distributed_type"]) == (2, EXPECTED_TYPE[config])
     records, summaries = read_metrics(out)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and len(summaries) == 1  # 11-16 replaced
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and len(
+        summaries
+    ) == 1  # 11-16 replaced
     assert records[SAVE]["epoch"] == 1  # step 11: the resumed run went on in epoch 2 (0-based 1)
     assert_same_steps({r["step"]: r for r in records}, want, range(SAVE + 1, STEPS + 1), config)

@@ -1,5 +1,6 @@
 """benchmarks/overhead.py's step timer: the sitecustomize every timed run gets writes one stamp per
 AdamW step (a run with no stamps fails the benchmark, so a timer that never writes breaks it)."""
+
 import json
 import os
 import subprocess
@@ -23,7 +24,12 @@ def test_step_timer_writes_a_stamp_per_adamw_step(tmp_path):
     (tmp_path / "timer").mkdir()
     (tmp_path / "timer" / "sitecustomize.py").write_text(STEP_TIMER)
     stamps = tmp_path / "run"
-    env = {**os.environ, "OVERHEAD_STEP_TIMES": str(stamps), "PYTHONPATH": str(tmp_path / "timer"), "RANK": "0"}
+    env = {
+        **os.environ,
+        "OVERHEAD_STEP_TIMES": str(stamps),
+        "PYTHONPATH": str(tmp_path / "timer"),
+        "RANK": "0",
+    }
     subprocess.run([sys.executable, "-c", THREE_STEPS], env=env, check=True, timeout=120)
     got = json.loads(Path(f"{stamps}.rank0.json").read_text())
     assert len(got) == 3

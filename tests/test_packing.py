@@ -19,32 +19,47 @@ from common import data  # noqa: E402
 def test_packing_carries_the_remainder_over(tmp_path):
     # 5,000 rows of "x": 2 tokens each with eos, 10,000 tokens = 9 blocks of 1,024. Packed batch by
     # batch (1,000 rows, 2,000 tokens, one block each), 4,880 tokens were dropped and 5 blocks left.
-    lines = [f"line {i} " + "ab " * (i % 7) for i in range(1_500)]  # rows of 3 to 10 tokens, in order
-    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"] * 5_000}),
-                                "validation": datasets.Dataset.from_dict({"text": lines})})
+    lines = [
+        f"line {i} " + "ab " * (i % 7) for i in range(1_500)
+    ]  # rows of 3 to 10 tokens, in order
+    raw = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["x"] * 5_000}),
+            "validation": datasets.Dataset.from_dict({"text": lines}),
+        }
+    )
     tok = data.get_tokenizer(None, raw, 300, str(tmp_path))
     eos = tok.eos_token_id
     assert len(tok("x")["input_ids"]) == 1
     packed = data.pack_dataset(raw, tok, 1_024, str(tmp_path))
     assert len(packed["train"]) == 9
-    assert data.pack_stats(packed)["train"] == {"rows": 5_000, "tokens": 10_000, "blocks": 9, "dropped_tokens": 784,
-                                                 "special_text": {}}
+    assert data.pack_stats(packed)["train"] == {
+        "rows": 5_000,
+        "tokens": 10_000,
+        "blocks": 9,
+        "dropped_tokens": 784,
+        "special_text": {},
+    }
 
     # The blocks are the rows' tokens in order, spanning rows and batches of rows.
     stream = [t for ids in tok(lines)["input_ids"] for t in ids + [eos]]
     n = len(stream) // 1_024
     assert n >= 8 and len(packed["validation"]) == n
     blocks = packed["validation"]["input_ids"][:]
-    assert [t for b in blocks for t in b] == stream[:n * 1_024]
+    assert [t for b in blocks for t in b] == stream[: n * 1_024]
     assert packed["validation"]["labels"][:] == blocks
-    assert data.pack_stats(packed)["validation"]["dropped_tokens"] == len(stream) - n * 1_024 < 1_024
+    assert (
+        data.pack_stats(packed)["validation"]["dropped_tokens"] == len(stream) - n * 1_024 < 1_024
+    )
 
 
 # --packing documents: blocks of several documents, each attending to itself only ---------------------------
 
-DOCS = ["Now is the winter of our discontent made glorious summer by this sun of York.",
-        "To be, or not to be, that is the question.",
-        "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."]
+DOCS = [
+    "Now is the winter of our discontent made glorious summer by this sun of York.",
+    "To be, or not to be, that is the question.",
+    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
+]
 OTHER = "O Romeo, Romeo! wherefore art thou Romeo? Deny thy father and refuse thy name."
 
 
@@ -60,8 +75,12 @@ def one_block(tok, texts, tmp_path, packing="documents"):
 
     PartialState()  # Accelerate's logger needs the (here single-process) state
     n = sum(len(ids) for ids in data.document_ids(tok, texts)[0])
-    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
-                                "validation": datasets.Dataset.from_dict({"text": texts})})
+    raw = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": texts}),
+            "validation": datasets.Dataset.from_dict({"text": texts}),
+        }
+    )
     block = data.pack_dataset(raw, tok, n, str(tmp_path), packing).with_format("torch")["train"]
     assert len(block) == 1
     return {k: v[None] for k, v in block[0].items()}
@@ -75,7 +94,9 @@ def model(request, tokenizer):
     from common import models
 
     torch.manual_seed(0)
-    config = models.llama_config("debug", vocab_size=len(tokenizer), use_cache=False)  # as the recipe's
+    config = models.llama_config(
+        "debug", vocab_size=len(tokenizer), use_cache=False
+    )  # as the recipe's
     config._attn_implementation = request.param
     return LlamaForCausalLM(config).eval()
 
@@ -85,7 +106,9 @@ def token_losses(model, batch):
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
     labels = batch["labels"][0, 1:]
-    nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels.clamp(min=0), reduction="none")
+    nll = torch.nn.functional.cross_entropy(
+        logits[0, :-1].float(), labels.clamp(min=0), reduction="none"
+    )
     return nll[labels != -100], logits[0]
 
 
@@ -98,8 +121,12 @@ def test_each_document_in_a_block_trains_as_if_alone(tokenizer, model, tmp_path)
     assert block["position_ids"][0].tolist() == [p for d in ids for p in range(len(d))]
     assert (block["labels"][0] == -100).sum() == len(DOCS)  # each document's first token, no other
     packed, _ = token_losses(model, block)
-    alone = torch.cat([token_losses(model, {"input_ids": torch.tensor([d]), "labels": torch.tensor([d])})[0]
-                       for d in ids])
+    alone = torch.cat(
+        [
+            token_losses(model, {"input_ids": torch.tensor([d]), "labels": torch.tensor([d])})[0]
+            for d in ids
+        ]
+    )
     assert len(packed) == len(alone) == sum(len(d) - 1 for d in ids)
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
     with torch.no_grad():
@@ -112,10 +139,13 @@ def test_each_document_in_a_block_trains_as_if_alone(tokenizer, model, tmp_path)
 
 def test_a_document_does_not_see_the_one_before(tokenizer, model, tmp_path):
     """(b) B's logits are the same (1e-5, measured max 4.2e-7) whatever text comes before it."""
+
     def logits_of_b(first):
         block = one_block(tokenizer, [first, *DOCS[1:]], tmp_path)
         start = len(data.document_ids(tokenizer, [first])[0][0])
-        return token_losses(model, block)[1][start:start + len(data.document_ids(tokenizer, [DOCS[1]])[0][0])]
+        return token_losses(model, block)[1][
+            start : start + len(data.document_ids(tokenizer, [DOCS[1]])[0][0])
+        ]
 
     torch.testing.assert_close(logits_of_b(DOCS[0]), logits_of_b(OTHER), rtol=0, atol=1e-5)
 
@@ -128,7 +158,9 @@ def test_special_token_text_stays_text_and_is_counted(tokenizer, tmp_path, caplo
     assert found == {"<|endoftext|>": 1}
     assert ids[0].count(tokenizer.eos_token_id) == 1 and ids[0][-1] == tokenizer.eos_token_id
     assert ids[0][:-1] == tokenizer(text, split_special_tokens=True)["input_ids"]
-    assert tokenizer.eos_token_id in tokenizer(text)["input_ids"][:-1]  # what plain encoding would train on
+    assert (
+        tokenizer.eos_token_id in tokenizer(text)["input_ids"][:-1]
+    )  # what plain encoding would train on
     caplog.clear()
     block = one_block(tokenizer, [text, text, DOCS[0]], tmp_path)
     assert (block["input_ids"][0] == tokenizer.eos_token_id).sum() == 3  # one per document
@@ -148,12 +180,20 @@ def with_template(tokenizer, single, bos=None):
         tok.add_special_tokens({"bos_token": bos})
     names = {t for t in single.split() if t != "$A"}
     tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single=single, special_tokens=[(t, tok.convert_tokens_to_ids(t)) for t in names])
+        single=single, special_tokens=[(t, tok.convert_tokens_to_ids(t)) for t in names]
+    )
     return tok
 
 
-@pytest.mark.parametrize("template,bos", [("$A <|endoftext|>", None), ("<|endoftext|> $A", None),
-                                          ("<|endoftext|> $A <|endoftext|>", None), ("<s> $A", "<s>")])
+@pytest.mark.parametrize(
+    "template,bos",
+    [
+        ("$A <|endoftext|>", None),
+        ("<|endoftext|> $A", None),
+        ("<|endoftext|> $A <|endoftext|>", None),
+        ("<s> $A", "<s>"),
+    ],
+)
 def test_one_separator_between_documents(tokenizer, tmp_path, template, bos):
     """A tokenizer that appends eos itself, or prepends a bos that is its eos, gives one eos per
     boundary, not `eos eos`; a distinct bos (Llama's `<|begin_of_text|>`) stays at each document's start."""
@@ -166,7 +206,9 @@ def test_one_separator_between_documents(tokenizer, tmp_path, template, bos):
     ids, _ = data.document_ids(tok, [text, text])
     assert ids == [start + plain + [eos]] * 2
     for packing in ("stream", "documents"):
-        block = one_block(tok, [text, text, text], tmp_path / packing, packing)["input_ids"][0].tolist()
+        block = one_block(tok, [text, text, text], tmp_path / packing, packing)["input_ids"][
+            0
+        ].tolist()
         assert block == (start + plain + [eos]) * 3
 
 
@@ -177,6 +219,10 @@ def test_a_model_without_position_ids_cannot_pack_documents():
 
     from common import checks
 
-    assert checks.documents_problem(LlamaForCausalLM) is None and checks.documents_problem(GPT2LMHeadModel) is None
+    assert (
+        checks.documents_problem(LlamaForCausalLM) is None
+        and checks.documents_problem(GPT2LMHeadModel) is None
+    )
     assert checks.documents_problem(BloomForCausalLM).startswith(
-        "--packing documents keeps documents apart through position_ids, which BloomForCausalLM's forward")
+        "--packing documents keeps documents apart through position_ids, which BloomForCausalLM's forward"
+    )

@@ -74,10 +74,14 @@ def reference(short_run):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fp32_parity(strategy, reference, short_run):
     out, steps = run(short_run, strategy)
-    gaps = {key: worst_gaps(out, reference)[key] for key in KEYS}  # what the README's by-hand check prints
+    gaps = {
+        key: worst_gaps(out, reference)[key] for key in KEYS
+    }  # what the README's by-hand check prints
     report(strategy=strategy, precision="fp32", accum=1, **gaps)
     for key, gap in gaps.items():
-        assert gap < FP32_RTOL[key], f"{strategy} {key}: worst relative gap {gap:.2e} vs single-process fp32"
+        assert gap < FP32_RTOL[key], (
+            f"{strategy} {key}: worst relative gap {gap:.2e} vs single-process fp32"
+        )
     for r in steps:  # LR at exact steps, whatever the world size
         assert r["lr"] == pytest.approx(expected_lr(r["step"]), rel=1e-9, abs=1e-12)
 
@@ -94,16 +98,19 @@ def test_fp32_parity_with_accumulation(strategy, small_corpus, reference_run):
     gaps = {key: gaps[key] for key in KEYS}
     report(strategy=strategy, precision="fp32", accum=2, **gaps)
     for key, gap in gaps.items():
-        assert gap < FP32_RTOL[key], \
+        assert gap < FP32_RTOL[key], (
             f"{strategy} accumulation {key}: worst relative gap {gap:.2e} vs single-process fp32"
+        )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_parity(strategy, reference, short_run):
     out, _ = run(short_run, strategy, "bf16")
     # Position buffers stay fp32 in the live bf16 model (FSDP1's buffer_dtype rounded them to bf16).
-    assert read_metrics(out)[1][0]["buffer_dtypes"] == {"model.rotary_emb.inv_freq": "float32",
-                                                        "model.rotary_emb.original_inv_freq": "float32"}
+    assert read_metrics(out)[1][0]["buffer_dtypes"] == {
+        "model.rotary_emb.inv_freq": "float32",
+        "model.rotary_emb.original_inv_freq": "float32",
+    }
     # forced on the launch line: bf16 even on a CPU that emulates it, and the run says so
     used = json.loads((out / "run_info.json").read_text())["precision"]
     assert used["used"] == used["requested"] == "bf16"
@@ -111,7 +118,9 @@ def test_bf16_parity(strategy, reference, short_run):
     gaps = {key: worst_gaps(out, reference)[key] for key in KEYS}
     report(strategy=strategy, precision="bf16", accum=1, **gaps)
     for key, gap in gaps.items():
-        assert gap < BF16_RTOL[key], f"{strategy} bf16 {key}: worst relative gap {gap:.2e} vs single-process fp32"
+        assert gap < BF16_RTOL[key], (
+            f"{strategy} bf16 {key}: worst relative gap {gap:.2e} vs single-process fp32"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +131,51 @@ def documents_run(tmp_path_factory, cache_dir, small_corpus):
     train, valid, tokenizer = small_corpus
     for path in (train, valid):
         paragraphs = [p for p in path.read_text().split("\n\n") if p.strip()]
-        (root / f"{path.stem}.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+        (root / f"{path.stem}.jsonl").write_text(
+            "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
+        )
 
     def run(config):
         out = root / config
         if not out.exists():
-            launch(config, "recipes/llama.py", "--output_dir", out, "--train_file", root / "train.jsonl",
-                   "--validation_file", root / "valid.jsonl", "--tokenizer_name_or_path", tokenizer,
-                   "--packing", "documents", "--block_size", 64, "--per_device_train_batch_size",
-                   4 if config == "single" else 2, "--max_steps", 5, "--warmup_steps", 1, "--logging_steps", 1,
-                   "--eval_steps", 5, "--max_eval_samples", 8, "--report_to", "none", "--ddp_timeout", 120,
-                   "--sample_tokens", 0, cache_dir=cache_dir, mixed_precision="no")
+            launch(
+                config,
+                "recipes/llama.py",
+                "--output_dir",
+                out,
+                "--train_file",
+                root / "train.jsonl",
+                "--validation_file",
+                root / "valid.jsonl",
+                "--tokenizer_name_or_path",
+                tokenizer,
+                "--packing",
+                "documents",
+                "--block_size",
+                64,
+                "--per_device_train_batch_size",
+                4 if config == "single" else 2,
+                "--max_steps",
+                5,
+                "--warmup_steps",
+                1,
+                "--logging_steps",
+                1,
+                "--eval_steps",
+                5,
+                "--max_eval_samples",
+                8,
+                "--report_to",
+                "none",
+                "--ddp_timeout",
+                120,
+                "--sample_tokens",
+                0,
+                cache_dir=cache_dir,
+                mixed_precision="no",
+            )
         return out
+
     return run
 
 
@@ -145,12 +187,18 @@ def test_documents_packing_parity(strategy, documents_run):
     counted-target path under padding: tests/test_token_weighted.py)."""
     reference = documents_run("single")
     data = json.loads((reference / "run_info.json").read_text())["data"]["train"]
-    assert data["rows"] > data["blocks"] > 0 and data["split_documents"] > 0  # measured 87 documents in 55 blocks
+    assert (
+        data["rows"] > data["blocks"] > 0 and data["split_documents"] > 0
+    )  # measured 87 documents in 55 blocks
     gaps = worst_gaps(documents_run(strategy), reference)
     assert gaps["steps"] == 5 and gaps["lr"] == 0
-    report(strategy=strategy, precision="fp32", packing="documents", **{key: gaps[key] for key in KEYS})
+    report(
+        strategy=strategy, precision="fp32", packing="documents", **{key: gaps[key] for key in KEYS}
+    )
     for key in KEYS:
-        assert gaps[key] < FP32_RTOL[key], f"{strategy} documents {key}: worst relative gap {gaps[key]:.2e}"
+        assert gaps[key] < FP32_RTOL[key], (
+            f"{strategy} documents {key}: worst relative gap {gaps[key]:.2e}"
+        )
 
 
 def test_fsdp1_no_shard_norm_is_not_double_counted(reference, short_run, tmp_path):
@@ -158,8 +206,11 @@ def test_fsdp1_no_shard_norm_is_not_double_counted(reference, short_run, tmp_pat
     would report (and clip with) sqrt(2) x the norm. The default --max_grad_norm 1 clips 9 of the
     10 steps (norms 1.1 to 4.8), so a wrong norm shows in the losses too."""
     config = tmp_path / "fsdp1_no_shard.yaml"
-    config.write_text((REPO / "accelerate_configs" / "fsdp1.yaml").read_text().replace(
-        "fsdp_sharding_strategy: FULL_SHARD", "fsdp_sharding_strategy: NO_SHARD"))
+    config.write_text(
+        (REPO / "accelerate_configs" / "fsdp1.yaml")
+        .read_text()
+        .replace("fsdp_sharding_strategy: FULL_SHARD", "fsdp_sharding_strategy: NO_SHARD")
+    )
     out, _ = run(short_run, config)
     gaps = worst_gaps(out, reference)
     assert gaps["grad_norm"] < FP32_RTOL["grad_norm"] and gaps["loss"] < FP32_RTOL["loss"], gaps
@@ -176,15 +227,24 @@ def test_clip_grad_norm_is_exact_and_clips():
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Sequential(torch.nn.Embedding(4096, 256), torch.nn.Linear(256, 3))
     g = torch.randn(4096, 256, generator=torch.Generator().manual_seed(0))
-    g = g * torch.rand(4096, 1, generator=torch.Generator().manual_seed(1)) ** 8  # few frequent tokens, as in text
+    g = (
+        g * torch.rand(4096, 1, generator=torch.Generator().manual_seed(1)) ** 8
+    )  # few frequent tokens, as in text
     grads = [g, torch.full((3, 256), 0.5), torch.ones(3)]
     for p, grad in zip(model.parameters(), grads):
         p.grad = grad.clone()
     exact = math.sqrt(sum(grad.double().pow(2).sum().item() for grad in grads))
-    for max_norm in (exact * 2, 0.0):  # below the threshold, or clipping off: the norm, gradients untouched
-        assert float(clip_grad_norm_(accelerator, model, max_norm=max_norm)) == pytest.approx(exact, rel=1e-12)
+    for max_norm in (
+        exact * 2,
+        0.0,
+    ):  # below the threshold, or clipping off: the norm, gradients untouched
+        assert float(clip_grad_norm_(accelerator, model, max_norm=max_norm)) == pytest.approx(
+            exact, rel=1e-12
+        )
         assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), grads))
-    assert float(clip_grad_norm_(accelerator, model, max_norm=1.0)) == pytest.approx(exact, rel=1e-12)
+    assert float(clip_grad_norm_(accelerator, model, max_norm=1.0)) == pytest.approx(
+        exact, rel=1e-12
+    )
     clipped = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
     assert clipped == pytest.approx(1.0, rel=1e-5)
 
@@ -192,14 +252,21 @@ def test_clip_grad_norm_is_exact_and_clips():
 def test_compare_runs_fails_on_a_gap_over_its_bound(tmp_path, monkeypatch, capsys):
     """The by-hand check's exit status: 0 within the bound, 1 over it (named), or when a run is missing.
     Once as the real command; the other cases run its __main__ in this process."""
+
     def metrics(name, loss, lr=1e-3):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text(
-            json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "lr": lr, "eval_loss": 7.0}) + "\n")
+            json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "lr": lr, "eval_loss": 7.0})
+            + "\n"
+        )
         return tmp_path / name
 
-    ref, close, off, lr_off = (metrics("ref", 8.0), metrics("close", 8.0 * (1 + 1e-6)),
-                               metrics("off", 8.0 * (1 + 1e-3)), metrics("lr_off", 8.0, lr=1.1e-3))
+    ref, close, off, lr_off = (
+        metrics("ref", 8.0),
+        metrics("close", 8.0 * (1 + 1e-6)),
+        metrics("off", 8.0 * (1 + 1e-3)),
+        metrics("lr_off", 8.0, lr=1.1e-3),
+    )
     script = str(REPO / "tests/scripts/compare_runs.py")
 
     def compare(*argv):

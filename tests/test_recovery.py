@@ -20,19 +20,44 @@ import pytest
 from common.args import parse_args
 from common.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 from common.errors import Stop
-from conftest import (REPO, RUN30, catches, corpus_args, finish, launch, launch_command, launch_env, read_metrics,
-                      wait_until, workers)
+from conftest import (
+    REPO,
+    RUN30,
+    catches,
+    corpus_args,
+    finish,
+    launch,
+    launch_command,
+    launch_env,
+    read_metrics,
+    wait_until,
+    workers,
+)
 from conftest import start as start_recipe
 from test_multinode import free_port
 
 
-def start(config, out, corpus, cache_dir, *extra, launcher=(), env=None, log=None, device_guard=False):
+def start(
+    config, out, corpus, cache_dir, *extra, launcher=(), env=None, log=None, device_guard=False
+):
     """`accelerate launch` of llama.py in the background (conftest.start: in its own session, so a test
     can kill all of it), with the RUN30 flags in fp32, without the device guard unless asked (it
     records each rank's exit status with EXIT_STATUS_DIR); stdout and stderr go to `log` (default out.log)."""
-    return start_recipe(config, "recipes/llama.py", "--output_dir", out, *corpus_args(corpus), *RUN30, *extra,
-                        cache_dir=cache_dir, log=log or f"{out}.log", env=env, device_guard=device_guard,
-                        mixed_precision="no", launcher_args=launcher)
+    return start_recipe(
+        config,
+        "recipes/llama.py",
+        "--output_dir",
+        out,
+        *corpus_args(corpus),
+        *RUN30,
+        *extra,
+        cache_dir=cache_dir,
+        log=log or f"{out}.log",
+        env=env,
+        device_guard=device_guard,
+        mixed_precision="no",
+        launcher_args=launcher,
+    )
 
 
 def ranks(job):
@@ -62,12 +87,16 @@ def assert_same_run(out, reference):
 def kill_a_rank_after(job, out, save, log):
     """SIGKILL rank 1 once `checkpoint-{save}` is complete; torchrun (`--max_restarts 1`) restarts the worker
     group, which resumes on its own. Returns the step it resumed from (>= `save`)."""
-    wait_until(lambda: (out / f"checkpoint-{save}" / "COMPLETE.json").exists(), job, f"checkpoint-{save}")
+    wait_until(
+        lambda: (out / f"checkpoint-{save}" / "COMPLETE.json").exists(), job, f"checkpoint-{save}"
+    )
     ranks(job)[1].send_signal(signal.SIGKILL)
     restarted = re.compile(r"resumed from (\S+) at step (\d+) \(torchrun restart 1\)")
     wait_until(lambda: restarted.search(open(log).read()), job, "the restarted group's resume")
     resumed = restarted.search(open(log).read())
-    assert int(resumed.group(2)) >= save and resumed.group(1) == str(out / f"checkpoint-{resumed.group(2)}")
+    assert int(resumed.group(2)) >= save and resumed.group(1) == str(
+        out / f"checkpoint-{resumed.group(2)}"
+    )
     return int(resumed.group(2))
 
 
@@ -84,8 +113,12 @@ def signal_the_launcher(job, out, sig, when, statuses, log):
         if when.startswith("at step"):
             wait_until(lambda: last_step(out) >= int(when.split()[-1]), job, when)
         else:
-            wait_until(lambda: saving.exists() or (out / "checkpoint-10").exists(), job, "the save of step 10",
-                       poll=0.005)
+            wait_until(
+                lambda: saving.exists() or (out / "checkpoint-10").exists(),
+                job,
+                "the save of step 10",
+                poll=0.005,
+            )
         job.send_signal(sig)
         signalled_after, signalled_while_saving = last_step(out), saving.exists()
         status = finish(job, timeout=60)
@@ -94,12 +127,17 @@ def signal_the_launcher(job, out, sig, when, statuses, log):
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
     text = open(log).read()
     assert status == 1 and "SignalException" in text, (status, text[-3000:])
-    assert {p.name: p.read_text() for p in statuses.iterdir()} == {"rank0": "143", "rank1": "143"}, text[-3000:]
+    assert {p.name: p.read_text() for p in statuses.iterdir()} == {
+        "rank0": "143",
+        "rank1": "143",
+    }, text[-3000:]
     preempted = re.search(rf"preempted \({sig.name}\) at step (\d+): saved (\S+);", text)
     assert preempted, text[-3000:]
     step = int(preempted.group(1))
     if when.startswith("at step"):
-        assert signalled_after <= step <= signalled_after + 2 and step % 10  # the next boundary, not a --save_steps one
+        assert (
+            signalled_after <= step <= signalled_after + 2 and step % 10
+        )  # the next boundary, not a --save_steps one
     else:  # the save it interrupted finished, and the next step saved again
         assert signalled_while_saving and step == 11
         assert verify_checkpoint(out / "checkpoint-10")["step"] == 10
@@ -114,27 +152,48 @@ def signal_the_launcher(job, out, sig, when, statuses, log):
 # group, and requeued with `auto`; fsdp is signalled (SIGINT, Ctrl-C) during its save of checkpoint-10,
 # requeued with the same command, and that run's rank 1 is killed after checkpoint-20. SIGTERM through the
 # launcher: conftest.preempt, in the other recipes' tests.
-@pytest.mark.parametrize("config, sig, when", [("ddp", signal.SIGHUP, "at step 14"),
-                                               ("fsdp", signal.SIGINT, "during the save of checkpoint-10")],
-                         ids=["ddp-SIGHUP at step 14", "fsdp-SIGINT during the save of checkpoint-10"])
-def test_a_killed_rank_restarts_on_its_own_and_a_signal_saves_for_the_requeue(config, sig, when, tmp_path, cache_dir,
-                                                                              small_corpus, reference_run):
+@pytest.mark.parametrize(
+    "config, sig, when",
+    [
+        ("ddp", signal.SIGHUP, "at step 14"),
+        ("fsdp", signal.SIGINT, "during the save of checkpoint-10"),
+    ],
+    ids=["ddp-SIGHUP at step 14", "fsdp-SIGINT during the save of checkpoint-10"],
+)
+def test_a_killed_rank_restarts_on_its_own_and_a_signal_saves_for_the_requeue(
+    config, sig, when, tmp_path, cache_dir, small_corpus, reference_run
+):
     reference = reference_run(config, *corpus_args(small_corpus), *RUN30)
-    if config == "ddp":  # torchrun's default shares one rendezvous store between attempts: refused at start-up
-        job = start(config, tmp_path / "shared_store", small_corpus, cache_dir, launcher=["--max_restarts", 1])
+    if (
+        config == "ddp"
+    ):  # torchrun's default shares one rendezvous store between attempts: refused at start-up
+        job = start(
+            config,
+            tmp_path / "shared_store",
+            small_corpus,
+            cache_dir,
+            launcher=["--max_restarts", 1],
+        )
         assert finish(job) != 0
-        assert ("error: --max_restarts with torchrun's shared rendezvous store"
-                in open(f"{tmp_path}/shared_store.log").read())
+        assert (
+            "error: --max_restarts with torchrun's shared rendezvous store"
+            in open(f"{tmp_path}/shared_store.log").read()
+        )
     out, statuses = tmp_path / "run", tmp_path / "exit"
     statuses.mkdir()  # each rank's exit status (tests/device_guard), which torchrun does not report
-    restartable = {"launcher": ["--rdzv_backend", "c10d", "--max_restarts", 1], "device_guard": True,
-                   "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "EXIT_STATUS_DIR": str(statuses)}}
+    restartable = {
+        "launcher": ["--rdzv_backend", "c10d", "--max_restarts", 1],
+        "device_guard": True,
+        "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "EXIT_STATUS_DIR": str(statuses)},
+    }
     requeue = ["--resume_from_checkpoint", "auto"]
     if config == "ddp":
         job = start(config, out, small_corpus, cache_dir, log=tmp_path / "first.log", **restartable)
         try:
             kill_a_rank_after(job, out, 10, tmp_path / "first.log")
-            for p in statuses.iterdir():  # the killed attempt's; the signal's check below is the restarted group's
+            for p in (
+                statuses.iterdir()
+            ):  # the killed attempt's; the signal's check below is the restarted group's
                 p.unlink()
         except BaseException:
             os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
@@ -142,29 +201,76 @@ def test_a_killed_rank_restarts_on_its_own_and_a_signal_saves_for_the_requeue(co
         step = signal_the_launcher(job, out, sig, when, statuses, tmp_path / "first.log")
         # what would make the resumed run another one is refused, each named (reviewer's finds)
         train = small_corpus[0].read_text()
-        (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
-        proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30, *requeue,
-                      "--max_grad_norm", 0.5, "--config_overrides", "rms_norm_eps=1e-3",
-                      "--train_file", tmp_path / "other.txt", cache_dir=cache_dir, mixed_precision="no", check=False)
+        (tmp_path / "other.txt").write_text(train[len(train) // 2 :] + train[: len(train) // 2])
+        proc = launch(
+            config,
+            "recipes/llama.py",
+            "--output_dir",
+            out,
+            *corpus_args(small_corpus),
+            *RUN30,
+            *requeue,
+            "--max_grad_norm",
+            0.5,
+            "--config_overrides",
+            "rms_norm_eps=1e-3",
+            "--train_file",
+            tmp_path / "other.txt",
+            cache_dir=cache_dir,
+            mixed_precision="no",
+            check=False,
+        )
         assert proc.returncode != 0
-        for change in ("data_digest ", "(the data: --train_file, ", "max_grad_norm 1.0 -> 0.5",
-                       "model_config.rms_norm_eps 1e-06 -> 0.001"):
+        for change in (
+            "data_digest ",
+            "(the data: --train_file, ",
+            "max_grad_norm 1.0 -> 0.5",
+            "model_config.rms_norm_eps 1e-06 -> 0.001",
+        ):
             assert change in proc.stderr, proc.stderr[-3000:]
         # The requeue, with `auto` (the first command had no resume flag): it ends as if never stopped.
-        proc = launch(config, "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30, *requeue,
-                      cache_dir=cache_dir, mixed_precision="no")
+        proc = launch(
+            config,
+            "recipes/llama.py",
+            "--output_dir",
+            out,
+            *corpus_args(small_corpus),
+            *RUN30,
+            *requeue,
+            cache_dir=cache_dir,
+            mixed_precision="no",
+        )
         assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in proc.stdout
     else:
-        job = start(config, out, small_corpus, cache_dir, *requeue, log=tmp_path / "first.log", **restartable)
+        job = start(
+            config,
+            out,
+            small_corpus,
+            cache_dir,
+            *requeue,
+            log=tmp_path / "first.log",
+            **restartable,
+        )
         step = signal_the_launcher(job, out, sig, when, statuses, tmp_path / "first.log")
         # The same command line again (a requeue): it resumes from that checkpoint, then loses a rank.
-        job = start(config, out, small_corpus, cache_dir, *requeue, log=tmp_path / "requeue.log", **restartable)
+        job = start(
+            config,
+            out,
+            small_corpus,
+            cache_dir,
+            *requeue,
+            log=tmp_path / "requeue.log",
+            **restartable,
+        )
         try:
             kill_a_rank_after(job, out, 20, tmp_path / "requeue.log")
             assert finish(job) == 0
         finally:
             os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-        assert f"resumed from {out / f'checkpoint-{step}'} at step {step}\n" in open(tmp_path / "requeue.log").read()
+        assert (
+            f"resumed from {out / f'checkpoint-{step}'} at step {step}\n"
+            in open(tmp_path / "requeue.log").read()
+        )
     assert_same_run(out, reference)
 
 
@@ -173,28 +279,59 @@ def test_a_preempted_process_exits_143(tmp_path, cache_dir, small_corpus):
     after the save. One process without a launcher: torchrun, signalled, exits through its own
     exception and does not report its workers' status."""
     out = tmp_path / "run"
-    env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "ACCELERATE_RECIPES_CACHE": cache_dir,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     with open(tmp_path / "run.log", "w") as log:
-        job = subprocess.Popen([sys.executable, str(REPO / "recipes/llama.py"), "--output_dir", str(out),
-                                *map(str, corpus_args(small_corpus)), *map(str, RUN30)], cwd=REPO, env=env,
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "recipes/llama.py"),
+                "--output_dir",
+                str(out),
+                *map(str, corpus_args(small_corpus)),
+                *map(str, RUN30),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_until(lambda: last_step(out) >= 2, job, "step 2")
             job.send_signal(signal.SIGTERM)
             assert finish(job, timeout=60) == PREEMPTED_EXIT_CODE == 143
         finally:
             os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    step = int(re.search(r"preempted \(SIGTERM\) at step (\d+): saved", (tmp_path / "run.log").read_text()).group(1))
+    step = int(
+        re.search(
+            r"preempted \(SIGTERM\) at step (\d+): saved", (tmp_path / "run.log").read_text()
+        ).group(1)
+    )
     assert verify_checkpoint(out / f"checkpoint-{step}")["step"] == step
 
 
-def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_with_it(tmp_path, cache_dir,
-                                                                                          small_corpus):
+def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_with_it(
+    tmp_path, cache_dir, small_corpus
+):
     # A double submission (or a requeue while the first job still runs): the same command twice.
     # Then the first job's launcher is SIGKILLed (one launch serves both checks).
     out = tmp_path / "run"
-    job = start("ddp", out, small_corpus, cache_dir, "--resume_from_checkpoint", "auto", "--max_steps", 10_000)
+    job = start(
+        "ddp",
+        out,
+        small_corpus,
+        cache_dir,
+        "--resume_from_checkpoint",
+        "auto",
+        "--max_steps",
+        10_000,
+    )
     workers = {}
     try:
         wait_until(lambda: last_step(out) >= 1, job, "step 1")
@@ -202,11 +339,23 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
         assert len(workers) == 2
         holder = workers[0].pid
         trained = last_step(out)
-        proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *corpus_args(small_corpus), *RUN30,
-                      "--resume_from_checkpoint", "auto", cache_dir=cache_dir, check=False)
+        proc = launch(
+            "ddp",
+            "recipes/llama.py",
+            "--output_dir",
+            out,
+            *corpus_args(small_corpus),
+            *RUN30,
+            "--resume_from_checkpoint",
+            "auto",
+            cache_dir=cache_dir,
+            check=False,
+        )
         assert proc.returncode != 0
-        assert (f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}"
-                in proc.stderr)
+        assert (
+            f"error: --output_dir {out} is in use by a live job: pid {holder} on {socket.gethostname()}"
+            in proc.stderr
+        )
         assert job.poll() is None  # the first job trains on, alone
         wait_until(lambda: last_step(out) > trained, job, f"step {trained + 1}")
         job.send_signal(signal.SIGKILL)  # the launcher only: nothing of it runs to stop the workers
@@ -214,7 +363,9 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
         t0 = time.time()
         # the kernel SIGKILLs the workers (launch.die_with_launcher): a crash, no exit handler runs
         gone, alive = psutil.wait_procs(list(workers.values()), timeout=60)
-        assert not alive, f"workers still running 60 s after their launcher died: {[p.pid for p in alive]}"
+        assert not alive, (
+            f"workers still running 60 s after their launcher died: {[p.pid for p in alive]}"
+        )
         print(f"workers gone {time.time() - t0:.2f} s after the launcher")
     finally:
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
@@ -227,8 +378,13 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
     assert steps == list(range(1, len(steps) + 1))  # one job's lines only
     # The crashed job's lock is not stale: the kernel dropped it with the process; the file names it still.
     assert f'"pid": {holder}' in (out / ".lock").read_text()
-    taken = subprocess.run([sys.executable, "-c", f"from common.run_dir import lock; print(lock({str(out)!r}))"],
-                           cwd=REPO, capture_output=True, text=True, check=True)
+    taken = subprocess.run(
+        [sys.executable, "-c", f"from common.run_dir import lock; print(lock({str(out)!r}))"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert taken.stdout.strip() == "None", taken.stderr[-2000:]
 
 
@@ -237,15 +393,53 @@ def test_one_live_job_per_output_dir_and_a_sigkilled_launcher_takes_its_workers_
 # group, stop_on_signal's gloo group), which fail once the launcher is gone and would end the ranks
 # even without die_with_launcher (checked: killed at "precision: no", they stopped in new_group).
 LONG_RUNS = {
-    "recipes/ddp_classifier.py": (["--max_train_samples", 64, "--max_eval_samples", 16,
-                                   "--per_device_train_batch_size", 8, "--max_steps", 10_000, "--logging_steps", 1],
-                                  "step 2/10000 |"),
-    "recipes/mixed_precision.py": (["--precision", "no", "--per_device_train_batch_size", 1, "--block_size", 64,
-                                    "--max_eval_samples", 2, "--max_steps", 10_000, "--logging_steps", 1],
-                                   "step 2 | epoch 0 |"),
-    "recipes/gradient_checkpointing.py": (["--num_layers", 1, "--per_device_train_batch_size", 1,
-                                           "--block_size", 64, "--max_steps", 3, "--timing_rounds", 1000],
-                                          "L=1 none round 0:"),
+    "recipes/ddp_classifier.py": (
+        [
+            "--max_train_samples",
+            64,
+            "--max_eval_samples",
+            16,
+            "--per_device_train_batch_size",
+            8,
+            "--max_steps",
+            10_000,
+            "--logging_steps",
+            1,
+        ],
+        "step 2/10000 |",
+    ),
+    "recipes/mixed_precision.py": (
+        [
+            "--precision",
+            "no",
+            "--per_device_train_batch_size",
+            1,
+            "--block_size",
+            64,
+            "--max_eval_samples",
+            2,
+            "--max_steps",
+            10_000,
+            "--logging_steps",
+            1,
+        ],
+        "step 2 | epoch 0 |",
+    ),
+    "recipes/gradient_checkpointing.py": (
+        [
+            "--num_layers",
+            1,
+            "--per_device_train_batch_size",
+            1,
+            "--block_size",
+            64,
+            "--max_steps",
+            3,
+            "--timing_rounds",
+            1000,
+        ],
+        "L=1 none round 0:",
+    ),
 }
 
 
@@ -261,7 +455,9 @@ def test_a_sigkilled_launcher_takes_every_recipes_workers_with_it(recipe, tmp_pa
         job.wait()
         t0 = time.time()
         alive = psutil.wait_procs(list(ranks.values()), timeout=10)[1]
-        assert not alive, f"workers still running 10 s after their launcher died: {[p.pid for p in alive]}"
+        assert not alive, (
+            f"workers still running 10 s after their launcher died: {[p.pid for p in alive]}"
+        )
         print(f"{recipe}: workers gone {time.time() - t0:.2f} s after the launcher")
 
 
@@ -271,8 +467,19 @@ def training(recipe, tmp_path, cache_dir):
     On the way out nothing is left running: the launcher's group and every rank are SIGKILLed."""
     args, ready = LONG_RUNS[recipe]
     log = tmp_path / "run.log"
-    job = start_recipe("ddp", recipe, "--output_dir", tmp_path / "run", "--ddp_timeout", 60, *args, cache_dir=cache_dir,
-                       log=log, num_processes=2, mixed_precision="no")
+    job = start_recipe(
+        "ddp",
+        recipe,
+        "--output_dir",
+        tmp_path / "run",
+        "--ddp_timeout",
+        60,
+        *args,
+        cache_dir=cache_dir,
+        log=log,
+        num_processes=2,
+        mixed_precision="no",
+    )
     ranks = {}
     try:
         wait_until(lambda: ready in log.read_text(), job, repr(ready), timeout=120)
@@ -294,7 +501,9 @@ def test_sigterm_ends_gradient_checkpointing(tmp_path, cache_dir):
     launcher exits 1 (torchrun's SignalException)."""
     recipe = "recipes/gradient_checkpointing.py"
     with training(recipe, tmp_path, cache_dir) as (job, ranks, log):
-        assert not any(catches(p, signal.SIGTERM) for p in ranks.values())  # no stop_on_signal handler
+        assert not any(
+            catches(p, signal.SIGTERM) for p in ranks.values()
+        )  # no stop_on_signal handler
         t0 = time.time()
         job.send_signal(signal.SIGTERM)  # the launcher only, as SLURM or Kubernetes would
         status = finish(job, timeout=60)
@@ -309,31 +518,56 @@ def test_a_node_local_path_is_refused_at_start_up(node_local, tmp_path, cache_di
     # Two "machines" on this host, each given its own path: what a node-local --output_dir is, or a
     # --train_file whose copy on the second node holds another text (of the same size).
     train = small_corpus[0].read_text()
-    (tmp_path / "other.txt").write_text(train[len(train) // 2:] + train[:len(train) // 2])
+    (tmp_path / "other.txt").write_text(train[len(train) // 2 :] + train[: len(train) // 2])
     port = free_port()
 
     def machine(rank):
-        flags = {"--output_dir": tmp_path / (f"node{rank}" if node_local == "--output_dir" else "shared")}
+        flags = {
+            "--output_dir": tmp_path / (f"node{rank}" if node_local == "--output_dir" else "shared")
+        }
         if node_local == "--train_file" and rank == 1:
             flags["--train_file"] = tmp_path / "other.txt"
-        cmd = launch_command("ddp", "recipes/llama.py", *corpus_args(small_corpus), *RUN30,
-                             *(x for kv in flags.items() for x in kv),  # later flags win
-                             num_processes=2,
-                             launcher_args=["--num_machines", 2, "--machine_rank", rank,
-                                            "--main_process_ip", "127.0.0.1", "--main_process_port", port])
-        env = launch_env(cache_dir, {"PYTHONUNBUFFERED": None, "TOKENIZERS_PARALLELISM": None}, device_guard=False)
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        cmd = launch_command(
+            "ddp",
+            "recipes/llama.py",
+            *corpus_args(small_corpus),
+            *RUN30,
+            *(x for kv in flags.items() for x in kv),  # later flags win
+            num_processes=2,
+            launcher_args=[
+                "--num_machines",
+                2,
+                "--machine_rank",
+                rank,
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+            ],
+        )
+        env = launch_env(
+            cache_dir,
+            {"PYTHONUNBUFFERED": None, "TOKENIZERS_PARALLELISM": None},
+            device_guard=False,
+        )
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
     jobs = [machine(0), machine(1)]
     outputs = [job.communicate(timeout=300)[0] for job in jobs]
     for rank, (job, output) in enumerate(zip(jobs, outputs)):
         assert job.returncode != 0
         if node_local == "--output_dir":
-            want = (f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: "
-                    f"rank {rank}")
+            want = (
+                f"error: --output_dir {tmp_path / f'node{rank}'} is not one directory shared by every rank: "
+                f"rank {rank}"
+            )
         else:
-            want = ("error: the data (train and validation text, tokenizer, block size, packing) differs between "
-                    "ranks: rank(s) 1 read")
+            want = (
+                "error: the data (train and validation text, tokenizer, block size, packing) differs between "
+                "ranks: rank(s) 1 read"
+            )
         assert want in output, output[-3000:]
     assert not list(tmp_path.glob("*/checkpoint-10"))
 
@@ -350,7 +584,9 @@ def test_each_stop_signal_is_recorded_not_fatal(sig):
     try:
         preempted = stop_on_signal(SimpleNamespace(num_processes=1), timeout_s=5)
         assert preempted() is None
-        os.kill(os.getpid(), sig)  # delivered before kill returns (to this thread), run at the next bytecode
+        os.kill(
+            os.getpid(), sig
+        )  # delivered before kill returns (to this thread), run at the next bytecode
         assert preempted() == sig.name
     finally:
         for s, handler in before.items():
@@ -375,8 +611,14 @@ def test_resume_auto_rules(tmp_path, monkeypatch):
     # never wipes its own checkpoints
     assert (args.resume_from_checkpoint, args.overwrite_output_dir) == ("auto", False)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    args = parse_args(Own, ["--output_dir", str(out), "--overwrite_output_dir", "--resume_from_checkpoint", "auto"])
-    assert (args.resume_from_checkpoint, args.overwrite_output_dir) == (None, True)  # the first attempt overwrites
+    args = parse_args(
+        Own,
+        ["--output_dir", str(out), "--overwrite_output_dir", "--resume_from_checkpoint", "auto"],
+    )
+    assert (args.resume_from_checkpoint, args.overwrite_output_dir) == (
+        None,
+        True,
+    )  # the first attempt overwrites
 
 
 @dataclass

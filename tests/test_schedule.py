@@ -21,11 +21,32 @@ def test_linear_scaling_arithmetic():
 
 def test_scale_lr_in_the_recipe(tmp_path, cache_dir):
     out = tmp_path / "run"
-    proc = launch("ddp", "recipes/llama.py", "--output_dir", out, *SMALL, "--scale_lr", "--reference_global_batch", 2,
-                  "--learning_rate", 1e-3, "--warmup_steps", 2, "--max_steps", 4, "--logging_steps", 1,
-                  "--eval_steps", 4, cache_dir=cache_dir)
+    proc = launch(
+        "ddp",
+        "recipes/llama.py",
+        "--output_dir",
+        out,
+        *SMALL,
+        "--scale_lr",
+        "--reference_global_batch",
+        2,
+        "--learning_rate",
+        1e-3,
+        "--warmup_steps",
+        2,
+        "--max_steps",
+        4,
+        "--logging_steps",
+        1,
+        "--eval_steps",
+        4,
+        cache_dir=cache_dir,
+    )
     # global batch 8 = 4 per device x 2 ranks: 4x the reference batch, so 4x the LR, after warmup
-    assert "LR: base 0.001 (tuned at global batch 2), effective 0.004 at global batch 8, 2 warmup steps" in proc.stdout
+    assert (
+        "LR: base 0.001 (tuned at global batch 2), effective 0.004 at global batch 8, 2 warmup steps"
+        in proc.stdout
+    )
     lrs = [r["lr"] for r in read_metrics(out)[0]]
     assert lrs[:3] == pytest.approx([0.0, 0.002, 0.004])
     # (without --scale_lr the same batch is a warning: tests/test_bad_input.py's epoch run)

@@ -25,7 +25,9 @@ CHAT_COLUMNS = (("messages",), ("prompt", "completion"))
 def chat(cache_dir):
     """The bundled chat set and the bundled tokenizer (with its plain-text chat template)."""
     tokenizer = data.get_tokenizer(None, data.load_text_dataset(), 4096, cache_dir)
-    raw = data.load_text_dataset(columns=CHAT_COLUMNS, bundled=(f"{CHAT}/train.jsonl", f"{CHAT}/validation.jsonl"))
+    raw = data.load_text_dataset(
+        columns=CHAT_COLUMNS, bundled=(f"{CHAT}/train.jsonl", f"{CHAT}/validation.jsonl")
+    )
     return raw, tokenizer
 
 
@@ -41,10 +43,14 @@ def test_the_targets_are_the_assistant_tokens(chat, tmp_path):
         assert len(rows["ids"]) == len(conversations) == {"train": 4000, "validation": 400}[split]
         for messages, ids, labels in zip(conversations, rows["ids"], rows["labels"]):
             # what the model must learn to say: each reply and the eos that ends it, nothing else
-            replies = "".join(m["content"] + tokenizer.eos_token for m in messages if m["role"] == "assistant")
+            replies = "".join(
+                m["content"] + tokenizer.eos_token for m in messages if m["role"] == "assistant"
+            )
             assert tokenizer.decode([t for t, y in zip(ids, labels) if y != -100]) == replies
             assert [y for y in labels if y != -100] == [t for t, y in zip(ids, labels) if y != -100]
-            assert ids == list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+            assert ids == list(
+                tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            )
     # --assistant_only_loss false: every token; prompt/completion rows: one exchange
     every, key = data.chat_rows(tokenizer, None, False)
     rows = every(raw["validation"][:3])
@@ -60,29 +66,41 @@ def test_the_targets_are_the_assistant_tokens(chat, tmp_path):
     # first token is no target either way: "###" of a header)
     small = raw.map(lambda b: b, batched=True).filter(lambda _, i: i < 40, with_indices=True)
     for packing in ("none", "documents"):
-        packed = data.pack_dataset(small, tokenizer, 256, str(tmp_path), packing, to_rows, rows_key, "--max_length")
+        packed = data.pack_dataset(
+            small, tokenizer, 256, str(tmp_path), packing, to_rows, rows_key, "--max_length"
+        )
         rows = to_rows(small["train"][:])
         made = sum(sum(y != -100 for y in r) for r in rows["labels"])
         kept = sum(sum(y != -100 for y in b) for b in packed["train"]["labels"])
         if packing == "none":  # rows under 256 tokens: each padded row's labels are its own
             assert all(len(r) <= 256 for r in rows["ids"]) and kept == made
-            assert packed["train"][0]["labels"][:len(rows["labels"][0])] == rows["labels"][0]
+            assert packed["train"][0]["labels"][: len(rows["labels"][0])] == rows["labels"][0]
         else:  # the last partial block dropped; a split row's next block restarts at a non-target
             stats = data.pack_stats(packed)["train"]
-            assert 0 < made - kept <= stats["dropped_tokens"] + stats["split_documents"], (made, kept, stats)
+            assert 0 < made - kept <= stats["dropped_tokens"] + stats["split_documents"], (
+                made,
+                kept,
+                stats,
+            )
 
 
 def test_a_template_that_is_not_prefix_stable_is_refused(chat):
     raw, tokenizer = chat
     tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     # a closing separator after each reply: the next turn's header merges with it into other tokens
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}"
-                               "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
     to_rows, _ = data.chat_rows(tokenizer, None, True)
-    with pytest.raises(ValueError, match="the chat template is not prefix-stable: in the conversation that starts"):
+    with pytest.raises(
+        ValueError, match="the chat template is not prefix-stable: in the conversation that starts"
+    ):
         to_rows(raw["train"][:8])
     tokenizer.chat_template = None
-    with pytest.raises(ValueError, match="the tokenizer has no chat template: pass --chat_template FILE"):
+    with pytest.raises(
+        ValueError, match="the tokenizer has no chat template: pass --chat_template FILE"
+    ):
         data.chat_rows(tokenizer, None, True)
     with pytest.raises(ValueError, match="--chat_template nope.jinja: no such file"):
         data.chat_rows(tokenizer, "nope.jinja", True)
@@ -93,9 +111,30 @@ STRATEGIES = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
 OFFLOAD = "deepspeed_zero3_offload"  # LoRA only: full training's offload path is llama.py's (test_zero3_offload.py)
 # 4 steps of a 16-conversation global batch (4 x 2 x 2 ranks; one process: 4 x 4); no LoRA dropout,
 # whose masks depend on how the batch is split
-FLAGS = ["--max_length", 256, "--per_device_train_batch_size", 4, "--max_steps", 4, "--warmup_steps", 0,
-         "--learning_rate", 1e-2, "--max_eval_samples", 16, "--logging_steps", 1, "--eval_steps", 4,
-         "--sample_tokens", 0, "--report_to", "none", "--ddp_timeout", 120]
+FLAGS = [
+    "--max_length",
+    256,
+    "--per_device_train_batch_size",
+    4,
+    "--max_steps",
+    4,
+    "--warmup_steps",
+    0,
+    "--learning_rate",
+    1e-2,
+    "--max_eval_samples",
+    16,
+    "--logging_steps",
+    1,
+    "--eval_steps",
+    4,
+    "--sample_tokens",
+    0,
+    "--report_to",
+    "none",
+    "--ddp_timeout",
+    120,
+]
 LORA = ["--use_peft", "--lora_r", 8, "--lora_dropout", 0]
 # measured: loss 7.1e-8, grad norm 2.1e-7 (LoRA, ZeRO-3 offload), eval loss 1.2e-7 (the same), over 4 steps
 RTOL = {"loss": 1e-6, "grad_norm": 2e-6, "eval_loss": 1e-6}
@@ -107,8 +146,15 @@ def base(tmp_path_factory, chat):
     fine-tunes. Its config says eos 2; the data's eos (the tokenizer's) replaces it."""
     _, tokenizer = chat
     path = tmp_path_factory.mktemp("base") / "llama"
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -117,8 +163,20 @@ def base(tmp_path_factory, chat):
 
 def sft_run(out, config, base, cache_dir, *args):
     accumulation = 4 if config == "single" else 2
-    launch(config, "recipes/sft.py", "--output_dir", out, "--model_name_or_path", base, *FLAGS,
-           "--gradient_accumulation_steps", accumulation, *args, cache_dir=cache_dir, mixed_precision="no")
+    launch(
+        config,
+        "recipes/sft.py",
+        "--output_dir",
+        out,
+        "--model_name_or_path",
+        base,
+        *FLAGS,
+        "--gradient_accumulation_steps",
+        accumulation,
+        *args,
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     return out
 
 
@@ -126,8 +184,10 @@ def sft_run(out, config, base, cache_dir, *args):
 def reference(tmp_path_factory, base, cache_dir):
     """One process, LoRA and full: the answers every strategy must give."""
     root = tmp_path_factory.mktemp("sft_single")
-    return {kind: sft_run(root / kind, "single", base, cache_dir, *(LORA if kind == "lora" else []))
-            for kind in ("lora", "full")}
+    return {
+        kind: sft_run(root / kind, "single", base, cache_dir, *(LORA if kind == "lora" else []))
+        for kind in ("lora", "full")
+    }
 
 
 def assert_same_answer(run, ref):
@@ -140,16 +200,33 @@ def assert_same_answer(run, ref):
 def assert_exact_resume(out, config, base, tmp_path, cache_dir, *args):
     """New processes resume `out`'s checkpoint-2 into another folder: steps 3-4 as the uninterrupted
     run's (measured: bit-equal under every strategy, LoRA and full; 1e-7 relative allowed)."""
-    resumed = sft_run(tmp_path / "resumed", config, base, cache_dir, *args, "--resume_from_checkpoint",
-                      out / "checkpoint-2")
+    resumed = sft_run(
+        tmp_path / "resumed",
+        config,
+        base,
+        cache_dir,
+        *args,
+        "--resume_from_checkpoint",
+        out / "checkpoint-2",
+    )
     want = {r["step"]: r for r in read_metrics(out)[0]}
     got = read_metrics(resumed)[0]
     assert [r["step"] for r in got] == [3, 4]
     timing = {"tokens_per_second", "data_wait_share", "peak_memory_bytes"}
     for r in got:
         assert r.keys() - timing == want[r["step"]].keys() - timing
-        for key in {"loss", "grad_norm", "lr", "eval_loss", "input_tokens", "target_tokens"} & r.keys():
-            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-7, abs=1e-12), (r["step"], key)
+        for key in {
+            "loss",
+            "grad_norm",
+            "lr",
+            "eval_loss",
+            "input_tokens",
+            "target_tokens",
+        } & r.keys():
+            assert r[key] == pytest.approx(want[r["step"]][key], rel=1e-7, abs=1e-12), (
+                r["step"],
+                key,
+            )
 
 
 @pytest.mark.parametrize("config", [*STRATEGIES, OFFLOAD])
@@ -157,18 +234,25 @@ def test_lora_under_every_strategy(config, base, reference, tmp_path, cache_dir)
     """LoRA trains the adapters only and gives one process's answer; its checkpoint holds the
     adapters and not the frozen base, and a resume from it is exact; the adapter export, on its
     base, and the merged export give the live model's logits."""
-    out = sft_run(tmp_path / config, config, base, cache_dir, *LORA, "--save_logits_probe", "--save_steps", 2)
+    out = sft_run(
+        tmp_path / config, config, base, cache_dir, *LORA, "--save_logits_probe", "--save_steps", 2
+    )
     assert_same_answer(out, reference["lora"])
     assert_exact_resume(out, config, base, tmp_path, cache_dir, *LORA)
     # the checkpoint's model files, read in their own formats: every adapter tensor (28), no base
     # weight (measured 58-247 kB, ZeRO-3 to FSDP, against the base's 2.43 MB)
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"),
+    )
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     keys, size = checkpoint_model_keys(out / "checkpoint-2")
-    assert keys == trainable and len(keys) == 28, (sorted(keys - trainable)[:3], sorted(trainable - keys)[:3])
+    assert keys == trainable and len(keys) == 28, (
+        sorted(keys - trainable)[:3],
+        sorted(trainable - keys)[:3],
+    )
     assert size < (base / "model.safetensors").stat().st_size / 4, size  # 2.5x the largest measured
     steps, (summary,) = read_metrics(out)
     assert steps[0]["loss"] > steps[-1]["loss"] + 0.05, steps  # it learns (measured 8.35 -> 8.23)
@@ -182,8 +266,9 @@ def test_lora_under_every_strategy(config, base, reference, tmp_path, cache_dir)
     from peft import PeftModel
 
     merged = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                        out / "final/adapter")
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), out / "final/adapter"
+    )
     with torch.no_grad():
         # measured: 0 for the adapter on its base, 1.9e-6 for the merged weights (logits about 10)
         assert (adapted(probe["input_ids"]).logits - probe["logits"]).abs().max() < 1e-5
@@ -206,14 +291,34 @@ def test_refusals_are_one_line(monkeypatch, base, tmp_path, cache_dir):
 
     assert run_in_process(monkeypatch, "recipes/sft.py", "--output_dir", tmp_path / "a") == (
         "error: sft.py fine-tunes a pretrained model: pass --model_name_or_path (e.g. runs/llama/final, the export "
-        "of recipes/llama.py)")
-    assert run_in_process(monkeypatch, "recipes/sft.py", "--output_dir", tmp_path / "b", "--model_name_or_path",
-                          base, "--lora_alpha", 8) == (
-        "error: --lora_alpha sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
+        "of recipes/llama.py)"
+    )
+    assert run_in_process(
+        monkeypatch,
+        "recipes/sft.py",
+        "--output_dir",
+        tmp_path / "b",
+        "--model_name_or_path",
+        base,
+        "--lora_alpha",
+        8,
+    ) == ("error: --lora_alpha sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
     # a module the model does not have: peft's reason, in one line on every rank
-    proc = launch("single", "recipes/sft.py", "--output_dir", tmp_path / "c", "--model_name_or_path", base, *FLAGS,
-                  "--use_peft", "--lora_target_modules", "q_proj,attn_out", cache_dir=cache_dir, mixed_precision="no",
-                  check=False)
+    proc = launch(
+        "single",
+        "recipes/sft.py",
+        "--output_dir",
+        tmp_path / "c",
+        "--model_name_or_path",
+        base,
+        *FLAGS,
+        "--use_peft",
+        "--lora_target_modules",
+        "q_proj,attn_out",
+        cache_dir=cache_dir,
+        mixed_precision="no",
+        check=False,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     # (peft itself stops only when no name matches: it adapted q_proj alone, silently)
     assert proc.returncode != 0 and lines == [
@@ -224,10 +329,16 @@ def test_refusals_are_one_line(monkeypatch, base, tmp_path, cache_dir):
 
     lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
     saved = {"step": 2, "lora": lora, "distributed_type": "MULTI_CPU", "world_size": 2}
-    error = resume_error(tmp_path / "checkpoint-2", saved, {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
-                         ["lora"])
-    assert error == (f"cannot resume from {tmp_path / 'checkpoint-2'}: lora.r 8 -> 16. Resume with the saved "
-                     "settings, or start a new run (into another --output_dir) from its weights")
+    error = resume_error(
+        tmp_path / "checkpoint-2",
+        saved,
+        {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
+        ["lora"],
+    )
+    assert error == (
+        f"cannot resume from {tmp_path / 'checkpoint-2'}: lora.r 8 -> 16. Resume with the saved "
+        "settings, or start a new run (into another --output_dir) from its weights"
+    )
 
 
 def checkpoint_model_keys(checkpoint):
@@ -237,17 +348,32 @@ def checkpoint_model_keys(checkpoint):
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
 
-    files = [f for f in checkpoint.rglob("*") if f.is_file() and (
-        f.name == "model.safetensors" or "pytorch_model_fsdp_" in str(f) or f.name.endswith("model_states.pt"))]
+    files = [
+        f
+        for f in checkpoint.rglob("*")
+        if f.is_file()
+        and (
+            f.name == "model.safetensors"
+            or "pytorch_model_fsdp_" in str(f)
+            or f.name.endswith("model_states.pt")
+        )
+    ]
     keys = set()
     for f in files:
         if f.name == "model.safetensors":  # single process, DDP
             with safe_open(f, framework="pt") as tensors:
                 keys |= set(tensors.keys())
-        elif f.name.endswith("model_states.pt"):  # DeepSpeed: the module's state dict (rank 0's file)
+        elif f.name.endswith(
+            "model_states.pt"
+        ):  # DeepSpeed: the module's state dict (rank 0's file)
             keys |= set(torch.load(f, map_location="cpu", weights_only=True)["module"])
-    for folder in {f.parent for f in files if "pytorch_model_fsdp_" in f.parent.name}:  # FSDP: DCP metadata
-        keys |= {k.removeprefix("model.") for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata}
+    for folder in {
+        f.parent for f in files if "pytorch_model_fsdp_" in f.parent.name
+    }:  # FSDP: DCP metadata
+        keys |= {
+            k.removeprefix("model.")
+            for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        }
     return {k.removeprefix("module.") for k in keys}, sum(f.stat().st_size for f in files)
 
 
@@ -271,8 +397,10 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
     GradientState._reset_state()
     try:
         accelerator = Accelerator(cpu=True)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                               LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"))
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base),
+            LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"),
+        )
         lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
         optimizer = torch.optim.AdamW(lora.values(), lr=0.1)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -288,13 +416,19 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
             with torch.no_grad():
                 for p in lora.values():
                     p.add_(1.0)
+
         scramble()
         checkpoint.load_checkpoint(accelerator, path, model, optimizer, 1)
         assert all(torch.equal(p, saved[n]) for n, p in lora.items())
         scramble()
-        monkeypatch.setattr(accelerator, "load_state", lambda *args, **kwargs: None)  # loads nothing
-        with pytest.raises(Stop, match=rf"cannot resume from {path}: {len(lora)} of its {len(lora)} trainable "
-                                       r"parameters did not load \(first: base_model\.model\."):
+        monkeypatch.setattr(
+            accelerator, "load_state", lambda *args, **kwargs: None
+        )  # loads nothing
+        with pytest.raises(
+            Stop,
+            match=rf"cannot resume from {path}: {len(lora)} of its {len(lora)} trainable "
+            r"parameters did not load \(first: base_model\.model\.",
+        ):
             checkpoint.load_checkpoint(accelerator, path, model, optimizer, 1)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -307,12 +441,22 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
         changed.model.layers[1].mlp.down_proj.weight.mul_(1.01)
     changed.save_pretrained(other)
     digest = models.weights_digest(str(base))
-    assert digest and models.weights_digest(str(moved)) == digest != models.weights_digest(str(other))
-    state = {"frozen_base": models.weights_digest(str(other)), "world_size": 1, "distributed_type": "NO",
-             "max_steps": 4}
-    error = checkpoint.resume_error(path, {"step": 2, "frozen_base": digest}, state, ["frozen_base"])
-    assert error.startswith(f"cannot resume from {path}: frozen_base {digest} -> {state['frozen_base']} "
-                            "(the frozen base model's weights: --model_name_or_path)"), error
+    assert digest and models.weights_digest(str(moved)) == digest != models.weights_digest(
+        str(other)
+    )
+    state = {
+        "frozen_base": models.weights_digest(str(other)),
+        "world_size": 1,
+        "distributed_type": "NO",
+        "max_steps": 4,
+    }
+    error = checkpoint.resume_error(
+        path, {"step": 2, "frozen_base": digest}, state, ["frozen_base"]
+    )
+    assert error.startswith(
+        f"cannot resume from {path}: frozen_base {digest} -> {state['frozen_base']} "
+        "(the frozen base model's weights: --model_name_or_path)"
+    ), error
 
 
 def test_lora_with_gradient_checkpointing_and_packed_conversations(base, tmp_path, cache_dir):
@@ -321,18 +465,36 @@ def test_lora_with_gradient_checkpointing_and_packed_conversations(base, tmp_pat
     same gradients (measured: loss 1.1e-7, grad norm 1.1e-8 relative over 4 steps)."""
     packed = ["--packing", "documents", "--max_length", 512]
     ref = sft_run(tmp_path / "single", "single", base, cache_dir, *LORA, *packed)
-    out = sft_run(tmp_path / "fsdp", "fsdp", base, cache_dir, *LORA, *packed, "--gradient_checkpointing")
+    out = sft_run(
+        tmp_path / "fsdp", "fsdp", base, cache_dir, *LORA, *packed, "--gradient_checkpointing"
+    )
     assert_same_answer(out, ref)
     info = json.loads((out / "run_info.json").read_text())
-    assert info["data"]["train"]["rows"] == 4000 and info["data"]["train"]["blocks"] > 0, info["data"]["train"]
+    assert info["data"]["train"]["rows"] == 4000 and info["data"]["train"]["blocks"] > 0, info[
+        "data"
+    ]["train"]
 
 
 def test_a_reply_cut_whole_still_ends_the_run_with_a_sample(base, tmp_path, cache_dir):
     """--max_length 32 cuts the first validation conversation before its reply: the end-of-run
     sample takes the conversation as it is (it found no target to stop at, and crashed)."""
-    proc = launch("single", "recipes/sft.py", "--output_dir", tmp_path, "--model_name_or_path", base, *FLAGS,
-                  "--max_length", 32, "--max_steps", 1, "--sample_tokens", 4, cache_dir=cache_dir,
-                  mixed_precision="no")
+    proc = launch(
+        "single",
+        "recipes/sft.py",
+        "--output_dir",
+        tmp_path,
+        "--model_name_or_path",
+        base,
+        *FLAGS,
+        "--max_length",
+        32,
+        "--max_steps",
+        1,
+        "--sample_tokens",
+        4,
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     assert "--- sample from" in proc.stdout and "done: 1 steps" in proc.stdout, proc.stdout[-2000:]
 
 
@@ -342,6 +504,16 @@ def test_hsdp_gives_one_process_answer(kind, base, reference, tmp_path, cache_di
     conversations a step (measured: loss 6.1e-8, grad norm 3.8e-8, eval loss 1.3e-7 relative at
     most; its LoRA resume, by hand, bit-equal)."""
     out = tmp_path / "hsdp"
-    launch("hsdp", "recipes/sft.py", "--output_dir", out, "--model_name_or_path", base, *FLAGS,
-           *(LORA if kind == "lora" else []), cache_dir=cache_dir, mixed_precision="no")
+    launch(
+        "hsdp",
+        "recipes/sft.py",
+        "--output_dir",
+        out,
+        "--model_name_or_path",
+        base,
+        *FLAGS,
+        *(LORA if kind == "lora" else []),
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     assert_same_answer(out, reference[kind])

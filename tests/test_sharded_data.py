@@ -16,8 +16,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import data
-from conftest import (REPO, host_reads, launch, launch_command, launch_env, ordinary_step_reads, preempt,
-                      run_in_process, strict_lines)
+from conftest import (
+    REPO,
+    host_reads,
+    launch,
+    launch_command,
+    launch_env,
+    ordinary_step_reads,
+    preempt,
+    run_in_process,
+    strict_lines,
+)
 from test_parity import FP32_RTOL
 from write_audit import audit_writes, files_under, writes_by_file
 
@@ -26,11 +35,17 @@ WORLD, BATCH, STEPS, LOG = 2, 8, 33, 3
 # so 16 steps per epoch per rank, and 33 steps (the fewest that do) cross two epoch boundaries: two
 # whole epochs, then one step of the third. Logged every 3rd step, so that the others are ordinary steps.
 TINY = ["--num_shards", 4, "--block_size", 64, "--max_blocks", 256, "--rows_per_row_group", 16]
-RUNS = {"ddp-parquet": ("ddp", "parquet"), "fsdp-parquet": ("fsdp", "parquet"), "ddp-datasets": ("ddp", "datasets")}
+RUNS = {
+    "ddp-parquet": ("ddp", "parquet"),
+    "fsdp-parquet": ("fsdp", "parquet"),
+    "ddp-datasets": ("ddp", "datasets"),
+}
 RECIPE = "recipes/sharded_data.py"
 # The debug preset's AdamW groups: 29 matrices (embedding, tied to the LM head, + 7 per layer) decay,
 # the 9 RMSNorm gains (2 per layer + the final one, 256 each) do not.
-ADAMW_GROUPS = "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
+ADAMW_GROUPS = (
+    "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
+)
 
 
 def strict_metrics(out):
@@ -61,9 +76,22 @@ def prepare(out, *args, cache_dir, cli=False):
 
 
 def train(config, data_dir, out, *args, cache_dir, check=True):
-    return launch(config, "recipes/sharded_data.py", "--data_dir", data_dir, "--output_dir", out,
-                  "--per_device_train_batch_size", BATCH, "--ddp_timeout", 120, *args,
-                  cache_dir=cache_dir, num_processes=WORLD, check=check)
+    return launch(
+        config,
+        "recipes/sharded_data.py",
+        "--data_dir",
+        data_dir,
+        "--output_dir",
+        out,
+        "--per_device_train_batch_size",
+        BATCH,
+        "--ddp_timeout",
+        120,
+        *args,
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        check=check,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +102,11 @@ def tiny(tmp_path_factory, cache_dir):
 
 def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
     out, manifest = tiny
-    assert manifest["num_shards"] == 4 and manifest["block_size"] == 64 and manifest["total_blocks"] == 256
+    assert (
+        manifest["num_shards"] == 4
+        and manifest["block_size"] == 64
+        and manifest["total_blocks"] == 256
+    )
     raw = data.load_text_dataset()
     tokenizer = data.get_tokenizer(None, raw, 4096, cache_dir)
     first = data.pack_dataset(raw, tokenizer, 64, cache_dir)["train"][0]["input_ids"]
@@ -106,14 +138,38 @@ def launched(tiny, tmp_path_factory, cache_dir):
             out, log, reads = base / "run", base / "writes", base / "reads"
             reads.mkdir()
             with audit_writes(out, log), pytest.MonkeyPatch.context() as mp:
-                mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs reads of tensor values
-                proc = train(config, tiny[0], out, "--loader", loader, "--max_steps", STEPS, "--logging_steps", LOG,
-                             "--record_sample_ids", cache_dir=cache_dir)
+                mp.setenv(
+                    "HOST_READS_DIR", str(reads)
+                )  # tests/device_guard/host_reads.py logs reads of tensor values
+                proc = train(
+                    config,
+                    tiny[0],
+                    out,
+                    "--loader",
+                    loader,
+                    "--max_steps",
+                    STEPS,
+                    "--logging_steps",
+                    LOG,
+                    "--record_sample_ids",
+                    cache_dir=cache_dir,
+                )
             steps, summary = strict_metrics(out)
-            ranks = [json.loads((out / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)]
-            runs[name] = {"loader": loader, "out": out, "log": log, "steps": steps, "summary": summary[0],
-                          "ranks": ranks, "stdout": proc.stdout, "reads": host_reads(reads)}
+            ranks = [
+                json.loads((out / "sample_ids" / f"rank{r}.json").read_text()) for r in range(WORLD)
+            ]
+            runs[name] = {
+                "loader": loader,
+                "out": out,
+                "log": log,
+                "steps": steps,
+                "summary": summary[0],
+                "ranks": ranks,
+                "stdout": proc.stdout,
+                "reads": host_reads(reads),
+            }
         return runs[name]
+
     return get
 
 
@@ -136,7 +192,11 @@ def test_ddp_and_fsdp_train_the_same(launched):
     """The same shards, seed and global batch under DDP and FSDP2 (the parquet route): the same
     losses and gradient norms at every logged step, in the precision the config picked."""
     ddp, fsdp = launched("ddp-parquet"), launched("fsdp-parquet")
-    assert [r["step"] for r in ddp["steps"]] == [r["step"] for r in fsdp["steps"]] == list(range(LOG, STEPS + 1, LOG))
+    assert (
+        [r["step"] for r in ddp["steps"]]
+        == [r["step"] for r in fsdp["steps"]]
+        == list(range(LOG, STEPS + 1, LOG))
+    )
     precision = ddp["summary"]["precision"]["used"]
     assert fsdp["summary"]["precision"]["used"] == precision
     for key in ("loss", "grad_norm"):
@@ -150,7 +210,9 @@ def test_no_host_reads_outside_logging_steps(run):
     ids (--record_sample_ids) stay tensors until the end, the loss and norm until a logging step."""
     assert sorted(run["reads"]) == list(range(WORLD))
     for rank, log in run["reads"].items():
-        assert any(r[0] == "project" and r[3] == LOG for r in log), "the logger saw no logging-step read"
+        assert any(r[0] == "project" and r[3] == LOG for r in log), (
+            "the logger saw no logging-step read"
+        )
         project = [r for r in ordinary_step_reads(log, LOG, STEPS) if r[0] == "project"]
         assert not project, f"rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
 
@@ -181,8 +243,12 @@ def test_each_rank_reads_only_its_own_shards(run):
     else:
         for epoch in range(2):  # the full epochs: 8 of the 16 row groups of 16 blocks per rank
             blocks = [rec["epochs"][epoch] for rec in ranks]
-            assert [len(b) for b in blocks] == [128, 128] and sorted(blocks[0] + blocks[1]) == list(range(256))
-            assert all(len({b // 16 for b in rank_blocks}) > 2 for rank_blocks in blocks)  # not whole files
+            assert [len(b) for b in blocks] == [128, 128] and sorted(blocks[0] + blocks[1]) == list(
+                range(256)
+            )
+            assert all(
+                len({b // 16 for b in rank_blocks}) > 2 for rank_blocks in blocks
+            )  # not whole files
 
 
 def test_each_epoch_is_a_new_order(run):
@@ -191,7 +257,9 @@ def test_each_epoch_is_a_new_order(run):
         assert len(epochs) >= 3  # 33 steps cross two epoch boundaries
         full = [e for e in epochs[:-1]]  # the last epoch is cut short by max_steps
         for e in full:
-            assert len(e) == len(set(e)) >= 96  # no block twice within an epoch; most of the 128 used
+            assert (
+                len(e) == len(set(e)) >= 96
+            )  # no block twice within an epoch; most of the 128 used
         assert full[0] != full[1] and full[0][:16] != full[1][:16]
         assert sum(a == b for a, b in zip(full[0], full[1])) < len(full[0]) // 4
 
@@ -200,18 +268,46 @@ def test_exactly_one_writer_per_file(run):
     writes = writes_by_file(run["out"], run["log"])
     on_disk = files_under(run["out"])
     assert set(on_disk) <= set(writes), set(on_disk) - set(writes)
-    assert set(on_disk) == {".lock", "metrics.jsonl", "sample_ids/rank0.json", "sample_ids/rank1.json"}
-    for path, ranks in writes.items():  # each rank touches its own `.shared-check-{token}-{rank}` (check_shared_dir)
-        owner = int(path[len("sample_ids/rank"):-len(".json")]) if path.startswith("sample_ids/") else \
-            int(path.rsplit("-", 1)[1]) if path.startswith(".shared-check-") else 0
+    assert set(on_disk) == {
+        ".lock",
+        "metrics.jsonl",
+        "sample_ids/rank0.json",
+        "sample_ids/rank1.json",
+    }
+    for (
+        path,
+        ranks,
+    ) in (
+        writes.items()
+    ):  # each rank touches its own `.shared-check-{token}-{rank}` (check_shared_dir)
+        owner = (
+            int(path[len("sample_ids/rank") : -len(".json")])
+            if path.startswith("sample_ids/")
+            else int(path.rsplit("-", 1)[1])
+            if path.startswith(".shared-check-")
+            else 0
+        )
         assert set(ranks) == {owner}, (path, ranks)
 
 
 # The memory test's corpora: the real corpus x2 (~10 MB of text) and x40 (~200 MB), 4 shards (2 per
 # rank, 1 per loader worker), 128-token blocks (the packing cache the llama tests build).
 CORPORA = {"10 MB": 2, "200 MB": 40}
-MEASURED = ["--loader", "datasets", "--max_steps", 3, "--logging_steps", 1, "--gradient_accumulation_steps", 2,
-            "--warmup_steps", 2, "--loader_benchmark_batches", 100, "--record_sample_ids"]
+MEASURED = [
+    "--loader",
+    "datasets",
+    "--max_steps",
+    3,
+    "--logging_steps",
+    1,
+    "--gradient_accumulation_steps",
+    2,
+    "--warmup_steps",
+    2,
+    "--loader_benchmark_batches",
+    100,
+    "--record_sample_ids",
+]
 GROWTH_MB = 50  # a rank's RSS plus its workers' USS may grow at most 50 MB with the corpus
 
 
@@ -222,13 +318,26 @@ def measured(tmp_path_factory, cache_dir):
     runs = {}
     for size, repeat in CORPORA.items():
         base = tmp_path_factory.mktemp(f"corpus_x{repeat}")
-        manifest = prepare(base / "shards", "--num_shards", 4, "--repeat", repeat, "--block_size", 128,
-                           cache_dir=cache_dir)
+        manifest = prepare(
+            base / "shards",
+            "--num_shards",
+            4,
+            "--repeat",
+            repeat,
+            "--block_size",
+            128,
+            cache_dir=cache_dir,
+        )
         proc = train("ddp", base / "shards", base / "run", *MEASURED, cache_dir=cache_dir)
         shutil.rmtree(base / "shards")  # 110 MB of parquet for the larger one
         steps, (summary,) = strict_metrics(base / "run")
-        runs[size] = {"manifest": manifest, "out": base / "run", "steps": steps, "summary": summary,
-                      "stdout": proc.stdout}
+        runs[size] = {
+            "manifest": manifest,
+            "out": base / "run",
+            "steps": steps,
+            "summary": summary,
+            "stdout": proc.stdout,
+        }
     return runs
 
 
@@ -237,11 +346,16 @@ def test_10mb_corpus_measurement(measured):
     run = measured["10 MB"]
     assert 9.5e6 < run["manifest"]["text_bytes"] < 10.5e6
     assert [r["step"] for r in run["steps"]] == [1, 2, 3]
-    assert [r["lr"] for r in run["steps"]] == pytest.approx([0.0, 5e-4, 1e-3])  # the LR each step applied
+    assert [r["lr"] for r in run["steps"]] == pytest.approx(
+        [0.0, 5e-4, 1e-3]
+    )  # the LR each step applied
     for r in range(WORLD):  # 3 steps x 2 micro batches x 8 blocks, all different
         ids = json.loads((run["out"] / "sample_ids" / f"rank{r}.json").read_text())["epochs"][0]
         assert len(ids) == len(set(ids)) == 3 * 2 * BATCH
-    assert run["summary"]["text_bytes"] == run["manifest"]["text_bytes"] and len(run["summary"]["per_rank"]) == WORLD
+    assert (
+        run["summary"]["text_bytes"] == run["manifest"]["text_bytes"]
+        and len(run["summary"]["per_rank"]) == WORLD
+    )
     assert "| 10 MB | datasets | 0 |" in run["stdout"]
 
 
@@ -254,10 +368,19 @@ def test_memory_stays_flat_as_the_corpus_grows(measured):
     small, large = (measured[size]["summary"]["per_rank"] for size in CORPORA)
     assert 190e6 < measured["200 MB"]["manifest"]["text_bytes"] < 215e6
     for rank, (a, b) in enumerate(zip(small, large)):
-        growth = (b["rss_bytes"] + b["workers_uss_bytes"] - a["rss_bytes"] - a["workers_uss_bytes"]) / 1e6
+        growth = (
+            b["rss_bytes"] + b["workers_uss_bytes"] - a["rss_bytes"] - a["workers_uss_bytes"]
+        ) / 1e6
         assert growth <= GROWTH_MB, (rank, growth, a, b)
-        assert b["workers"] == 2 and b["workers_uss_bytes"] < a["workers_uss_bytes"] + 25e6, (rank, a, b)
-        for r in (a, b):  # data wait: 2% is the goal at 30 steps (benchmarks/data_routes.py); this loop is
+        assert b["workers"] == 2 and b["workers_uss_bytes"] < a["workers_uss_bytes"] + 25e6, (
+            rank,
+            a,
+            b,
+        )
+        for r in (
+            a,
+            b,
+        ):  # data wait: 2% is the goal at 30 steps (benchmarks/data_routes.py); this loop is
             # ~2 s, so the first batch after the loader benchmark weighs (2-7% measured); the 5 s stall was ~70%
             assert r["loader_to_step_ratio"] >= 20 and r["data_wait_share"] < 0.25, (rank, r)
 
@@ -267,35 +390,78 @@ def test_fp16_on_cpu_ranks_is_real_and_logs_the_loss_scale(tiny, tmp_path, cache
     Under FSDP2, so the fp32 reduction is checked too: with Accelerate's own policy FSDP2 casts the
     loss to fp16, the backward casts the scale 65536 (above fp16's max) to inf, and step 1 is skipped."""
     out = tmp_path / "run"
-    proc = launch("fsdp", RECIPE, "--data_dir", tiny[0], "--output_dir", out, "--per_device_train_batch_size", 2,
-                  "--max_steps", 3, "--logging_steps", 1, "--dataloader_num_workers", 0,
-                  "--loader_benchmark_batches", 2, "--ddp_timeout", 120,
-                  cache_dir=cache_dir, num_processes=WORLD, mixed_precision="fp16")
+    proc = launch(
+        "fsdp",
+        RECIPE,
+        "--data_dir",
+        tiny[0],
+        "--output_dir",
+        out,
+        "--per_device_train_batch_size",
+        2,
+        "--max_steps",
+        3,
+        "--logging_steps",
+        1,
+        "--dataloader_num_workers",
+        0,
+        "--loader_benchmark_batches",
+        2,
+        "--ddp_timeout",
+        120,
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="fp16",
+    )
     assert proc.stdout.count("| fp16") == 1, proc.stdout[-3000:]
     steps, _ = strict_metrics(out)
-    assert [(r["step"], r["loss_scale"], r["skipped_steps"]) for r in steps] == [(1, 65536.0, 0), (2, 65536.0, 0),
-                                                                              (3, 65536.0, 0)]
-    assert all(math.isfinite(r["loss"]) and r["grad_norm"] < 100 for r in steps)  # unscaled before clipping
+    assert [(r["step"], r["loss_scale"], r["skipped_steps"]) for r in steps] == [
+        (1, 65536.0, 0),
+        (2, 65536.0, 0),
+        (3, 65536.0, 0),
+    ]
+    assert all(
+        math.isfinite(r["loss"]) and r["grad_norm"] < 100 for r in steps
+    )  # unscaled before clipping
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["prepare", "--output_dir", "{out}", "--no_such_flag", "1"],
-     "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"),
-    (["--output_dir", "{out}", "--max_steps", -1, "--num_train_epochs", 2],
-     "error: sharded_data.py does not take --num_train_epochs: each rank streams its own shards"),
-    (["--output_dir", "{out}", "--max_steps", -1], "error: sharded_data.py needs --max_steps"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["prepare", "--output_dir", "{out}", "--no_such_flag", "1"],
+            "error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']",
+        ),
+        (
+            ["--output_dir", "{out}", "--max_steps", -1, "--num_train_epochs", 2],
+            "error: sharded_data.py does not take --num_train_epochs: each rank streams its own shards",
+        ),
+        (["--output_dir", "{out}", "--max_steps", -1], "error: sharded_data.py needs --max_steps"),
+    ],
+)
 def test_flags_it_cannot_honour_are_refused(argv, expected, tmp_path, monkeypatch):
-    message = run_in_process(monkeypatch, RECIPE, *[str(a).format(out=tmp_path / "out") for a in argv])
+    message = run_in_process(
+        monkeypatch, RECIPE, *[str(a).format(out=tmp_path / "out") for a in argv]
+    )
     assert message.startswith(expected) and "\n" not in message, message
     assert not (tmp_path / "out").exists()
 
 
 def test_a_non_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
-    message = run_in_process(monkeypatch, RECIPE, "--data_dir", tmp_path / "shards", "--output_dir", tmp_path,
-                             "--max_steps", 3)
-    assert message.startswith(f"error: --output_dir {tmp_path} already holds files (metrics.jsonl)"), message
+    message = run_in_process(
+        monkeypatch,
+        RECIPE,
+        "--data_dir",
+        tmp_path / "shards",
+        "--output_dir",
+        tmp_path,
+        "--max_steps",
+        3,
+    )
+    assert message.startswith(
+        f"error: --output_dir {tmp_path} already holds files (metrics.jsonl)"
+    ), message
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'
 
@@ -309,15 +475,30 @@ def uneven(tiny, tmp_path_factory):
     shutil.copytree(tiny[0], out)
     path, manifest = out / "shard_0001.parquet", json.loads((out / "manifest.json").read_text())
     pq.write_table(pq.read_table(path).slice(0, 59), path, row_group_size=16)
-    manifest["shards"][1].update(rows=59, tokens=59 * 64, bytes=path.stat().st_size,
-                                 sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    manifest["shards"][1].update(
+        rows=59,
+        tokens=59 * 64,
+        bytes=path.stat().st_size,
+        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+    )
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
 
 # 20 steps on `uneven`, every step logged, warmup running across any resume before step 18.
-RESUMABLE = ["--max_steps", 20, "--logging_steps", 1, "--warmup_steps", 18, "--loader_benchmark_batches", 2,
-             "--record_sample_ids", "--save_steps", 16]
+RESUMABLE = [
+    "--max_steps",
+    20,
+    "--logging_steps",
+    1,
+    "--warmup_steps",
+    18,
+    "--loader_benchmark_batches",
+    2,
+    "--record_sample_ids",
+    "--save_steps",
+    16,
+]
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +506,10 @@ def uninterrupted(uneven, tmp_path_factory, cache_dir):
     """RESUMABLE without a break, saving checkpoint-16: (output dir, per-step records, each rank's block ids)."""
     full = tmp_path_factory.mktemp("uninterrupted") / "full"
     train("ddp", uneven, full, *RESUMABLE, cache_dir=cache_dir)
-    ids = [json.loads((full / "sample_ids" / f"rank{r}.json").read_text())["epochs"] for r in range(WORLD)]
+    ids = [
+        json.loads((full / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
+        for r in range(WORLD)
+    ]
     return full, strict_metrics(full)[0], ids
 
 
@@ -334,14 +518,16 @@ def assert_resumed_exactly(out, uninterrupted, start):
     batch, and its losses, grad norms and LRs (fp32, 1e-6 relative: measured 0, bit-exact; metrics.jsonl
     holds full floats, so 1e-6 is ~10 fp32 ulps, not a print precision)."""
     _, a, ids = uninterrupted
-    b = strict_metrics(out)[0][start - 20:]  # the resumed launch's lines
-    assert [r["step"] for r in a] == list(range(1, 21)) and [r["step"] for r in b] == list(range(start + 1, 21))
+    b = strict_metrics(out)[0][start - 20 :]  # the resumed launch's lines
+    assert [r["step"] for r in a] == list(range(1, 21)) and [r["step"] for r in b] == list(
+        range(start + 1, 21)
+    )
     for x, y in zip(a[start:], b):
         for key in ("loss", "grad_norm", "lr"):
             assert y[key] == pytest.approx(x[key], rel=1e-6, abs=0), (key, x, y)
     for r in range(WORLD):
         resumed = json.loads((out / "sample_ids" / f"rank{r}.json").read_text())["epochs"]
-        assert sum(resumed, []) == sum(ids[r], [])[start * BATCH:]
+        assert sum(resumed, []) == sum(ids[r], [])[start * BATCH :]
 
 
 def test_resume_continues_every_rank_exactly(uneven, uninterrupted, tmp_path, cache_dir):
@@ -353,25 +539,49 @@ def test_resume_continues_every_rank_exactly(uneven, uninterrupted, tmp_path, ca
     full, resumed = uninterrupted[0], tmp_path / "resumed"
     position = json.loads((full / "checkpoint-16" / "COMPLETE.json").read_text())["data_position"]
     assert position == [[0, 16], [1, 1]]  # [epoch, batches consumed in it] per rank
-    proc = train("ddp", uneven, resumed, *RESUMABLE, "--resume_from_checkpoint", full / "checkpoint-16",
-                 cache_dir=cache_dir)
+    proc = train(
+        "ddp",
+        uneven,
+        resumed,
+        *RESUMABLE,
+        "--resume_from_checkpoint",
+        full / "checkpoint-16",
+        cache_dir=cache_dir,
+    )
     assert f"resumed from {full / 'checkpoint-16'} at step 16" in proc.stdout, proc.stdout[-3000:]
     assert [r["step"] for r in strict_metrics(resumed)[0]] == [17, 18, 19, 20]
     assert_resumed_exactly(resumed, uninterrupted, 16)
 
 
-def test_sigterm_saves_every_ranks_position_exits_143_and_the_same_command_resumes(uneven, uninterrupted, tmp_path,
-                                                                                  cache_dir):
+def test_sigterm_saves_every_ranks_position_exits_143_and_the_same_command_resumes(
+    uneven, uninterrupted, tmp_path, cache_dir
+):
     """RESUMABLE preempted in step 1 (SIGTERM to the launcher: conftest.preempt checks the save, the
     line and each rank's 143); the same command with --resume_from_checkpoint latest then ends as the
     uninterrupted run did."""
     out = tmp_path / "run"
-    step, _ = preempt("ddp", RECIPE, "--data_dir", uneven, "--per_device_train_batch_size", BATCH, "--ddp_timeout", 120,
-                      *RESUMABLE, out=out, cache_dir=cache_dir, num_processes=WORLD)
+    step, _ = preempt(
+        "ddp",
+        RECIPE,
+        "--data_dir",
+        uneven,
+        "--per_device_train_batch_size",
+        BATCH,
+        "--ddp_timeout",
+        120,
+        *RESUMABLE,
+        out=out,
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+    )
     assert step == 1  # the signal arrives while step 1 trains
-    position = json.loads((out / f"checkpoint-{step}" / "COMPLETE.json").read_text())["data_position"]
+    position = json.loads((out / f"checkpoint-{step}" / "COMPLETE.json").read_text())[
+        "data_position"
+    ]
     assert position == [[0, 1], [0, 1]]
-    proc = train("ddp", uneven, out, *RESUMABLE, "--resume_from_checkpoint", "latest", cache_dir=cache_dir)
+    proc = train(
+        "ddp", uneven, out, *RESUMABLE, "--resume_from_checkpoint", "latest", cache_dir=cache_dir
+    )
     assert f"resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, proc.stdout[-3000:]
     assert [r["step"] for r in strict_metrics(out)[0]] == list(range(1, 21))
     assert_resumed_exactly(out, uninterrupted, 1)
@@ -386,7 +596,7 @@ def damaged(tiny, tmp_path, damage):
 
 def flip_bytes(path, offset, n=16):
     raw = bytearray(path.read_bytes())
-    raw[offset:offset + n] = bytes(b ^ 0xFF for b in raw[offset:offset + n])
+    raw[offset : offset + n] = bytes(b ^ 0xFF for b in raw[offset : offset + n])
     path.write_bytes(bytes(raw))
 
 
@@ -409,35 +619,65 @@ def test_a_missing_shard_stops_every_rank(tiny, tmp_path, monkeypatch):
 
     d = damaged(tiny, tmp_path, lambda d: (d / "shard_0002.parquet").unlink())
     own_shards = recipe_functions()["own_shards"]
-    assert [p.name for p in own_shards(str(d), WORLD, 1, True)[1]] == ["shard_0001.parquet", "shard_0003.parquet"]
+    assert [p.name for p in own_shards(str(d), WORLD, 1, True)[1]] == [
+        "shard_0001.parquet",
+        "shard_0003.parquet",
+    ]
     monkeypatch.setattr(accelerate.utils, "gather_object", lambda objects: objects)
     with pytest.raises(Stop) as err:
-        checks.stop_if_any_rank_fails(types.SimpleNamespace(process_index=0), own_shards, str(d), WORLD, 0, True)
-    assert str(err.value).startswith(f"rank 0: missing shard {d}/shard_0002.parquet: shard 2 of the 4"), err.value
+        checks.stop_if_any_rank_fails(
+            types.SimpleNamespace(process_index=0), own_shards, str(d), WORLD, 0, True
+        )
+    assert str(err.value).startswith(
+        f"rank 0: missing shard {d}/shard_0002.parquet: shard 2 of the 4"
+    ), err.value
 
 
 def test_a_bad_parquet_footer_is_named(tiny, tmp_path):
     """The footer check of the function test_bad_shard_gives_a_clear_error stops in (`own_shards`, run on every rank
     before any data is read), here directly: rank 1's shard 3, without --verify_checksums."""
-    d = damaged(tiny, tmp_path, lambda d: flip_bytes(d / "shard_0003.parquet",
-                                                     (d / "shard_0003.parquet").stat().st_size - 8, 8))
+    d = damaged(
+        tiny,
+        tmp_path,
+        lambda d: flip_bytes(
+            d / "shard_0003.parquet", (d / "shard_0003.parquet").stat().st_size - 8, 8
+        ),
+    )
     own_shards = recipe_functions()["own_shards"]
-    assert [p.name for p in own_shards(str(d), WORLD, 0, False)[1]] == ["shard_0000.parquet", "shard_0002.parquet"]
+    assert [p.name for p in own_shards(str(d), WORLD, 0, False)[1]] == [
+        "shard_0000.parquet",
+        "shard_0002.parquet",
+    ]
     with pytest.raises(ValueError) as err:
         own_shards(str(d), WORLD, 1, False)
-    assert f"corrupt parquet file {d}/shard_0003.parquet" in str(err.value) and "\n" not in str(err.value), err.value
+    assert f"corrupt parquet file {d}/shard_0003.parquet" in str(err.value) and "\n" not in str(
+        err.value
+    ), err.value
 
 
 def assert_one_error_line(proc, expected):
     """Failed with one `error:` line (the same from every rank, whichever rank met the problem) and no traceback."""
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
-    assert proc.returncode != 0 and len(errors) == 1 and expected in errors.pop(), proc.stderr[-3000:]
-    assert 'sharded_data.py", line' not in proc.stderr  # no traceback from the recipe (only the launcher's)
+    assert proc.returncode != 0 and len(errors) == 1 and expected in errors.pop(), proc.stderr[
+        -3000:
+    ]
+    assert (
+        'sharded_data.py", line' not in proc.stderr
+    )  # no traceback from the recipe (only the launcher's)
 
 
 def test_shard_count_not_a_multiple_of_world_size(tmp_path, cache_dir):
     # every rank meets it in `own_shards`, the function test_bad_shard_gives_a_clear_error's launch stops in
-    prepare(tmp_path / "three", "--num_shards", 3, "--block_size", 64, "--max_blocks", 96, cache_dir=cache_dir)
+    prepare(
+        tmp_path / "three",
+        "--num_shards",
+        3,
+        "--block_size",
+        64,
+        "--max_blocks",
+        96,
+        cache_dir=cache_dir,
+    )
     own_shards = recipe_functions()["own_shards"]
     for rank in range(WORLD):
         with pytest.raises(ValueError, match="lists 3 shards for a world size of 2"):
@@ -455,13 +695,35 @@ def two_machines(data_dirs, out, *flags, logs, cache_dir, timeout=300):
     logs.mkdir()
     procs = []
     for m, data_dir in enumerate(data_dirs):
-        cmd = launch_command("ddp", RECIPE, "--data_dir", data_dir, "--output_dir", out,
-                             "--per_device_train_batch_size", BATCH, "--ddp_timeout", 60, *flags,
-                             num_processes=2, mixed_precision="no",
-                             launcher_args=["--num_machines", 2, "--machine_rank", m, "--main_process_ip", "127.0.0.1",
-                                            "--main_process_port", port])
+        cmd = launch_command(
+            "ddp",
+            RECIPE,
+            "--data_dir",
+            data_dir,
+            "--output_dir",
+            out,
+            "--per_device_train_batch_size",
+            BATCH,
+            "--ddp_timeout",
+            60,
+            *flags,
+            num_processes=2,
+            mixed_precision="no",
+            launcher_args=[
+                "--num_machines",
+                2,
+                "--machine_rank",
+                m,
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+            ],
+        )
         with open(logs / f"machine{m}.log", "w") as log:
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
     deadline = time.time() + timeout
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
@@ -481,16 +743,30 @@ def test_each_node_needs_only_its_own_shards(tiny, tmp_path, cache_dir):
         node.mkdir()
         for name in ["manifest.json", *(f"shard_{s:04d}.parquet" for s in range(m, 4, WORLD))]:
             shutil.copy(tiny[0] / name, node / name)
-    results = two_machines(nodes, tmp_path / "run", "--max_steps", 2, "--logging_steps", 1, "--record_sample_ids",
-                           "--dataloader_num_workers", 0, "--loader_benchmark_batches", 2,
-                           logs=tmp_path / "logs", cache_dir=cache_dir)
+    results = two_machines(
+        nodes,
+        tmp_path / "run",
+        "--max_steps",
+        2,
+        "--logging_steps",
+        1,
+        "--record_sample_ids",
+        "--dataloader_num_workers",
+        0,
+        "--loader_benchmark_batches",
+        2,
+        logs=tmp_path / "logs",
+        cache_dir=cache_dir,
+    )
     assert [code for code, _ in results] == [0, 0], "\n".join(text[-3000:] for _, text in results)
     assert [r["step"] for r in strict_metrics(tmp_path / "run")[0]] == [1, 2]
     for r in range(WORLD):
         rec = json.loads((tmp_path / "run" / "sample_ids" / f"rank{r}.json").read_text())
         assert rec["shards"] == [f"shard_{s:04d}.parquet" for s in range(r, 4, WORLD)]
         blocks = sum(rec["epochs"], [])
-        assert len(set(blocks)) == 2 * BATCH and {b % 4 for b in blocks} <= set(range(r, 4, WORLD)), blocks
+        assert len(set(blocks)) == 2 * BATCH and {b % 4 for b in blocks} <= set(
+            range(r, 4, WORLD)
+        ), blocks
 
 
 def test_nodes_with_other_shard_sets_are_refused(tiny, uneven, tmp_path, cache_dir):
@@ -498,14 +774,26 @@ def test_nodes_with_other_shard_sets_are_refused(tiny, uneven, tmp_path, cache_d
     match), so each machine's shards verify against its own manifest: only comparing the manifests
     across ranks finds it. Before, both machines trained, each on its own data, and exited 0."""
     dirs = [tiny[0], uneven]
-    results = two_machines(dirs, tmp_path / "run", "--max_steps", 2, "--dataloader_num_workers", 0,
-                           logs=tmp_path / "logs", cache_dir=cache_dir)
+    results = two_machines(
+        dirs,
+        tmp_path / "run",
+        "--max_steps",
+        2,
+        "--dataloader_num_workers",
+        0,
+        logs=tmp_path / "logs",
+        cache_dir=cache_dir,
+    )
     for m, (code, text) in enumerate(results):
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert code != 0 and len(errors) == 1, text[-3000:]
-        assert errors[0].startswith(f"error: the shard manifest {dirs[m] / 'manifest.json'} differs between ranks: "
-                                    "rank(s) 1 read another one than rank 0"), errors
-        assert 'sharded_data.py", line' not in text  # no traceback from the recipe (only the launcher's)
+        assert errors[0].startswith(
+            f"error: the shard manifest {dirs[m] / 'manifest.json'} differs between ranks: "
+            "rank(s) 1 read another one than rank 0"
+        ), errors
+        assert (
+            'sharded_data.py", line' not in text
+        )  # no traceback from the recipe (only the launcher's)
 
 
 def test_a_nan_loss_stops_the_run_before_any_checkpoint(tiny, tmp_path, cache_dir):
@@ -513,8 +801,29 @@ def test_a_nan_loss_stops_the_run_before_any_checkpoint(tiny, tmp_path, cache_di
     from test_nonfinite import WRECK, assert_stopped_at_step_2
 
     out = tmp_path / "run"
-    proc = launch("ddp", RECIPE, "--data_dir", tiny[0], "--output_dir", out, "--per_device_train_batch_size", 2,
-                  "--max_steps", 4, "--logging_steps", 1, "--save_steps", 4, "--dataloader_num_workers", 0,
-                  "--loader_benchmark_batches", 2, *WRECK, cache_dir=cache_dir, num_processes=WORLD,
-                  mixed_precision="no", check=False)
+    proc = launch(
+        "ddp",
+        RECIPE,
+        "--data_dir",
+        tiny[0],
+        "--output_dir",
+        out,
+        "--per_device_train_batch_size",
+        2,
+        "--max_steps",
+        4,
+        "--logging_steps",
+        1,
+        "--save_steps",
+        4,
+        "--dataloader_num_workers",
+        0,
+        "--loader_benchmark_batches",
+        2,
+        *WRECK,
+        cache_dir=cache_dir,
+        num_processes=WORLD,
+        mixed_precision="no",
+        check=False,
+    )
     assert_stopped_at_step_2(proc, out)

@@ -20,11 +20,15 @@ def shared_blocks(text: str, where: str) -> dict[str, str]:
         line = lines[i].strip()
         if line.startswith("# >>> shared:"):
             name = line.split(":", 1)[1].split("(")[0].strip()
-            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "# <<< shared"), None)
+            end = next(
+                (j for j in range(i + 1, len(lines)) if lines[j].strip() == "# <<< shared"), None
+            )
             assert end is not None, f"{where}: shared block {name!r} has no end marker"
             assert name not in blocks, f"{where}: shared block {name!r} twice"
-            body = "".join(lines[i:end + 1])
-            blocks[name] = textwrap.dedent(body.replace(lines[i], lines[i].split("(")[0].rstrip() + "\n"))
+            body = "".join(lines[i : end + 1])
+            blocks[name] = textwrap.dedent(
+                body.replace(lines[i], lines[i].split("(")[0].rstrip() + "\n")
+            )
             i = end
         i += 1
     return blocks
@@ -50,7 +54,9 @@ def test_the_shared_blocks_are_the_same_text_in_every_recipe():
     assert drift(texts) == []
     # the Accelerator, its checks and workarounds: the same block in every recipe
     assert all("accelerator" in shared_blocks(t, n) for n, t in texts.items()), sorted(texts)
-    counts = {b: sum(b in shared_blocks(t, n) for n, t in texts.items()) for b in ("step", "evaluate")}
+    counts = {
+        b: sum(b in shared_blocks(t, n) for n, t in texts.items()) for b in ("step", "evaluate")
+    }
     assert counts["step"] >= 3 and counts["evaluate"] >= 2, counts
 
 
@@ -60,9 +66,15 @@ def test_an_edited_copy_is_caught(edit):
     block = shared_blocks(texts["llama.py"], "llama.py")["accelerator"]
     line = next(x for x in block.splitlines()[1:] if "Accelerator(" in x)  # inside the block
     changed = line.replace(" ", "  ", 1) if edit == "one character" else line + "  # edited"
-    texts["ddp_classifier.py"] = texts["ddp_classifier.py"].replace(line.strip(), changed.strip(), 1)
-    others = sorted(n for n in texts if n != "ddp_classifier.py")  # every other recipe, found by globbing
-    assert drift(texts) == [f"shared block 'accelerator' differs between ddp_classifier.py and {others}"]
+    texts["ddp_classifier.py"] = texts["ddp_classifier.py"].replace(
+        line.strip(), changed.strip(), 1
+    )
+    others = sorted(
+        n for n in texts if n != "ddp_classifier.py"
+    )  # every other recipe, found by globbing
+    assert drift(texts) == [
+        f"shared block 'accelerator' differs between ddp_classifier.py and {others}"
+    ]
 
 
 def test_the_main_recipe_fits_100_columns_and_marks_what_to_adapt():
@@ -75,11 +87,11 @@ def test_the_main_recipe_fits_100_columns_and_marks_what_to_adapt():
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES))
 def test_every_recipe_keeps_its_budget_and_marks_what_to_adapt(recipe):
-    """At most 400 lines (llama.py 350), 100 columns, one sys.exit; its docstring names the
+    """At most 540 lines after `ruff format` (llama.py 450), 100 columns, one sys.exit; its docstring names the
     `# ADAPT:` markers, and each of data, model and loss has exactly one."""
     text = (REPO / "recipes" / recipe).read_text()
     lines = text.splitlines()
-    assert len(lines) <= (350 if recipe == "llama.py" else 400)
+    assert len(lines) <= (450 if recipe == "llama.py" else 540)
     assert max(map(len, lines)) <= 100 and text.count("sys.exit") <= 1
     assert "`# ADAPT:`" in text.split('"""')[1]
     for part in ("data", "model", "loss"):
@@ -99,16 +111,27 @@ def test_every_recipe_imports_without_garbage_collection(recipe, monkeypatch):
     calls = []
     for name in ("disable", "collect", "freeze", "enable"):
         monkeypatch.setattr(gc, name, lambda name=name: calls.append(name))
-    assert run_in_process(monkeypatch, f"recipes/{recipe}", "--no_such_flag", 1).startswith("error: ")
+    assert run_in_process(monkeypatch, f"recipes/{recipe}", "--no_such_flag", 1).startswith(
+        "error: "
+    )
     # earlier garbage is not frozen; the imports' millions of objects are never scanned
     assert calls == ["collect", "disable", "freeze", "enable"]
     # and above every import outside the standard library: here they are imported already, so only the
     # text shows where it runs
     lines = (REPO / "recipes" / recipe).read_text().splitlines()
-    collect = lines.index("gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes")
-    assert lines[collect + 1] == "gc.disable()  # the imports below run without it: launch.imports_done()"
+    collect = lines.index(
+        "gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes"
+    )
+    assert (
+        lines[collect + 1]
+        == "gc.disable()  # the imports below run without it: launch.imports_done()"
+    )
     tree = ast.parse("\n".join(lines))
-    first_library = min(node.lineno - 1 for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-                        and (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
-                        not in sys.stdlib_module_names)
+    first_library = min(
+        node.lineno - 1
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
+        not in sys.stdlib_module_names
+    )
     assert collect + 1 < first_library, (lines[first_library], "above gc.disable()")

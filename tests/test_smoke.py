@@ -21,9 +21,19 @@ TIMEOUT = 600  # seconds for one smoke run (about 45 s for single + ddp here)
 
 def smoke(*argv, out, cache_dir):
     """Run tools/smoke.py with 2 CPU ranks into `out`; (the CompletedProcess, its rows from smoke.json)."""
-    cmd = [sys.executable, REPO / "tools/smoke.py", "--num_processes", 2, "--output_dir", out, *argv]
+    cmd = [
+        sys.executable,
+        REPO / "tools/smoke.py",
+        "--num_processes",
+        2,
+        "--output_dir",
+        out,
+        *argv,
+    ]
     env = {**os.environ, "ACCELERATE_RECIPES_CACHE": cache_dir, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
     rows = json.loads((out / "smoke.json").read_text()) if (out / "smoke.json").exists() else None
     return proc, rows
 
@@ -34,11 +44,17 @@ def quick_with_a_broken_config(tmp_path_factory, cache_dir):
     whose DeepSpeed JSON sets a train_batch_size of 64 against the global batch of 4."""
     tmp_path = tmp_path_factory.mktemp("smoke")
     ds_json = tmp_path / "zero2.json"
-    ds_json.write_text((REPO / "ds_configs/zero2.json").read_text().replace(
-        '"train_batch_size": "auto"', '"train_batch_size": 64'))
+    ds_json.write_text(
+        (REPO / "ds_configs/zero2.json")
+        .read_text()
+        .replace('"train_batch_size": "auto"', '"train_batch_size": 64')
+    )
     broken = tmp_path / "broken_zero2.yaml"
-    broken.write_text((REPO / "accelerate_configs/deepspeed_zero2.yaml").read_text().replace(
-        "ds_configs/zero2.json", str(ds_json)))
+    broken.write_text(
+        (REPO / "accelerate_configs/deepspeed_zero2.yaml")
+        .read_text()
+        .replace("ds_configs/zero2.json", str(ds_json))
+    )
     out = tmp_path / "out"
     proc, rows = smoke("--configs", "ddp", "--config_file", broken, out=out, cache_dir=cache_dir)
     return proc, rows, out
@@ -47,17 +63,28 @@ def quick_with_a_broken_config(tmp_path_factory, cache_dir):
 def test_quick_level_passes_with_its_table(quick_with_a_broken_config):
     proc, rows, out = quick_with_a_broken_config
     assert [(r["config"], r["world"], r["status"]) for r in rows] == [
-        ("single", 1, "PASS"), ("ddp", 2, "PASS"), ("broken_zero2", 2, "FAIL")], proc.stdout[-3000:]
+        ("single", 1, "PASS"),
+        ("ddp", 2, "PASS"),
+        ("broken_zero2", 2, "FAIL"),
+    ], proc.stdout[-3000:]
     single, ddp = rows[:2]
     assert single["loss_gap"] == single["grad_norm_gap"] == 0  # the reference itself
-    assert 0 < ddp["loss_gap"] < 5e-6 and ddp["grad_norm_gap"] < 5e-6  # fp32 parity, tests/test_parity.py's bound
+    assert (
+        0 < ddp["loss_gap"] < 5e-6 and ddp["grad_norm_gap"] < 5e-6
+    )  # fp32 parity, tests/test_parity.py's bound
     for r in rows[:2]:
         assert r["resume_gap"] <= 1e-6 and r["export"] == "ok" and not r["problems"], r
         assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and r["wall_s"] > 0, r
     # the printed table: a header, then one row per config with the same figures
-    assert "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |" in proc.stdout
-    assert re.search(rf"^\| ddp \| 2 \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
-                     proc.stdout, re.M), proc.stdout
+    assert (
+        "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |"
+        in proc.stdout
+    )
+    assert re.search(
+        rf"^\| ddp \| 2 \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     assert (out / "smoke.md").read_text().startswith("| config |")
     assert (out / "ddp" / "run" / "final" / "model.safetensors").is_file()
 
@@ -74,33 +101,69 @@ def test_broken_config_fails_naming_it(quick_with_a_broken_config):
 
 
 def test_bad_flags_are_one_line(tmp_path):
-    for argv, says in [(["--configs", "nope"], "no accelerate_configs/nope.yaml"),
-                       (["--steps", "3"], "--steps 3: give an even number"),
-                       (["--config_file", tmp_path / "absent.yaml"], "no such file"),
-                       (["--steps", "x"], "invalid int value")]:
-        proc = subprocess.run([sys.executable, str(REPO / "tools/smoke.py"), *map(str, argv)], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
+    for argv, says in [
+        (["--configs", "nope"], "no accelerate_configs/nope.yaml"),
+        (["--steps", "3"], "--steps 3: give an even number"),
+        (["--config_file", tmp_path / "absent.yaml"], "no such file"),
+        (["--steps", "x"], "invalid int value"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tools/smoke.py"), *map(str, argv)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, (
+            proc.stderr
+        )
         assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch on PATH: run `bash slurm/local_cluster.sh` "
-                                                         "(as root) for a local SLURM")
+@pytest.mark.skipif(
+    shutil.which("sbatch") is None,
+    reason="no sbatch on PATH: run `bash slurm/local_cluster.sh` (as root) for a local SLURM",
+)
 def test_slurm_job_checks_across_two_nodes(tmp_path, cache_dir):
     """sbatch --nodes 2 slurm/smoke.sbatch --configs ddp: the job completes with exit 0, and ddp's runs
     had one launcher on each node (srun --label: node 1's lines start with "1: ")."""
     log, out = tmp_path / "job.log", tmp_path / "out"
-    env = {**os.environ, "PROCS_PER_NODE": "1", "ACCELERATE_RECIPES_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    cmd = ["sbatch", "--parsable", "--nodes", "2", "--job-name", "test-smoke", "--output", str(log),
-           str(REPO / "slurm/smoke.sbatch"), "--configs", "ddp", "--output_dir", str(out)]
+    env = {
+        **os.environ,
+        "PROCS_PER_NODE": "1",
+        "ACCELERATE_RECIPES_CACHE": str(cache_dir),
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes",
+        "2",
+        "--job-name",
+        "test-smoke",
+        "--output",
+        str(log),
+        str(REPO / "slurm/smoke.sbatch"),
+        "--configs",
+        "ddp",
+        "--output_dir",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     info = wait_ended(proc.stdout.strip().split(";")[0], log, timeout=TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log_text(log)[-4000:]
-    assert "on 2 node(s)" in log_text(log) and re.search(r"^\| ddp \| 2 \| PASS \|", log_text(log), re.M)
+    assert "on 2 node(s)" in log_text(log) and re.search(
+        r"^\| ddp \| 2 \| PASS \|", log_text(log), re.M
+    )
     rows = json.loads((out / "smoke.json").read_text())
-    assert [(r["config"], r["world"], r["status"]) for r in rows] == [("single", 1, "PASS"), ("ddp", 2, "PASS")]
+    assert [(r["config"], r["world"], r["status"]) for r in rows] == [
+        ("single", 1, "PASS"),
+        ("ddp", 2, "PASS"),
+    ]
     for run in ("run", "resumed"):
         lines = (out / "ddp" / f"{run}.log").read_text().splitlines()
-        assert any(x.startswith("0: ") for x in lines) and any(x.startswith("1: ") for x in lines), run
+        assert any(x.startswith("0: ") for x in lines) and any(
+            x.startswith("1: ") for x in lines
+        ), run

@@ -27,8 +27,18 @@ EXPORT_ATOL = 1e-5
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("tp") / "run"
-    launch("tp", "recipes/llama.py", "--output_dir", out, *FLAGS, "--save_steps", SAVE, "--record_sample_ids",
-           cache_dir=cache_dir, mixed_precision="no")
+    launch(
+        "tp",
+        "recipes/llama.py",
+        "--output_dir",
+        out,
+        *FLAGS,
+        "--save_steps",
+        SAVE,
+        "--record_sample_ids",
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     return out
 
 
@@ -40,7 +50,9 @@ def test_tp_matches_one_process(tp, short_run):
     info = strict_json((tp / "run_info.json").read_text())
     assert (info["distributed_type"], info["world_size"], info["global_batch"]) == ("FSDP", 4, 4)
     assert info["mesh"] == {"dp_shard": 2, "tp": 2}
-    assert {"replicate_parallel_for_accelerate", "gather_metrics_once_per_tp_group"} <= set(info["workarounds"])
+    assert {"replicate_parallel_for_accelerate", "gather_metrics_once_per_tp_group"} <= set(
+        info["workarounds"]
+    )
     # Each rank holds a quarter of the parameter elements: its tp slice, halved again by FSDP over dp_shard
     # (the RMSNorm weights, whole on each tp rank, are 0.05% of them).
     for n in info["local_param_elements"]:
@@ -53,7 +65,9 @@ def test_tp_matches_one_process(tp, short_run):
     gaps = worst_gaps(tp, reference)
     assert gaps["steps"] == 5 and gaps["lr"] == 0, gaps
     for key in KEYS:
-        assert gaps[key] < FP32_RTOL[key], f"TP 2x2 {key}: worst relative gap {gaps[key]:.2e} vs one process"
+        assert gaps[key] < FP32_RTOL[key], (
+            f"TP 2x2 {key}: worst relative gap {gaps[key]:.2e} vs one process"
+        )
 
 
 def test_tp_ranks_share_a_batch_and_count_it_once(tp):
@@ -71,7 +85,9 @@ def test_tp_export_reloads_to_the_live_logits(tp):
     """The export is whole (the names of an unsharded model, no tensor-parallel config) and reloads with
     plain transformers to the live tensor-parallel model's logits, within the slicing's rounding."""
     exported = load_file(tp / "final" / "model.safetensors")
-    assert "lm_head.weight" not in exported and exported["model.embed_tokens.weight"].shape[1] == 256
+    assert (
+        "lm_head.weight" not in exported and exported["model.embed_tokens.weight"].shape[1] == 256
+    )
     assert "distributed_config" not in json.loads((tp / "final" / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(tp / "final", dtype=torch.float32).eval()
     probe = load_file(tp / "final_logits.safetensors")
@@ -85,9 +101,21 @@ def test_tp_resumes_exactly(tp, tmp_path, cache_dir):
     marker = verify_checkpoint(tp / f"checkpoint-{SAVE}")
     assert (marker["world_size"], marker["distributed_type"]) == (4, "FSDP2 (dp_shard 2 x tp 2)")
     resumed = tmp_path / "resumed"
-    launch("tp", "recipes/llama.py", "--output_dir", resumed, *FLAGS, "--resume_from_checkpoint",
-           tp / f"checkpoint-{SAVE}", cache_dir=cache_dir, mixed_precision="no")
-    want, got = steps_of(tp), steps_of(resumed)  # measured: bit-equal (no checkpoint written: quicker)
+    launch(
+        "tp",
+        "recipes/llama.py",
+        "--output_dir",
+        resumed,
+        *FLAGS,
+        "--resume_from_checkpoint",
+        tp / f"checkpoint-{SAVE}",
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
+    want, got = (
+        steps_of(tp),
+        steps_of(resumed),
+    )  # measured: bit-equal (no checkpoint written: quicker)
     assert sorted(got) == [6, 8, 10]
     for s, r in got.items():
         for key in ("loss", "grad_norm", "lr"):
@@ -106,10 +134,22 @@ def test_a_tp_state_resumes_only_on_its_own_mesh():
         accelerator = fake_accelerator("FSDP")
         accelerator.parallelism_config = ParallelismConfig(**sizes) if sizes else None
         return strategy_name(accelerator)
+
     tp = name(dp_shard_size=2, tp_size=2)
     assert tp == "FSDP2 (dp_shard 2 x tp 2)"
     saved = {"step": 5, "distributed_type": tp, "world_size": 4}
-    for other in (name(), name(dp_replicate_size=2, dp_shard_size=2), name(dp_shard_size=4, tp_size=2)):
-        error = resume_error(Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, [])
+    for other in (
+        name(),
+        name(dp_replicate_size=2, dp_shard_size=2),
+        name(dp_shard_size=4, tp_size=2),
+    ):
+        error = resume_error(
+            Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, []
+        )
         assert error and f"a {tp} state of 4 rank(s), this run is {other} with 4" in error, error
-    assert resume_error(Path("ckpt"), saved, {"distributed_type": tp, "world_size": 4, "max_steps": 10}, []) is None
+    assert (
+        resume_error(
+            Path("ckpt"), saved, {"distributed_type": tp, "world_size": 4, "max_steps": 10}, []
+        )
+        is None
+    )

@@ -52,7 +52,9 @@ def test_allow_mixed_precision_with_deepspeed_json(monkeypatch):
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,mixed_precision")
     with pytest.raises(ValueError, match="will be ignored"):
         DeepSpeedPlugin._deepspeed_config_checks(None)
-    assert workarounds.allow_mixed_precision_with_deepspeed_json() == ["allow_mixed_precision_with_deepspeed_json"]
+    assert workarounds.allow_mixed_precision_with_deepspeed_json() == [
+        "allow_mixed_precision_with_deepspeed_json"
+    ]
     assert os.environ["ACCELERATE_CONFIG_DS_FIELDS"] == "deepspeed_config_file"
     DeepSpeedPlugin._deepspeed_config_checks(None)  # nothing refused now
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file")
@@ -66,9 +68,13 @@ def test_ddp_ranks_on_cpu(monkeypatch):
         pytest.skip("a GPU host: Accelerate finds the device")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert PartialState._prepare_backend(None, cpu=False) == (None, DistributedType.NO), upstream("ddp_ranks_on_cpu")
+    assert PartialState._prepare_backend(None, cpu=False) == (None, DistributedType.NO), upstream(
+        "ddp_ranks_on_cpu"
+    )
     assert PartialState._prepare_backend(None, cpu=True) == ("gloo", DistributedType.MULTI_CPU)
-    assert "ACCELERATE_USE_CPU" in inspect.getsource(AcceleratorState.__init__), upstream("ddp_ranks_on_cpu")
+    assert "ACCELERATE_USE_CPU" in inspect.getsource(AcceleratorState.__init__), upstream(
+        "ddp_ranks_on_cpu"
+    )
 
 
 def test_fsdp_ranks_on_cpu(monkeypatch, fresh_state):
@@ -77,6 +83,7 @@ def test_fsdp_ranks_on_cpu(monkeypatch, fresh_state):
 
     def state():
         return AcceleratorState(cpu=True, _from_accelerator=True, dynamo_plugin=TorchDynamoPlugin())
+
     assert state().distributed_type == DistributedType.NO, upstream("fsdp_ranks_on_cpu")
     AcceleratorState._reset_state(reset_partial_state=True)
     relabelled = PartialState(cpu=True)  # what the workaround does, without a process group
@@ -113,7 +120,9 @@ def test_cache_deepspeed_cpu_device_count(monkeypatch):
     accelerator = get_accelerator()
     assert accelerator.device_name() == "cpu"
     # the class's method, uncached; put back after the test
-    monkeypatch.setattr(accelerator, "device_count", type(accelerator).device_count.__get__(accelerator))
+    monkeypatch.setattr(
+        accelerator, "device_count", type(accelerator).device_count.__get__(accelerator)
+    )
     assert accelerator.device_count() == accelerator.device_count() == 1
     assert calls == [["numactl", "--hardware"]] * 2, upstream("cache_deepspeed_cpu_device_count")
     assert workarounds.cache_deepspeed_cpu_device_count() == ["cache_deepspeed_cpu_device_count"]
@@ -123,7 +132,9 @@ def test_cache_deepspeed_cpu_device_count(monkeypatch):
 def test_install_cpu_grad_scaler(fresh_state):
     """Accelerate still builds no GradScaler and no fp16 autocast for fp16 on a CPU device."""
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-    assert accelerator.scaler is None and not accelerator.native_amp, upstream("install_cpu_grad_scaler")
+    assert accelerator.scaler is None and not accelerator.native_amp, upstream(
+        "install_cpu_grad_scaler"
+    )
     assert workarounds.install_cpu_grad_scaler(accelerator) == ["install_cpu_grad_scaler"]
     assert isinstance(accelerator.scaler, torch.amp.GradScaler) and accelerator.native_amp
 
@@ -152,8 +163,12 @@ def test_drop_fp32_output_copy(fresh_state):
 def test_eager_state_dict_keys(fresh_state):
     """A compiled module's state-dict keys still carry `_orig_mod.`; with the hooks, eager keys."""
     compiled = torch.compile(torch.nn.Linear(2, 2))
-    assert list(compiled.state_dict()) == ["_orig_mod.weight", "_orig_mod.bias"], upstream("eager_state_dict_keys")
-    assert workarounds.eager_state_dict_keys(Accelerator(cpu=True), compiled) == ["eager_state_dict_keys"]
+    assert list(compiled.state_dict()) == ["_orig_mod.weight", "_orig_mod.bias"], upstream(
+        "eager_state_dict_keys"
+    )
+    assert workarounds.eager_state_dict_keys(Accelerator(cpu=True), compiled) == [
+        "eager_state_dict_keys"
+    ]
     assert list(compiled.state_dict()) == ["weight", "bias"]
 
 
@@ -163,8 +178,9 @@ def test_fill_fsdp1_optimizer_state():
     from accelerate.utils.fsdp_utils import load_fsdp_optimizer
 
     source = inspect.getsource(load_fsdp_optimizer)
-    assert "FSDP.optim_state_dict(model, optimizer)" in source and "dist_cp.load(" in source, \
+    assert "FSDP.optim_state_dict(model, optimizer)" in source and "dist_cp.load(" in source, (
         upstream("fill_fsdp1_optimizer_state")
+    )
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     assert fresh.state_dict()["state"] == {}, upstream("fill_fsdp1_optimizer_state")
 
@@ -176,10 +192,15 @@ def test_fsdp_trainable_state_only():
     import accelerate.accelerator as accelerator_module
     from accelerate.utils import fsdp_utils
 
-    saves, loads = inspect.getsource(Accelerator.save_state), inspect.getsource(Accelerator.load_state)
-    assert "save_fsdp_model(self.state.fsdp_plugin, self, model, output_dir, i)" in saves and \
-        "load_fsdp_model(self.state.fsdp_plugin, self, model, input_dir, i)" in loads and \
-        accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model, upstream("fsdp_trainable_state_only")
+    saves, loads = (
+        inspect.getsource(Accelerator.save_state),
+        inspect.getsource(Accelerator.load_state),
+    )
+    assert (
+        "save_fsdp_model(self.state.fsdp_plugin, self, model, output_dir, i)" in saves
+        and "load_fsdp_model(self.state.fsdp_plugin, self, model, input_dir, i)" in loads
+        and accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model
+    ), upstream("fsdp_trainable_state_only")
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
     with workarounds.fsdp_trainable_state_only(fsdp) as applied:
         assert applied == ["fsdp_trainable_state_only"]
@@ -187,7 +208,9 @@ def test_fsdp_trainable_state_only():
         assert accelerator_module.load_fsdp_model is not fsdp_utils.load_fsdp_model
     assert accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model
     assert accelerator_module.load_fsdp_model is fsdp_utils.load_fsdp_model
-    with workarounds.fsdp_trainable_state_only(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)) as applied:
+    with workarounds.fsdp_trainable_state_only(
+        SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
+    ) as applied:
         assert applied == [] and accelerator_module.save_fsdp_model is fsdp_utils.save_fsdp_model
 
 
@@ -200,7 +223,9 @@ def test_micro_steps_from_optimizer_steps(fresh_state, tmp_path):
     accelerator.load_state(str(tmp_path))
     assert accelerator.step == 9, upstream("micro_steps_from_optimizer_steps")
     accelerator.gradient_accumulation_steps = 2
-    assert workarounds.micro_steps_from_optimizer_steps(accelerator, 9) == ["micro_steps_from_optimizer_steps"]
+    assert workarounds.micro_steps_from_optimizer_steps(accelerator, 9) == [
+        "micro_steps_from_optimizer_steps"
+    ]
     assert accelerator.step == 18
 
 
@@ -232,7 +257,9 @@ def test_safetensors_mode_from_umask(tmp_path):
     umask = os.umask(0o022)
     try:
         save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
-        assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o600, upstream("safetensors_mode_from_umask")
+        assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o600, upstream(
+            "safetensors_mode_from_umask"
+        )
         assert workarounds.safetensors_mode_from_umask(tmp_path) == ["safetensors_mode_from_umask"]
         assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
         os.umask(0o027)
@@ -248,8 +275,11 @@ def test_safetensors_mode_from_umask(tmp_path):
 
 
 def _functions() -> dict:
-    return {name: f for name, f in inspect.getmembers(workarounds, inspect.isfunction)
-            if f.__module__ == workarounds.__name__ and not name.startswith("_")}
+    return {
+        name: f
+        for name, f in inspect.getmembers(workarounds, inspect.isfunction)
+        if f.__module__ == workarounds.__name__ and not name.startswith("_")
+    }
 
 
 def _table() -> list[str]:
@@ -272,37 +302,55 @@ def test_replicate_parallel_for_accelerate():
     import transformers.integrations.tensor_parallel as hf_tp
 
     source = inspect.getsource(Accelerator._prepare_tp)
-    assert "from transformers.integrations.tensor_parallel import ReplicateParallel" in source and \
-        not hasattr(hf_tp, "ReplicateParallel"), upstream("replicate_parallel_for_accelerate")
+    assert (
+        "from transformers.integrations.tensor_parallel import ReplicateParallel" in source
+        and not hasattr(hf_tp, "ReplicateParallel")
+    ), upstream("replicate_parallel_for_accelerate")
 
 
 def test_gather_metrics_once_per_tp_group():
     """`gather_for_metrics` still gathers every rank's rows through `self.gather`, then cuts the last batch
     to the remainder counted over data-parallel ranks (tests/test_tp.py measures what that costs)."""
     source = inspect.getsource(Accelerator.gather_for_metrics)
-    assert "data = self.gather(input_data)" in source and "tensor[: self.gradient_state.remainder]" in source, \
-        upstream("gather_metrics_once_per_tp_group")
+    assert (
+        "data = self.gather(input_data)" in source
+        and "tensor[: self.gradient_state.remainder]" in source
+    ), upstream("gather_metrics_once_per_tp_group")
 
 
 def test_no_deepspeed_import_on_unwrap():
     """Unwrapping a plain module still imports deepspeed (a fresh process: this one may have it)."""
-    code = ("import sys, torch; from accelerate.utils.other import extract_model_from_parallel as unwrap; "
-            "unwrap(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.split()[-1] == "True", upstream("no_deepspeed_import_on_unwrap")
-    code = ("import sys, torch; from common import workarounds; "
-            "workarounds.no_deepspeed_import_on_unwrap(workarounds.PartialState()); "
-            "from accelerate.utils.other import extract_model_from_parallel as unwrap; "
-            "unwrap(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=REPO).stdout.split()[-1] == "False"
+    code = (
+        "import sys, torch; from accelerate.utils.other import extract_model_from_parallel as unwrap; "
+        "unwrap(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)"
+    )
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+        == "True"
+    ), upstream("no_deepspeed_import_on_unwrap")
+    code = (
+        "import sys, torch; from common import workarounds; "
+        "workarounds.no_deepspeed_import_on_unwrap(workarounds.PartialState()); "
+        "from accelerate.utils.other import extract_model_from_parallel as unwrap; "
+        "unwrap(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)"
+    )
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+        ).stdout.split()[-1]
+        == "False"
+    )
 
 
 def test_the_table_lists_every_workaround_once_with_its_canary():
     table, functions = _table(), _functions()
     assert len(table) == len(set(table))
     assert set(table) == set(functions) - STAGES
-    here = inspect.getsource(inspect.getmodule(test_the_table_lists_every_workaround_once_with_its_canary))
+    here = inspect.getsource(
+        inspect.getmodule(test_the_table_lists_every_workaround_once_with_its_canary)
+    )
     for name in table:
         assert f"def test_{name}(" in here, f"no canary test_{name}"
         doc = functions[name].__doc__
@@ -310,17 +358,28 @@ def test_the_table_lists_every_workaround_once_with_its_canary():
         assert "Canary:" in doc and re.search(libraries, doc, re.I), name
     for name in STAGES:  # a stage names the workarounds it calls, and calls them
         named = set(re.findall(r"`(\w+)`", functions[name].__doc__)) & set(functions)
-        called = {n.func.id for n in ast.walk(ast.parse(inspect.getsource(functions[name])))
-                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        called = {
+            n.func.id
+            for n in ast.walk(ast.parse(inspect.getsource(functions[name])))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
         assert named == called and named <= set(table), (name, named, called)
 
 
 def test_each_workaround_returns_its_own_name():
     """What run_info.json lists is the function's own name: `return ["name"]` or `[]`."""
     for name, f in _functions().items():
-        returns = [n for n in ast.walk(ast.parse(inspect.getsource(f))) if isinstance(n, ast.Return)]
-        names = {c.value for r in returns for n in ast.walk(r) if isinstance(n, ast.List)
-                 for c in n.elts if isinstance(c, ast.Constant)}
+        returns = [
+            n for n in ast.walk(ast.parse(inspect.getsource(f))) if isinstance(n, ast.Return)
+        ]
+        names = {
+            c.value
+            for r in returns
+            for n in ast.walk(r)
+            if isinstance(n, ast.List)
+            for c in n.elts
+            if isinstance(c, ast.Constant)
+        }
         assert names <= {name}, (name, names)
 
 
@@ -329,21 +388,33 @@ def test_the_stages_return_what_applied(fresh_state, monkeypatch):
     forward, whose fp32 copy goes."""
     from accelerate.utils import imports, other
 
-    monkeypatch.setattr(other, "is_deepspeed_available", imports.is_deepspeed_available)  # unpatched, restored
+    monkeypatch.setattr(
+        other, "is_deepspeed_available", imports.is_deepspeed_available
+    )  # unpatched, restored
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-    assert workarounds.accelerator_built(accelerator) == ["install_cpu_grad_scaler", "no_deepspeed_import_on_unwrap"]
+    assert workarounds.accelerator_built(accelerator) == [
+        "install_cpu_grad_scaler",
+        "no_deepspeed_import_on_unwrap",
+    ]
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     assert workarounds.prepared(accelerator, model) == ["drop_fp32_output_copy"]
     AcceleratorState._reset_state(reset_partial_state=True)
-    assert workarounds.accelerator_built(Accelerator(cpu=True)) == []  # fp32, unwrap patched already: nothing
+    assert (
+        workarounds.accelerator_built(Accelerator(cpu=True)) == []
+    )  # fp32, unwrap patched already: nothing
 
 
 def test_process_group_returns_what_applied(monkeypatch):
     """A CPU-only torchrun DDP rank: a DeepSpeed YAML's field list is fixed, then real gloo ranks."""
     if torch.cuda.is_available():
         pytest.skip("a GPU host: nothing to switch")
-    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU",
-                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "TORCHELASTIC_MAX_RESTARTS"):
+    for name in (
+        "ACCELERATE_USE_FSDP",
+        "ACCELERATE_USE_DEEPSPEED",
+        "ACCELERATE_USE_CPU",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+        "TORCHELASTIC_MAX_RESTARTS",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ACCELERATE_RECIPES_ALLOW_CPU", "1")
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "mixed_precision")
@@ -362,10 +433,14 @@ def test_relink_offload_lr_scheduler():
     from accelerate.utils import deepspeed as accelerate_deepspeed
 
     source = inspect.getsource(accelerate_deepspeed.map_pytorch_optim_to_deepspeed)
-    assert "optimizer_class(optimizer.param_groups" in source, upstream("relink_offload_lr_scheduler")
+    assert "optimizer_class(optimizer.param_groups" in source, upstream(
+        "relink_offload_lr_scheduler"
+    )
     weight = torch.nn.Parameter(torch.ones(2))
     adamw = torch.optim.AdamW([weight], lr=1e-3)
     swapped = torch.optim.AdamW(adamw.param_groups)  # built on the same dicts, as the CPU Adam is
     assert swapped.param_groups[0] is adamw.param_groups[0]
     swapped.load_state_dict(swapped.state_dict())
-    assert swapped.param_groups[0] is not adamw.param_groups[0], upstream("relink_offload_lr_scheduler")
+    assert swapped.param_groups[0] is not adamw.param_groups[0], upstream(
+        "relink_offload_lr_scheduler"
+    )

@@ -28,8 +28,15 @@ def offloaded(tmp_path_factory, cache_dir):
     reads.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOST_READS_DIR", str(reads))  # tests/device_guard/host_reads.py logs every read
-        launch("deepspeed_zero3_offload", "recipes/llama.py", "--output_dir", out, *OFFLOADED, cache_dir=cache_dir,
-               mixed_precision="no")
+        launch(
+            "deepspeed_zero3_offload",
+            "recipes/llama.py",
+            "--output_dir",
+            out,
+            *OFFLOADED,
+            cache_dir=cache_dir,
+            mixed_precision="no",
+        )
     return out, host_reads(reads)
 
 
@@ -44,31 +51,51 @@ def test_offload_trains_exactly_like_zero3(offloaded, short_run):
     reference_out, _ = short_run("deepspeed_zero3")
     info = json.loads((out / "run_info.json").read_text())
     assert info["distributed_type"] == "DEEPSPEED" and info["world_size"] == 2
-    assert info["deepspeed"]["offload_optimizer_device"] == info["deepspeed"]["offload_param_device"] == "cpu"
+    assert (
+        info["deepspeed"]["offload_optimizer_device"]
+        == info["deepspeed"]["offload_param_device"]
+        == "cpu"
+    )
     for n in info["local_param_elements"]:  # ZeRO-3 partitions: about half the elements per rank
         assert abs(n / info["n_params"] - 0.5) < 0.02, (n, info["n_params"])
 
     # no read of a device value in an ordinary step (odd steps here), offloaded too
-    assert sorted(offload_reads) == [0, 1]  # both ranks logged: the check below is not passing on nothing
+    assert sorted(offload_reads) == [
+        0,
+        1,
+    ]  # both ranks logged: the check below is not passing on nothing
     for rank, log in offload_reads.items():
         project = [r for r in ordinary_step_reads(log, 2, STEPS, save_steps=4) if r[0] == "project"]
-        assert any(r[0] == "project" and r[3] == STEPS for r in log), f"rank {rank}: the logger saw no read"
-        assert not project, f"offload rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
+        assert any(r[0] == "project" and r[3] == STEPS for r in log), (
+            f"rank {rank}: the logger saw no read"
+        )
+        assert not project, (
+            f"offload rank {rank}: reads of tensor values in ordinary steps: {project[:4]}"
+        )
 
     steps, summary = read_metrics(out)
     reference, _ = read_metrics(reference_out)
     assert [r["step"] for r in steps] == list(range(2, STEPS + 1, 2))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
-    assert steps[0]["loss"] > 7.5  # step 2, after a step at LR 0: untrained, about ln(4096) = 8.3 nats/token
-    assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8  # measured: 8.36 -> 6.89 (steps 6-10)
-    assert summary and (summary[0]["input_tokens"], summary[0]["target_tokens"]) == (STEPS * 4 * 64, STEPS * 4 * 63)
+    assert (
+        steps[0]["loss"] > 7.5
+    )  # step 2, after a step at LR 0: untrained, about ln(4096) = 8.3 nats/token
+    assert (
+        sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.8
+    )  # measured: 8.36 -> 6.89 (steps 6-10)
+    assert summary and (summary[0]["input_tokens"], summary[0]["target_tokens"]) == (
+        STEPS * 4 * 64,
+        STEPS * 4 * 63,
+    )
     gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps, reference)]
     # measured 0 at 10 steps of 2 x 64 (CPU Adam vs torch AdamW, fp32, 2-core AVX-512 CPU; 6e-8 before).
     # Not bit-equal on purpose: DeepSpeed compiles CPU Adam for the host's vector width (AVX-512 here,
     # AVX2 elsewhere), which may round otherwise; 1e-5 is about 150 fp32 ulps at a loss of 7.
     assert max(gaps) < 1e-5, gaps
     # measured 0 (the same fp32 value, 6.900647); the same relative bound as the training losses
-    assert abs(steps[-1]["eval_loss"] - reference[-1]["eval_loss"]) / reference[-1]["eval_loss"] < 1e-5
+    assert (
+        abs(steps[-1]["eval_loss"] - reference[-1]["eval_loss"]) / reference[-1]["eval_loss"] < 1e-5
+    )
 
     # The export reloads with plain transformers to the live (offloaded, sharded) model's logits.
     model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
@@ -88,11 +115,26 @@ def test_offload_keeps_master_weights_and_adam_state_in_cpu_adam(tmp_path, cache
     and holds exactly its 1/2 share of the fp32 master, fp32 gradients and Adam moments.
     """
     result_file = tmp_path / "states.json"
-    launch("deepspeed_zero3_offload", "benchmarks/measure_model_states.py", "--output_file", result_file,
-           "--per_device_train_batch_size", 2, "--block_size", 64, "--ddp_timeout", 120,
-           cache_dir=cache_dir, mixed_precision="bf16")  # forced: the bf16 layout, emulated on CPUs without it
+    launch(
+        "deepspeed_zero3_offload",
+        "benchmarks/measure_model_states.py",
+        "--output_file",
+        result_file,
+        "--per_device_train_batch_size",
+        2,
+        "--block_size",
+        64,
+        "--ddp_timeout",
+        120,
+        cache_dir=cache_dir,
+        mixed_precision="bf16",
+    )  # forced: the bf16 layout, emulated on CPUs without it
     r = json.loads(result_file.read_text())
-    assert r["distributed_type"] == "DEEPSPEED" and r["world_size"] == 2 and r["mixed_precision"] == "bf16"
+    assert (
+        r["distributed_type"] == "DEEPSPEED"
+        and r["world_size"] == 2
+        and r["mixed_precision"] == "bf16"
+    )
     assert r["optimizer"] == "DeepSpeedCPUAdam"
     assert r["offload_optimizer"] and r["offload_param"]
     assert r["devices"]["fp32_master"] == ["cpu"] and r["devices"]["adam_moments"] == ["cpu"]
@@ -100,7 +142,9 @@ def test_offload_keeps_master_weights_and_adam_state_in_cpu_adam(tmp_path, cache
     for rank in range(2):
         assert r["fp32_master_bytes"][rank] == 4 * share  # fp32 master partition
         assert r["adam_moments_bytes"][rank] == 8 * share  # exp_avg + exp_avg_sq, fp32
-        assert r["grads_bytes"][rank] == 4 * share  # offload reduces into an fp32 CPU gradient partition
+        assert (
+            r["grads_bytes"][rank] == 4 * share
+        )  # offload reduces into an fp32 CPU gradient partition
         # bf16 partition, plus the small norm weights ZeRO-3 keeps whole on every rank
         assert 2 * share <= r["params_bytes"][rank] < 2 * share * 1.01
 
@@ -122,15 +166,31 @@ def test_a_resume_continues_exactly(offloaded, tmp_path, cache_dir):
     """
     straight_out, _ = offloaded
     out = tmp_path / "resumed"
-    launch("deepspeed_zero3_offload", "recipes/llama.py", "--output_dir", out, *OFFLOADED,
-           "--resume_from_checkpoint", straight_out / "checkpoint-4", cache_dir=cache_dir, mixed_precision="no")
+    launch(
+        "deepspeed_zero3_offload",
+        "recipes/llama.py",
+        "--output_dir",
+        out,
+        *OFFLOADED,
+        "--resume_from_checkpoint",
+        straight_out / "checkpoint-4",
+        cache_dir=cache_dir,
+        mixed_precision="no",
+    )
     straight = {r["step"]: r for r in read_metrics(straight_out)[0]}
     resumed = {r["step"]: r for r in read_metrics(out)[0]}
     assert sorted(resumed) == [6, 8, 10]  # logged every 2nd step
     for step in (6, 8, 10):
         for key in ("loss", "grad_norm", "lr"):
-            assert resumed[step][key] == straight[step][key], (step, key, resumed[step][key], straight[step][key])
+            assert resumed[step][key] == straight[step][key], (
+                step,
+                key,
+                resumed[step][key],
+                straight[step][key],
+            )
     assert resumed[10]["eval_loss"] == straight[10]["eval_loss"]
     # and the same weights at the end: the live models' logits on the probe, bit for bit
-    assert torch.equal(load_file(out / "final_logits.safetensors")["logits"],
-                       load_file(straight_out / "final_logits.safetensors")["logits"])
+    assert torch.equal(
+        load_file(out / "final_logits.safetensors")["logits"],
+        load_file(straight_out / "final_logits.safetensors")["logits"],
+    )

@@ -37,7 +37,9 @@ def consolidated_state_dict(checkpoint_dir: Path) -> dict:
     """
     ckpt = Path(checkpoint_dir)
     verify_checkpoint(ckpt)
-    if (ckpt / "pytorch_model_fsdp_0").is_dir():  # FSDP SHARDED_STATE_DICT (torch.distributed.checkpoint)
+    if (
+        ckpt / "pytorch_model_fsdp_0"
+    ).is_dir():  # FSDP SHARDED_STATE_DICT (torch.distributed.checkpoint)
         from accelerate.utils import merge_fsdp_weights
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -61,9 +63,15 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> None:
         ValueError: `output_dir` holds a model already (its shards or index would mix with the new
             weights), or the weights do not fit the stored config (names the missing/unexpected keys).
     """
-    earlier = sorted(p.name for glob in ("config.json", "model*.safetensors*") for p in Path(output_dir).glob(glob))
+    earlier = sorted(
+        p.name
+        for glob in ("config.json", "model*.safetensors*")
+        for p in Path(output_dir).glob(glob)
+    )
     if earlier:
-        raise ValueError(f"{output_dir} holds a model already ({', '.join(earlier)}): give a new folder or remove it")
+        raise ValueError(
+            f"{output_dir} holds a model already ({', '.join(earlier)}): give a new folder or remove it"
+        )
     ckpt = Path(checkpoint_dir)
     state_dict = consolidated_state_dict(ckpt)
     config = inference_ready(AutoConfig.from_pretrained(ckpt / "hf"))  # the KV cache on
@@ -77,13 +85,21 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> None:
     model.save_pretrained(output_dir)
     AutoTokenizer.from_pretrained(ckpt / "hf").save_pretrained(output_dir)
     index = Path(output_dir) / "model.safetensors.index.json"
-    shards = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
-    for name in shards:  # the files just written, not others in the folder (safetensors writes 0600)
+    shards = (
+        set(json.loads(index.read_text())["weight_map"].values())
+        if index.exists()
+        else {"model.safetensors"}
+    )
+    for (
+        name
+    ) in shards:  # the files just written, not others in the folder (safetensors writes 0600)
         safetensors_mode_from_umask(Path(output_dir) / name)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint_dir")
     parser.add_argument("output_dir")
     cli = parser.parse_args()

@@ -37,23 +37,59 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "scripts"), str(REPO / "benchmarks")]
 from compare_runs import FP32_RTOL, LR_ATOL, read_steps, worst_gaps  # noqa: E402
 
-RESUME_RTOL, EXPORT_TOL = 1e-6, 1e-4  # tests/test_checkpoint.py's resume bound, tests/test_llama.py's export one
-FLAGS = ["--block_size", 64, "--logging_steps", 1, "--warmup_steps", 2, "--max_eval_samples", 8,
-         "--report_to", "none", "--sample_tokens", 0, "--save_logits_probe"]
+RESUME_RTOL, EXPORT_TOL = (
+    1e-6,
+    1e-4,
+)  # tests/test_checkpoint.py's resume bound, tests/test_llama.py's export one
+FLAGS = [
+    "--block_size",
+    64,
+    "--logging_steps",
+    1,
+    "--warmup_steps",
+    2,
+    "--max_eval_samples",
+    8,
+    "--report_to",
+    "none",
+    "--sample_tokens",
+    0,
+    "--save_logits_probe",
+]
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--configs", help="comma-separated accelerate_configs/<name>.yaml names (default: all)")
-parser.add_argument("--config_file", action="append", default=[], help="a YAML path; may be given more than once")
-parser.add_argument("--num_processes", type=int, help="ranks per machine (default: visible GPUs, else 2)")
-parser.add_argument("--num_machines", type=int, default=1, help="machines per run (one launcher on each)")
-parser.add_argument("--machine_rank", type=int, default=0, help="this machine's rank (without --srun)")
+parser.add_argument(
+    "--configs", help="comma-separated accelerate_configs/<name>.yaml names (default: all)"
+)
+parser.add_argument(
+    "--config_file", action="append", default=[], help="a YAML path; may be given more than once"
+)
+parser.add_argument(
+    "--num_processes", type=int, help="ranks per machine (default: visible GPUs, else 2)"
+)
+parser.add_argument(
+    "--num_machines", type=int, default=1, help="machines per run (one launcher on each)"
+)
+parser.add_argument(
+    "--machine_rank", type=int, default=0, help="this machine's rank (without --srun)"
+)
 parser.add_argument("--main_process_ip", default="127.0.0.1", help="machine 0's address")
 parser.add_argument("--main_process_port", type=int, default=29511)
-parser.add_argument("--rdzv_timeout", type=int, default=60, help="seconds the machines wait for each other")
-parser.add_argument("--srun", action="store_true", help="start each multi-machine run on every node with srun")
-parser.add_argument("--steps", type=int, default=4, help="optimizer steps (even; checkpoint at half)")
-parser.add_argument("--rtol", type=float, default=FP32_RTOL, help="parity bound, relative (default: fp32's)")
-parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per launch (start-up included)")
+parser.add_argument(
+    "--rdzv_timeout", type=int, default=60, help="seconds the machines wait for each other"
+)
+parser.add_argument(
+    "--srun", action="store_true", help="start each multi-machine run on every node with srun"
+)
+parser.add_argument(
+    "--steps", type=int, default=4, help="optimizer steps (even; checkpoint at half)"
+)
+parser.add_argument(
+    "--rtol", type=float, default=FP32_RTOL, help="parity bound, relative (default: fp32's)"
+)
+parser.add_argument(
+    "--timeout", type=int, default=300, help="seconds allowed per launch (start-up included)"
+)
 parser.add_argument("--output_dir", default="runs/smoke")
 parser.add_argument("--perf", action="store_true", help="then run benchmarks/gpu.sh (one GPU)")
 
@@ -69,8 +105,13 @@ args = parser.parse_args()
 def config_paths():
     """{name: YAML path}: single.yaml first (the reference), then the chosen configs."""
     known = {p.stem: p for p in sorted((REPO / "accelerate_configs").glob("*.yaml"))}
-    names = [n.strip() for n in args.configs.split(",") if n.strip()] if args.configs else \
-        [] if args.config_file else list(known)
+    names = (
+        [n.strip() for n in args.configs.split(",") if n.strip()]
+        if args.configs
+        else []
+        if args.config_file
+        else list(known)
+    )
     if unknown := [n for n in names if n not in known]:
         fail(f"--configs: no accelerate_configs/{unknown[0]}.yaml; known: {','.join(known)}")
     chosen = {"single": known["single"], **{n: known[n] for n in names}}
@@ -83,10 +124,16 @@ def config_paths():
 
 def first_error(log):
     """The first `error:` line of a log, else its first exception line, else its last line."""
-    lines = [re.sub(r"^(\[rank\d+\]:|\d+:)\s*", "", x).strip() for x in Path(log).read_text(errors="replace")
-             .splitlines() if x.strip()]
-    return next((x for x in lines if x.startswith("error:")), None) or \
-        next((x for x in lines if re.match(r"^[\w.]*(Error|Exception): ", x)), None) or (lines or ["(empty log)"])[-1]
+    lines = [
+        re.sub(r"^(\[rank\d+\]:|\d+:)\s*", "", x).strip()
+        for x in Path(log).read_text(errors="replace").splitlines()
+        if x.strip()
+    ]
+    return (
+        next((x for x in lines if x.startswith("error:")), None)
+        or next((x for x in lines if re.match(r"^[\w.]*(Error|Exception): ", x)), None)
+        or (lines or ["(empty log)"])[-1]
+    )
 
 
 def tp_size(yaml_path):
@@ -98,38 +145,87 @@ def tp_size(yaml_path):
 def launch(yaml_path, world, out, *extra):
     """One `accelerate launch ... recipes/llama.py` into `out` (log: out.log); None, or why it failed."""
     opts = ["--config_file", yaml_path, "--num_processes", world, "--mixed_precision", "no"]
-    if (tp := tp_size(yaml_path)) > 1:  # tensor parallel: FSDP2 over the tp groups (dp_shard = ranks / tp)
-        opts += ["--parallelism_config_dp_replicate_size", 1, "--parallelism_config_dp_shard_size", world // tp]
-    elif "parallelism_config" in (yaml.safe_load(Path(yaml_path).read_text()) or {}):  # HSDP: a replica per machine
+    if (
+        tp := tp_size(yaml_path)
+    ) > 1:  # tensor parallel: FSDP2 over the tp groups (dp_shard = ranks / tp)
+        opts += [
+            "--parallelism_config_dp_replicate_size",
+            1,
+            "--parallelism_config_dp_shard_size",
+            world // tp,
+        ]
+    elif "parallelism_config" in (
+        yaml.safe_load(Path(yaml_path).read_text()) or {}
+    ):  # HSDP: a replica per machine
         # and shards within it; on one machine 2 replicas when the ranks split in 2 groups of 2 or more; else FSDP
         machines = args.num_machines if world > 1 else 1
-        replicas = machines if world >= 2 * machines > 2 else 2 if world >= 4 and world % 2 == 0 else 1
-        opts += ["--parallelism_config_dp_replicate_size", replicas, "--parallelism_config_dp_shard_size",
-                 world // replicas]
-    if world > 1 and args.num_machines > 1:  # a node that never joins: a rendezvous error, not a hang
-        opts += ["--num_machines", args.num_machines, "--main_process_ip", args.main_process_ip,
-                 "--main_process_port", args.main_process_port, "--rdzv_conf", f"timeout={args.rdzv_timeout}",
-                 "--max_restarts", 0]
-    opts += [REPO / "recipes" / "llama.py", "--output_dir", out, "--ddp_timeout", 60, *FLAGS, *extra]
+        replicas = (
+            machines if world >= 2 * machines > 2 else 2 if world >= 4 and world % 2 == 0 else 1
+        )
+        opts += [
+            "--parallelism_config_dp_replicate_size",
+            replicas,
+            "--parallelism_config_dp_shard_size",
+            world // replicas,
+        ]
+    if (
+        world > 1 and args.num_machines > 1
+    ):  # a node that never joins: a rendezvous error, not a hang
+        opts += [
+            "--num_machines",
+            args.num_machines,
+            "--main_process_ip",
+            args.main_process_ip,
+            "--main_process_port",
+            args.main_process_port,
+            "--rdzv_conf",
+            f"timeout={args.rdzv_timeout}",
+            "--max_restarts",
+            0,
+        ]
+    opts += [
+        REPO / "recipes" / "llama.py",
+        "--output_dir",
+        out,
+        "--ddp_timeout",
+        60,
+        *FLAGS,
+        *extra,
+    ]
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    if world > 1 and args.num_machines > 1 and args.srun:  # one launcher per node (as slurm/llama.sbatch)
-        cmd = ["srun", f"--nodes={args.num_machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
-               "bash", "-c", 'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"',
-               sys.executable]
+    if (
+        world > 1 and args.num_machines > 1 and args.srun
+    ):  # one launcher per node (as slurm/llama.sbatch)
+        cmd = [
+            "srun",
+            f"--nodes={args.num_machines}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            "--label",
+            "bash",
+            "-c",
+            'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"',
+            sys.executable,
+        ]
     elif world > 1 and args.num_machines > 1:
         cmd += ["--machine_rank", args.machine_rank]
     cmd += opts
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = Path(f"{out}.log")
     with open(log, "w") as f:
-        proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            list(map(str, cmd)), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT
+        )
         try:
             status = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             status = f"ran past --timeout {args.timeout} s"
         finally:  # torchrun starts each rank in a session of its own: end the whole tree
-            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)] \
-                    if proc.poll() is None else []:
+            for p in (
+                [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+                if proc.poll() is None
+                else []
+            ):
                 p.kill()
             proc.wait()
     return None if status == 0 else f"{first_error(log)} (exit {status}; log: {log})"
@@ -147,7 +243,11 @@ def reloads(out):
     model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
     with torch.no_grad():
         gap = (model(input_ids=probe["input_ids"]).logits - probe["logits"]).abs().max().item()
-    return None if gap <= EXPORT_TOL else f"export: reloaded logits off by {gap:.1e} (bound {EXPORT_TOL:.0e})"
+    return (
+        None
+        if gap <= EXPORT_TOL
+        else f"export: reloaded logits off by {gap:.1e} (bound {EXPORT_TOL:.0e})"
+    )
 
 
 def resume_gap(resumed, straight, half):
@@ -161,35 +261,67 @@ def resume_gap(resumed, straight, half):
 
 def check(name, yaml_path, world):
     """Run one config (straight, then resumed); its table row, the parity with one process still to come."""
-    from compare_strategies import median_step_seconds  # (imports torch: not before the flags are checked)
+    from compare_strategies import (
+        median_step_seconds,
+    )  # (imports torch: not before the flags are checked)
 
     out = Path(args.output_dir).resolve() / name.replace("/", "_")
     for path in [out / "run", out / "resumed"]:
         shutil.rmtree(path, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0, row, problems, half = time.time(), {"config": name, "world": world}, [], args.steps // 2
-    tp = tp_size(yaml_path)  # tensor parallel: the world / tp data-parallel ranks split the global batch
+    tp = tp_size(
+        yaml_path
+    )  # tensor parallel: the world / tp data-parallel ranks split the global batch
     if tp > 1 and (world % tp or world // tp < 2):
-        return {**row, "wall_s": 0, "problems": [], "skipped": f"tensor parallel {tp} needs a multiple of "
-                                                              f"{tp} ranks, {2 * tp} or more (FSDP over 2 tp "
-                                                              f"groups), not {world}"}
+        return {
+            **row,
+            "wall_s": 0,
+            "problems": [],
+            "skipped": f"tensor parallel {tp} needs a multiple of "
+            f"{tp} ranks, {2 * tp} or more (FSDP over 2 tp "
+            f"groups), not {world}",
+        }
     per_device = 2 * world_size // (world // tp)  # global batch 2 x world_size
-    batch = ["--max_steps", args.steps, "--eval_steps", args.steps, "--per_device_train_batch_size", per_device]
+    batch = [
+        "--max_steps",
+        args.steps,
+        "--eval_steps",
+        args.steps,
+        "--per_device_train_batch_size",
+        per_device,
+    ]
     if (why := launch(yaml_path, world, out / "run", *batch, "--save_steps", half)) is None:
-        why = launch(yaml_path, world, out / "resumed", *batch,
-                     "--resume_from_checkpoint", out / "run" / f"checkpoint-{half}")
+        why = launch(
+            yaml_path,
+            world,
+            out / "resumed",
+            *batch,
+            "--resume_from_checkpoint",
+            out / "run" / f"checkpoint-{half}",
+        )
     row["wall_s"] = round(time.time() - t0, 1)
     if why:
         return {**row, "problems": [why]}
     if args.machine_rank > 0 and not args.srun:  # machine 0 holds the metrics and the export
         return {**row, "problems": []}
-    records, summary = read_steps(out / "run"), json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    step_s = median_step_seconds(list(records.values()), per_device * 64 / tp, skip=1)  # (a tp rank's share)
-    row.update(tokens_per_s=round(2 * world_size * 64 / step_s), peak_mb=round(summary["peak_memory_bytes"] / 1e6))
+    records, summary = (
+        read_steps(out / "run"),
+        json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1]),
+    )
+    step_s = median_step_seconds(
+        list(records.values()), per_device * 64 / tp, skip=1
+    )  # (a tp rank's share)
+    row.update(
+        tokens_per_s=round(2 * world_size * 64 / step_s),
+        peak_mb=round(summary["peak_memory_bytes"] / 1e6),
+    )
     row["dir"] = str(out / "run")  # compared with the reference once it has run
     try:
         row["resume_gap"] = resume_gap(out / "resumed", out / "run", half)
-        problems += [f"resume: gap {row['resume_gap']:.1e} over {RESUME_RTOL:.0e}"] * (row["resume_gap"] > RESUME_RTOL)
+        problems += [f"resume: gap {row['resume_gap']:.1e} over {RESUME_RTOL:.0e}"] * (
+            row["resume_gap"] > RESUME_RTOL
+        )
         row["export"] = "ok" if not (why := reloads(out / "run")) else "FAIL"
         problems += [why] if why else []
     except (OSError, ValueError) as err:
@@ -205,7 +337,9 @@ def parity(row, reference):
         gaps = worst_gaps(row["dir"], reference)
         row.update(loss_gap=gaps["loss"], grad_norm_gap=gaps["grad_norm"])
         over = [k for k in ("loss", "grad_norm", "eval_loss") if (gaps[k] or 0) > args.rtol]
-        row["problems"] += [f"parity: {k} gap {gaps[k]:.1e} over --rtol {args.rtol:.0e} vs single" for k in over]
+        row["problems"] += [
+            f"parity: {k} gap {gaps[k]:.1e} over --rtol {args.rtol:.0e} vs single" for k in over
+        ]
         row["problems"] += [f"parity: LR off by {gaps['lr']:.1e}"] if gaps["lr"] > LR_ATOL else []
     elif row.get("dir"):
         row["problems"].append("parity: no reference (single failed)")
@@ -213,16 +347,29 @@ def parity(row, reference):
 
 def table(rows):
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-    lines = ["| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s | peak MB "
-             "| wall s |",
-             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s | peak MB "
+        "| wall s |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['world']} | {r['status']} | {fmt(r.get('loss_gap'), '.1e')} "
-                     f"| {fmt(r.get('grad_norm_gap'), '.1e')} | {fmt(r.get('resume_gap'), '.1e')} "
-                     f"| {r.get('export', '-')} | {fmt(r.get('tokens_per_s'), ',')} | {fmt(r.get('peak_mb'), ',')} "
-                     f"| {r['wall_s']} |")
-    return "\n".join(lines + [f"{r['config']}: {p}" for r in rows for p in [*r["problems"], *filter(None, [
-        r.get("skipped") and f"skipped: {r['skipped']}"])]])
+        lines.append(
+            f"| {r['config']} | {r['world']} | {r['status']} | {fmt(r.get('loss_gap'), '.1e')} "
+            f"| {fmt(r.get('grad_norm_gap'), '.1e')} | {fmt(r.get('resume_gap'), '.1e')} "
+            f"| {r.get('export', '-')} | {fmt(r.get('tokens_per_s'), ',')} | {fmt(r.get('peak_mb'), ',')} "
+            f"| {r['wall_s']} |"
+        )
+    return "\n".join(
+        lines
+        + [
+            f"{r['config']}: {p}"
+            for r in rows
+            for p in [
+                *r["problems"],
+                *filter(None, [r.get("skipped") and f"skipped: {r['skipped']}"]),
+            ]
+        ]
+    )
 
 
 def gpus():
@@ -230,7 +377,9 @@ def gpus():
     if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
         return len([x for x in visible.split(",") if x.strip()])
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return 0
     return len([x for x in out.splitlines() if x.startswith("GPU ")])
@@ -247,7 +396,10 @@ if args.num_processes is not None and args.num_processes < 1:
     fail(f"--num_processes {args.num_processes}: give 1 or more")
 world_size = (args.num_processes or gpus() or 2) * args.num_machines  # accelerate takes the total
 rows, start = [], time.time()
-for name in [*list(configs)[1:], "single"]:  # the reference last: the other machines do not wait for it
+for name in [
+    *list(configs)[1:],
+    "single",
+]:  # the reference last: the other machines do not wait for it
     path = configs[name]
     try:
         single = yaml.safe_load(path.read_text()).get("distributed_type") == "NO"
@@ -259,12 +411,16 @@ for name in [*list(configs)[1:], "single"]:  # the reference last: the other mac
     print(f"[{name}] {args.steps} steps, resume from {args.steps // 2} ...", flush=True)
     rows.append(check(name, path, 1 if single else world_size))
 rows = rows[-1:] + rows[:-1] if rows and rows[-1]["config"] == "single" else rows
-reference = rows[0]["dir"] if rows and rows[0]["config"] == "single" and not rows[0]["problems"] else None
+reference = (
+    rows[0]["dir"] if rows and rows[0]["config"] == "single" and not rows[0]["problems"] else None
+)
 for row in rows:
     parity(row, reference)
     row["status"] = "FAIL" if row["problems"] else "SKIP" if row.get("skipped") else "PASS"
 text = table(rows)
-print(f"\n{text}\n\n{len(rows)} configs in {time.time() - start:.0f} s; outputs and logs in {args.output_dir}")
+print(
+    f"\n{text}\n\n{len(rows)} configs in {time.time() - start:.0f} s; outputs and logs in {args.output_dir}"
+)
 (Path(args.output_dir) / "smoke.md").write_text(text + "\n")
 (Path(args.output_dir) / "smoke.json").write_text(json.dumps(rows, indent=1) + "\n")
 passed = all(r["status"] in ("PASS", "SKIP") for r in rows)

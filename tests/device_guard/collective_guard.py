@@ -49,12 +49,33 @@ from torch.utils.weak import WeakIdKeyDictionary
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 PROJECT = tuple(os.path.join(REPO, d) + os.sep for d in ("recipes", "common", "benchmarks"))
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # frames of this folder are not callers
-FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint",
-             "from_numpy")
+FACTORIES = (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "from_numpy",
+)
 ACCELERATOR_COLLECTIVES = ("gather", "gather_for_metrics", "reduce", "pad_across_processes")
 UTILS_COLLECTIVES = ("gather", "reduce", "broadcast", "pad_across_processes")
-DIST_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
-                    "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter")
+DIST_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
 
 _marks = WeakIdKeyDictionary()  # host tensor -> "where it was made (how)"
 _gloo_groups = []  # process groups made with backend="gloo"
@@ -108,12 +129,17 @@ def _factory(fn, name):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         out = fn(*args, **kwargs)
-        if torch.compiler.is_compiling():  # inside a traced region: no bookkeeping (dynamo would break the graph)
+        if (
+            torch.compiler.is_compiling()
+        ):  # inside a traced region: no bookkeeping (dynamo would break the graph)
             return out
         device = kwargs.get("device")
-        if (device is None or _is_host_target(device)) and _is_project_file((frame := _caller()).f_code.co_filename):
+        if (device is None or _is_host_target(device)) and _is_project_file(
+            (frame := _caller()).f_code.co_filename
+        ):
             _marks[out] = f"{_where(frame)} (torch.{name} without device=)"
         return out
+
     return wrapper
 
 
@@ -134,7 +160,12 @@ def _wrap_cpu(fn):
         if torch.compiler.is_compiling():
             return out
         frame = _caller()
-        return _to_host(out, self, frame, ".cpu()") if _is_project_file(frame.f_code.co_filename) else out
+        return (
+            _to_host(out, self, frame, ".cpu()")
+            if _is_project_file(frame.f_code.co_filename)
+            else out
+        )
+
     return cpu
 
 
@@ -155,6 +186,7 @@ def _wrap_to(fn):
         elif out is not self and (origin := host_origin(self)) is not None:
             _marks[out] = origin  # a dtype change stays on the host
         return out
+
     return to
 
 
@@ -170,8 +202,10 @@ def _collective(fn, name):
                         raise AssertionError(
                             f"{_where(frame)} hands {name} a tensor left on the host at {origin}: under NCCL "
                             "every tensor handed to a collective must live on accelerator.device (create it "
-                            "with device=accelerator.device or move it with .to(accelerator.device))")
+                            "with device=accelerator.device or move it with .to(accelerator.device))"
+                        )
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -182,6 +216,7 @@ def _wrap_new_group(fn):
         if kwargs.get("backend", args[2] if len(args) > 2 else None) == "gloo":
             _gloo_groups.append(group)
         return group
+
     return new_group
 
 
@@ -203,15 +238,34 @@ def install(roots=PROJECT):
     # re-initialises models under such contexts: its rotary buffers were left uninitialised).
     _device_constructors()
     patches = [(torch, name, _factory(getattr(torch, name), name)) for name in FACTORIES]
-    patches += [(torch.Tensor, "cpu", _wrap_cpu(torch.Tensor.cpu)), (torch.Tensor, "to", _wrap_to(torch.Tensor.to)),
-                (dist, "new_group", _wrap_new_group(dist.new_group))]
-    patches += [(accelerate.Accelerator, n, _collective(getattr(accelerate.Accelerator, n), f"accelerator.{n}"))
-                for n in ACCELERATOR_COLLECTIVES]
+    patches += [
+        (torch.Tensor, "cpu", _wrap_cpu(torch.Tensor.cpu)),
+        (torch.Tensor, "to", _wrap_to(torch.Tensor.to)),
+        (dist, "new_group", _wrap_new_group(dist.new_group)),
+    ]
+    patches += [
+        (
+            accelerate.Accelerator,
+            n,
+            _collective(getattr(accelerate.Accelerator, n), f"accelerator.{n}"),
+        )
+        for n in ACCELERATOR_COLLECTIVES
+    ]
     for module in (accelerate.utils, accelerate.utils.operations):
-        patches += [(module, n, _collective(getattr(accelerate.utils.operations, n), f"accelerate.utils.{n}"))
-                    for n in UTILS_COLLECTIVES]
-    patches += [(dist, n, _collective(getattr(dist, n), f"torch.distributed.{n}")) for n in DIST_COLLECTIVES]
-    originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]  # None: inherited
+        patches += [
+            (
+                module,
+                n,
+                _collective(getattr(accelerate.utils.operations, n), f"accelerate.utils.{n}"),
+            )
+            for n in UTILS_COLLECTIVES
+        ]
+    patches += [
+        (dist, n, _collective(getattr(dist, n), f"torch.distributed.{n}")) for n in DIST_COLLECTIVES
+    ]
+    originals = [
+        (owner, name, owner.__dict__.get(name)) for owner, name, _ in patches
+    ]  # None: inherited
     for owner, name, wrapper in patches:
         setattr(owner, name, wrapper)
 
@@ -226,4 +280,5 @@ def install(roots=PROJECT):
         _gloo_groups.clear()
         _roots = PROJECT
         _is_project_file.cache_clear()
+
     return uninstall

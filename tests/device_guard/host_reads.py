@@ -40,7 +40,16 @@ import torch
 
 import collective_guard
 
-READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__format__", "__repr__", "cpu")  # + .to(host)
+READS = (
+    "item",
+    "tolist",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__format__",
+    "__repr__",
+    "cpu",
+)  # + .to(host)
 _reads, _depth = [], [0]
 
 
@@ -71,9 +80,14 @@ def _main_step():
 def _wrap(fn, name, reads=lambda *args, **kwargs: True):
     """Log a call of `fn` as a read named `name`, unless nested in another read, made on a tensor
     left on the host on purpose, or `reads(*args, **kwargs)` says this call reads nothing."""
+
     @functools.wraps(fn)
     def read(self, *args, **kwargs):
-        if _depth[0] or collective_guard.host_origin(self) is not None or not reads(*args, **kwargs):
+        if (
+            _depth[0]
+            or collective_guard.host_origin(self) is not None
+            or not reads(*args, **kwargs)
+        ):
             return fn(self, *args, **kwargs)
         _log(sys._getframe(1), name)
         _depth[0] += 1
@@ -81,6 +95,7 @@ def _wrap(fn, name, reads=lambda *args, **kwargs: True):
             return fn(self, *args, **kwargs)
         finally:
             _depth[0] -= 1
+
     return read
 
 
@@ -98,8 +113,15 @@ def _log(origin_frame, name):
     via = origin_frame.f_back
     while via is not None and not collective_guard._is_project_file(via.f_code.co_filename):
         via = via.f_back
-    _reads.append(["library", name, collective_guard._where(origin_frame), step,
-                   collective_guard._where(via) if via is not None else None])
+    _reads.append(
+        [
+            "library",
+            name,
+            collective_guard._where(origin_frame),
+            step,
+            collective_guard._where(via) if via is not None else None,
+        ]
+    )
 
 
 def _show_cuda_sync(message, category, filename, lineno, file=None, line=None):
@@ -116,7 +138,9 @@ _showwarning = warnings.showwarning
 
 
 def _dump(out_dir):
-    script = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""  # (__main__ has lost __file__ by now)
+    script = (
+        os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    )  # (__main__ has lost __file__ by now)
     if not collective_guard._is_project_file(script):
         return  # the launcher, a helper process: not a recipe
     path = os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.json")

@@ -33,7 +33,9 @@ if "collective_guard" not in sys.modules:
         gc.enable()
 
     collective_guard.install()
-    if os.environ.get("HOST_READS_DIR"):  # log reads of tensor values (host_reads.py), for the sync tests
+    if os.environ.get(
+        "HOST_READS_DIR"
+    ):  # log reads of tensor values (host_reads.py), for the sync tests
         import host_reads
 
         host_reads.install(os.environ["HOST_READS_DIR"])
@@ -43,7 +45,9 @@ if "collective_guard" not in sys.modules:
         _sys_exit = sys.exit
 
         def _recorded_exit(status=None):
-            with open(os.path.join(os.environ["EXIT_STATUS_DIR"], f"rank{os.environ['RANK']}"), "w") as f:
+            with open(
+                os.path.join(os.environ["EXIT_STATUS_DIR"], f"rank{os.environ['RANK']}"), "w"
+            ) as f:
                 f.write(str(status))
             _sys_exit(status)
 

@@ -30,9 +30,12 @@ if _DIR:
         if self.training and self.p > 0 and not _done:
             _done.append(True)
             mask = (output.detach() == 0).cpu().contiguous()
-            record = {"rank": os.environ.get("RANK"), "shape": list(mask.shape),
-                      "zero_share": mask.float().mean().item(),
-                      "hash": hashlib.sha256(mask.numpy().tobytes()).hexdigest()}
+            record = {
+                "rank": os.environ.get("RANK"),
+                "shape": list(mask.shape),
+                "zero_share": mask.float().mean().item(),
+                "hash": hashlib.sha256(mask.numpy().tobytes()).hexdigest(),
+            }
             os.makedirs(_DIR, exist_ok=True)
             with open(os.path.join(_DIR, f"rank{os.environ.get('RANK')}.json"), "w") as f:
                 json.dump(record, f)

@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 
 KEYS = ("loss", "grad_norm", "eval_loss")
-FP32_RTOL, LR_ATOL = 5e-6, 1e-9  # one bound for every key; tests/test_parity.py asserts tighter ones per key
+FP32_RTOL, LR_ATOL = (
+    5e-6,
+    1e-9,
+)  # one bound for every key; tests/test_parity.py asserts tighter ones per key
 
 
 def read_steps(output_dir):
@@ -46,7 +49,11 @@ def worst_gaps(run_dir, ref_dir):
         raise ValueError(f"{run_dir} and {ref_dir} have no logged step in common")
     gaps = {"steps": len(steps), "lr": max(abs(run[s]["lr"] - ref[s]["lr"]) for s in steps)}
     for key in KEYS:
-        pairs = [(run[s][key], ref[s][key]) for s in steps if run[s].get(key) is not None and ref[s].get(key)]
+        pairs = [
+            (run[s][key], ref[s][key])
+            for s in steps
+            if run[s].get(key) is not None and ref[s].get(key)
+        ]
         gaps[key] = max((abs(a - b) / abs(b) for a, b in pairs), default=None)
     return gaps
 
@@ -62,7 +69,9 @@ if __name__ == "__main__":
     if len(argv) < 2:
         sys.exit(__doc__.split("\n\n")[1])
     reference, *runs = argv
-    print(f"worst gap vs {reference} over the logged steps (bound: {rtol:.0e} relative, LR {LR_ATOL:.0e})")
+    print(
+        f"worst gap vs {reference} over the logged steps (bound: {rtol:.0e} relative, LR {LR_ATOL:.0e})"
+    )
     print(f"{'run':<32} {'steps':>5} {'loss':>9} {'grad_norm':>9} {'eval_loss':>9} {'lr (abs)':>9}")
     fmt = lambda x: "-" if x is None else f"{x:.1e}"  # noqa: E731
     failed = False
@@ -74,7 +83,10 @@ if __name__ == "__main__":
             failed = True
             continue
         over = [k for k in KEYS if g[k] is not None and g[k] > rtol] + ["lr"] * (g["lr"] > LR_ATOL)
-        print(f"{run_dir:<32} {g['steps']:>5} {fmt(g['loss']):>9} {fmt(g['grad_norm']):>9} "
-              f"{fmt(g['eval_loss']):>9} {fmt(g['lr']):>9}" + (f"  OVER: {', '.join(over)}" if over else ""))
+        print(
+            f"{run_dir:<32} {g['steps']:>5} {fmt(g['loss']):>9} {fmt(g['grad_norm']):>9} "
+            f"{fmt(g['eval_loss']):>9} {fmt(g['lr']):>9}"
+            + (f"  OVER: {', '.join(over)}" if over else "")
+        )
         failed |= bool(over)
     sys.exit(1 if failed else 0)

@@ -32,17 +32,25 @@ optimizer.zero_grad()
 
 
 def local_weights(model):
-    return [(p.ds_tensor if hasattr(p, "ds_tensor") else getattr(p, "to_local", lambda: p)()).detach().clone()
-            for p in model.parameters()]
+    return [
+        (p.ds_tensor if hasattr(p, "ds_tensor") else getattr(p, "to_local", lambda: p)())
+        .detach()
+        .clone()
+        for p in model.parameters()
+    ]
 
 
 before = local_weights(model)
-path = checkpoint.save_checkpoint(accelerator, str(out), step=1, run_state={"world_size": accelerator.num_processes})
+path = checkpoint.save_checkpoint(
+    accelerator, str(out), step=1, run_state={"world_size": accelerator.num_processes}
+)
 with torch.no_grad():
     for p in model.parameters():
         (p.ds_tensor if hasattr(p, "ds_tensor") else p).add_(1.0)
 accelerator.load_state(str(path))  # straight after the save: the save's barriers make this safe
-same = torch.tensor([all(torch.equal(a, b) for a, b in zip(before, local_weights(model)))], dtype=torch.int64)
+same = torch.tensor(
+    [all(torch.equal(a, b) for a, b in zip(before, local_weights(model)))], dtype=torch.int64
+)
 passed = accelerator.reduce(same, reduction="sum").item()
 if accelerator.is_main_process:
     (out / "ok").write_text(str(passed))

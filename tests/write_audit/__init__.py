@@ -15,7 +15,9 @@ HERE = Path(__file__).resolve().parent
 def audit_writes(root, log):
     """While active, every process started with this environment logs its writes under `root` to `log`."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+        mp.setenv(
+            "PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+        )
         mp.setenv("WRITE_AUDIT_ROOT", str(root))
         mp.setenv("WRITE_AUDIT_LOG", str(log))
         yield
@@ -27,14 +29,20 @@ def writes_by_file(root, log):
     A rename counts as a write of its target, and moves what was written under its source there
     (a folder written as `final.tmp/` and renamed: its files are listed under `final/`).
     """
-    records = sorted((json.loads(line) for path in Path(log).glob("*.jsonl") for line in path.read_text().splitlines()),
-                     key=lambda rec: rec["t"])
+    records = sorted(
+        (
+            json.loads(line)
+            for path in Path(log).glob("*.jsonl")
+            for line in path.read_text().splitlines()
+        ),
+        key=lambda rec: rec["t"],
+    )
     out = defaultdict(list)
     for rec in records:
         if "src" in rec:
             src = rec["src"]
             for moved in [p for p in out if p == src or p.startswith(src + os.sep)]:
-                out[rec["path"] + moved[len(src):]] += out.pop(moved)
+                out[rec["path"] + moved[len(src) :]] += out.pop(moved)
         out[rec["path"]].append(None if rec["rank"] is None else int(rec["rank"]))
     return {os.path.relpath(p, os.path.abspath(root)): ranks for p, ranks in out.items()}
 

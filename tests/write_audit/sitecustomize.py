@@ -29,9 +29,22 @@ def _record(path, how, **extra):
         return
     if not path.startswith(_ROOT + os.sep):
         return
-    line = json.dumps({"rank": os.environ.get("RANK"), "pid": os.getpid(), "path": path, "how": how,
-                       "t": time.time_ns(), **extra}) + "\n"
-    fd = os.open(os.path.join(_LOG, f"{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    line = (
+        json.dumps(
+            {
+                "rank": os.environ.get("RANK"),
+                "pid": os.getpid(),
+                "path": path,
+                "how": how,
+                "t": time.time_ns(),
+                **extra,
+            }
+        )
+        + "\n"
+    )
+    fd = os.open(
+        os.path.join(_LOG, f"{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+    )
     try:
         os.write(fd, line.encode())
     finally:
@@ -42,10 +55,14 @@ def _hook(event, args):
     if event == "open":
         path, mode, flags = args
         writes = (mode is not None and any(c in mode for c in "wax+")) or (
-            mode is None and flags is not None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            mode is None and flags is not None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        )
         if writes:
             _record(path, "open")
-    elif event in ("os.rename", "os.replace"):  # (src: what was written there now lies under the new name)
+    elif event in (
+        "os.rename",
+        "os.replace",
+    ):  # (src: what was written there now lies under the new name)
         _record(args[1], event, src=os.path.abspath(os.fsdecode(args[0])))
 
 
@@ -76,7 +93,9 @@ def _wrap_returning_paths(cls, name):
 if _ROOT and _LOG:
     _ROOT = os.path.abspath(_ROOT)
     if os.path.abspath(_LOG).startswith(_ROOT + os.sep):
-        raise ValueError(f"WRITE_AUDIT_LOG {_LOG} lies inside WRITE_AUDIT_ROOT {_ROOT}: the log would log itself")
+        raise ValueError(
+            f"WRITE_AUDIT_LOG {_LOG} lies inside WRITE_AUDIT_ROOT {_ROOT}: the log would log itself"
+        )
     os.makedirs(_LOG, exist_ok=True)
     sys.addaudithook(_hook)
     import safetensors.torch
