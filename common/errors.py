@@ -7,6 +7,9 @@ A recipe is `def main() -> int`, started as `errors.run(main)`:
 - `return 0`, or `checkpoint.PREEMPTED_EXIT_CODE` after a preemption checkpoint;
 - any other exception is a bug: its traceback prints as usual.
 
+`warn("one line")` is the one way to warn: `warning: one line` on stderr, printed by the job's
+global rank 0 only (the recipes check the same facts on every rank).
+
 Under torchrun (`accelerate launch`) a `Stop` or an uncaught exception is also written to the
 rank's `TORCHELASTIC_ERROR_FILE`, in the format torch's `ProcessFailure` reads, so the failure
 summary that ends the launcher's output names the error instead of a link to the docs (torch's
@@ -38,6 +41,13 @@ def _report(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
     except OSError:
         pass  # the summary then says less; the rank's own output still has the error
+
+
+def warn(message: str) -> None:
+    """Print `warning: message` on stderr once per job: on global rank 0 (`RANK`, or no launcher)."""
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"warning: {message}\n")
+        sys.stderr.flush()
 
 
 def run(main: Callable[[], int | None]) -> NoReturn:
