@@ -131,10 +131,8 @@ def main() -> int:
 
     # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
-    # Library workarounds (common/workarounds.py) return the names of those applied
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # The launch against the flags and the hardware, before any work (common/checks.py lists
-    # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
+    # the launch against the flags and the hardware, before any work (common/checks.py)
     guard = checks.Startup(args, **startup)
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
@@ -152,8 +150,7 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
-    # and FSDP's gradient reduction in fp32
+    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
     applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
@@ -260,20 +257,20 @@ def main() -> int:
     )
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    # Resume: the step count gives the data position, if global batch, seed and blocks match.
+    data_state = {  # what fixes the data order; the step count gives the position in it
+        "global_batch": global_batch,
+        "seed": args.seed,
+        "block_size": args.block_size,
+        "packing": args.packing,
+        "train_blocks": len(train_set),
+        "data_digest": data_digest,
+    }
+    # >>> shared: run state
+    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
     run_state, must_match = checkpoint.run_state(
-        accelerator,
-        args,
-        model,
-        peak_lr,
-        max_steps,
-        global_batch=global_batch,
-        seed=args.seed,
-        block_size=args.block_size,
-        packing=args.packing,
-        train_blocks=len(train_set),
-        data_digest=data_digest,
+        accelerator, args, model, peak_lr, max_steps, **data_state
     )
+    # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
         accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
     )
@@ -363,6 +360,7 @@ def main() -> int:
                         lr_scheduler.step()  # a skipped step did not happen: the LR holds
                     optimizer.zero_grad()
                     # <<< shared
+            # >>> shared: end of step
             step += 1
             progress.update(1)
             health.after_step(step, has_targets, loss_total, norm_before_clip)  # fp16 skips
@@ -387,6 +385,8 @@ def main() -> int:
                 )
             preempt = preempted()  # a collective: every rank stops at the same step, or none
             save = preempt or (args.save_steps and step % args.save_steps == 0)
+            # <<< shared
+            # >>> shared: save or stop
             # a non-finite loss or norm stops before any checkpoint or export of its weights
             problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
@@ -408,7 +408,9 @@ def main() -> int:
                 )
             if problem or preempt or step >= max_steps:
                 break
+            # <<< shared
         epoch += 1
+    # >>> shared: export
     progress.close()
     if problem or preempt:  # in order: the model before the process group, then the exit
         del model, optimizer
@@ -416,11 +418,11 @@ def main() -> int:
         if problem:
             raise errors.Stop(problem)
         return checkpoint.PREEMPTED_EXIT_CODE
-    seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
     skipped = health.end_of_run(step)  # one warning for each kind of skipped step
-
     # ADAPT: export. Gather the full state dict on every rank (a collective); rank 0 writes.
     final_dir = checkpoint.export_model(accelerator, model, tokenizer, args.output_dir)
+    # <<< shared
+    seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
     if args.save_logits_probe:  # the live (still sharded) model's logits, for tests of the export
         metrics.save_logits_probe(accelerator, model, eval_set, args.output_dir)
     accelerator.wait_for_everyone()

@@ -184,10 +184,8 @@ def main() -> int:
     }
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
     # >>> shared: accelerator
-    # Library workarounds (common/workarounds.py) return the names of those applied
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # The launch against the flags and the hardware, before any work (common/checks.py lists
-    # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
+    # the launch against the flags and the hardware, before any work (common/checks.py)
     guard = checks.Startup(args, **startup)
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
@@ -205,8 +203,7 @@ def main() -> int:
         kwargs_handlers=guard.handlers,
     )
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
-    # and FSDP's gradient reduction in fp32
+    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
     applied += guard.workarounds + workarounds.accelerator_built(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
