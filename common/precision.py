@@ -369,14 +369,15 @@ class StepHealth:
     Args:
         accelerator: the run's `Accelerator`; model: the prepared model (DeepSpeed: its engine).
         saved: the resumed checkpoint's state ({} or without the counts: a fresh run).
+        min_scale: the fp16 loss scale below which the run stops (`loss_scale_verdict`).
     """
 
-    def __init__(self, accelerator, model, saved: dict):
-        self.accelerator, self.model = accelerator, model
+    def __init__(self, accelerator, model, saved: dict, min_scale: float = MIN_LOSS_SCALE):
+        self.accelerator, self.model, self.min_scale = accelerator, model, min_scale
         self.nonfinite = NonFiniteGuard(accelerator, model)
         self.skipped_steps = saved.get("skipped_steps", 0)
         self.empty_windows = saved.get("empty_windows", 0)
-        self.skipped_in_a_row, self.scale_error = 0, None
+        self.skipped_in_a_row, self.scale_error = saved.get("skipped_in_a_row", 0), None
 
     def after_step(self, step: int, has_targets: bool, loss, norm) -> None:
         """Judge optimizer step `step` (1-based): `has_targets` false for a skipped empty window
@@ -396,7 +397,7 @@ class StepHealth:
         self.skipped_steps += skipped
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         warning, error = loss_scale_verdict(
-            loss_scale(self.accelerator, self.model), self.skipped_in_a_row
+            loss_scale(self.accelerator, self.model), self.skipped_in_a_row, self.min_scale
         )
         if warning:
             self.accelerator.print(warning)
@@ -416,7 +417,11 @@ class StepHealth:
 
     def state(self) -> dict:
         """The counts a checkpoint keeps."""
-        return {"skipped_steps": self.skipped_steps, "empty_windows": self.empty_windows}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "skipped_in_a_row": self.skipped_in_a_row,
+            "empty_windows": self.empty_windows,
+        }
 
     def end_of_run(self, steps: int) -> dict:
         """Print a warning for each kind of step skipped in the run's `steps`; returns the
@@ -437,15 +442,3 @@ class StepHealth:
             "empty_windows": self.empty_windows,
             **({"skipped_steps": self.skipped_steps} if fp16 else {}),
         }
-
-
-def warn_nonfinite_loss(step: int, loss: float, mixed_precision: str) -> None:
-    """Warn that step `step`'s logged training loss is not finite, with the usual remedies: for a
-    run that goes on (fp16 loss scaling skips such steps; elsewhere `NonFiniteGuard` stops it)."""
-    warnings.warn(
-        f"step {step}: the training loss is {loss} ({precision_name(mixed_precision)}); "
-        "usual remedies: lower --learning_rate or lengthen --warmup_steps; keep "
-        "--max_grad_norm clipping on; look for a bad batch; on hardware with bf16 use "
-        "--precision bf16 (fp32's range, no loss scaling)",
-        stacklevel=2,
-    )

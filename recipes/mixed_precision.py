@@ -1,25 +1,18 @@
 """Mixed precision, measured: fp32 vs bf16 vs fp16 with dynamic loss scaling, on the debug Llama.
 
-    # one precision per launch (one Accelerator per process has exactly one mixed_precision)
-    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/mixed_precision.py \
-        --precision auto
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/mixed_precision.py \
         --precision fp16
-    # the comparison: the same config launched once per precision, then one table
     python recipes/mixed_precision.py --compare --config_file accelerate_configs/ddp.yaml \
         --max_steps 30
 
-`--precision` decides (it overrides the config's `mixed_precision`); `auto` picks what the
-hardware computes natively (common/precision.py): bf16 on Ampere/Hopper and CPUs with
-AVX512-BF16 or AMX, fp16 on Volta/Turing, fp32 elsewhere, and says why in one line.
-fp16 trains on `loss x scale` (a GradScaler): a step with inf/NaN gradients is skipped, the
-scale halved and the LR schedule held; the scale and the skipped steps are logged and
-checkpointed. `--inject_inf_grad_at_step N` is the drill: fp16 skips step N, fp32 and bf16
-stop with an error naming it, before any checkpoint.
-
-Outputs in --output_dir: metrics.jsonl, summary.json (a row of the table), checkpoint-N/; with
---compare, one folder per precision and comparison.md. More: docs/mixed_precision.md.
-To change the data, model or loss, find the `# ADAPT:` markers.
+recipes/llama.py, adapted: the diff between the two files is the lesson.
+`--precision` (auto, no, bf16, fp16) wins over the config's; `auto` picks what the hardware
+computes natively, and says why. fp16 trains on `loss x scale` (a GradScaler): a step with
+inf/NaN gradients is skipped, the scale halved, the LR held. `--inject_inf_grad_at_step N`
+drills it (fp32 and bf16 stop there with an error). `--compare` launches the config once per
+precision and prints one table. Outputs: as llama.py's, and summary.json (a row of the table).
+More: docs/mixed_precision.md.
+To adapt the code, find the `# ADAPT:` markers: data, model, loss, export.
 """
 
 import gc
@@ -39,51 +32,45 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs
 from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch, metrics
-from common import models, precision, workarounds
-from common.errors import Stop
-from common.args import changed_flags, flag, make_output_dir, parse_args
-from common.precision import MIN_LOSS_SCALE  # (Args.precision hides the module)
-from common.memory import SavedTensorBytes, local_tensor_bytes
+from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import metrics, models, precision, workarounds
+from common.args import flag, make_output_dir, parse_args
+from common.memory import SavedTensorBytes
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
 @dataclass
 class Args:
-    """The recipe's own flags; the core TrainingArguments ones come from common/args.py."""
+    """Flags of this recipe (the data ones as in run_clm); common/args.py has the core ones."""
 
     precision: str = flag("auto", "auto | no | bf16 | fp16 (overrides the config's)")
     compare: bool = flag(False, "launch no, bf16, fp16 with --config_file; print a table")
     config_file: str = flag("accelerate_configs/ddp.yaml", "--compare: accelerate config")
-    model_config: str = flag("debug", f"preset: {', '.join(models.PRESETS)}")
-    vocab_size: int = flag(4096, low=256)
-    block_size: int = flag(128, low=2)
-    validation_split_percentage: int = flag(5, "rows held out for validation, in %", low=1, high=99)
-    max_eval_samples: int = flag(64, low=1)
+    model_config: str = flag("debug", f"Llama preset: {', '.join(models.PRESETS)}")
+    vocab_size: int = flag(4096, "size of the BPE trained on the corpus", low=256)
+    validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
+    block_size: int = flag(128, "tokens per sequence", low=2)
+    max_eval_samples: int = flag(64, "cap on validation blocks per eval", low=1)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
+    save_total_limit: int = flag(None, "keep only the newest N complete checkpoints", low=1)
+    peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
+    record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
     # fp16 loss scaling (torch.amp.GradScaler arguments)
     init_scale: float = 2.0**16
     growth_interval: int = flag(2000, "clean steps before the scale doubles", low=1)
-    min_loss_scale: float = flag(MIN_LOSS_SCALE, "stop when the fp16 loss scale falls below this")
+    min_loss_scale: float = flag(1.0, "stop when the fp16 loss scale falls below this")
     inject_inf_grad_at_step: int = flag(0, "drill: an inf in step N's gradients; 0: never", low=0)
-    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
-
-
-# This recipe's defaults for core flags (the rest keep common/args.py's).
-DEFAULTS = dict(
-    output_dir="runs/mixed_precision",
-    per_device_train_batch_size=4,
-    learning_rate=3e-3,
-    weight_decay=0.1,
-    warmup_steps=5,
-    max_steps=30,
-    logging_steps=5,
-)
 
 
 def poison_gradients(model):
@@ -91,6 +78,50 @@ def poison_gradients(model):
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     with torch.no_grad():
         (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for `tensors` (FSDP2's DTensors: the local shard; None counts 0)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def compare(args) -> int:
+    """--compare: one launch (a whole job: process group, Accelerator, autocast) per precision
+    with the same config and the flags given (--overwrite_output_dir too), then one table."""
+    own = {"compare", "config_file", "precision", "output_dir"}
+    passed = [s for k in sorted(args.given - own) for s in (f"--{k}", str(getattr(args, k)))]
+    rows, mib = [], ("activation_bytes", "weight_copy_bytes", "parameter_bytes", "gradient_bytes")
+    for mode in ("no", "bf16", "fp16"):
+        out = Path(args.output_dir) / mode
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+        cmd += [args.config_file, __file__, *passed, "--precision", mode, "--output_dir", str(out)]
+        print(f"=== {mode}: {' '.join(cmd)}", flush=True)
+        ok = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
+        rows.append(json.loads((out / "summary.json").read_text()) if ok else {"precision": mode})
+    first = next((r for r in rows if "steps" in r), {})  # the launch, from one that succeeded
+    lines = [
+        f"{args.config_file}: {first.get('distributed_type')} x{first.get('world_size')} on "
+        f"{first.get('device')}, {args.model_config} Llama, global batch "
+        f"{first.get('global_batch')} x {args.block_size} tokens, {first.get('steps')} steps.",
+        "",
+        "| precision | train loss | eval loss | tokens/s per device | activations MiB | autocast "
+        "weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:  # a null figure (not finite, named in "nonfinite") shows as nan
+        cells = ["failed: see its output above"] + [""] * 8
+        if "steps" in r:
+            cells = [
+                f"{r[k]:.4f}" if r[k] is not None else "nan" for k in ("train_loss", "eval_loss")
+            ]
+            cells += [f"{r['tokens_per_second']:.0f}"] + [f"{r[k] / 2**20:.2f}" for k in mib]
+            cells += ["-" if r["loss_scale"] is None else r["loss_scale"], r["skipped_steps"]]
+        lines.append(f"| {r['precision']} | " + " | ".join(map(str, cells)) + " |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.output_dir, "comparison.md").write_text(table + "\n")
+    return 0 if all("steps" in r for r in rows) else 1
 
 
 # >>> shared: evaluate (tests/test_skeleton.py keeps the shared blocks identical across recipes)
@@ -121,68 +152,34 @@ def evaluate(model, eval_loader, accelerator) -> float:
 
 
 def main() -> int:
-    # one `error:` line for a bad flag or a non-empty --output_dir, before anything is written
-    args = parse_args(Args, description=__doc__, **DEFAULTS)
+    args = parse_args(
+        Args,
+        description=__doc__,
+        output_dir="runs/mixed_precision",
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        warmup_steps=5,
+        max_steps=30,
+        logging_steps=5,
+    )
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     checks.mixed_precision_flags(args)  # --precision, the scales; with --compare, its launch
-
-    # ---------------------------------------------------------------------------------------------
-    # --compare: one launch per precision with the same config and arguments, then the table. Each
-    # launch is a whole job, so each mode gets its own process group, Accelerator and autocast.
-    # ---------------------------------------------------------------------------------------------
     if args.compare:
-        # Every flag that differs from its default goes to each launch (--overwrite_output_dir too:
-        # each launch checks its own folder); the driver's own flags and the per-mode ones do not.
-        passed = changed_flags(
-            args, Args, DEFAULTS, skip={"compare", "config_file", "precision", "output_dir"}
-        )
-        rows = []
-        for mode in ("no", "bf16", "fp16"):
-            out = Path(args.output_dir) / mode
-            cmd = [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--config_file",
-                args.config_file,
-                __file__,
-                *passed,
-                "--precision",
-                mode,
-                "--output_dir",
-                str(out),
-            ]
-            print(f"=== {mode}: {' '.join(cmd)}", flush=True)
-            ok = subprocess.run(cmd).returncode == 0 and (out / "summary.json").is_file()
-            rows.append(
-                json.loads((out / "summary.json").read_text())
-                if ok
-                else {"precision": mode, "failed": True}
-            )
-        table = metrics.comparison_table(rows, args.config_file, args.model_config, args.block_size)
-        print(table)
-        Path(args.output_dir, "comparison.md").write_text(table + "\n")
-        return 1 if any(r.get("failed") for r in rows) else 0
+        return compare(args)
 
-    # ---------------------------------------------------------------------------------------------
-    # Precision for this hardware, decided before the Accelerator exists (it fixes one per process).
-    # The model is built on the meta device just to count its parameters.
-    # ---------------------------------------------------------------------------------------------
-    model_config = models.llama_config(args.model_config, args.vocab_size)
+    # The precision for this hardware, decided before the Accelerator (one per process). The
+    # model is built on the meta device just to count its parameters.
+    model_cls, config = LlamaForCausalLM, models.llama_config(args.model_config, args.vocab_size)
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in LlamaForCausalLM(model_config).parameters())
+        n_params = sum(p.numel() for p in model_cls(config).parameters())
     device_type, capability = precision.detect_device()
     mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
-
-    startup = {
-        "precision_used": mode,
-        "model_cls": LlamaForCausalLM,
-        "model_config": model_config,
-        "handlers": [
-            GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)
-        ],
-    }
+    scaler = GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)
+    startup = {"precision_used": mode, "handlers": [scaler]}  # the model: in data_ready
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
+
+    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # the launch against the flags and the hardware, before any work (common/checks.py)
@@ -211,34 +208,36 @@ def main() -> int:
     # <<< shared
     if mode == "fp16" and device_type == "cpu" and accelerator.scaler is not None:
         reason += "; fp16 on CPU: GradScaler('cpu') installed, Accelerate 1.15 builds none for CPU"
-    accelerator.print(
-        f"precision: {mode} ({reason})"
-        + (
-            f"; the launch config's mixed_precision={config_mp} is overridden"
-            if config_mp and config_mp != mode
-            else ""
-        )
-    )
+    if config_mp and config_mp != mode:
+        reason += f"; the launch config's mixed_precision={config_mp} is overridden"
+    accelerator.print(f"precision: {mode} ({reason})")
 
-    # ---------------------------------------------------------------------------------------------
-    # ADAPT: data. The bundled corpus, packed; the seeded sampler gives every mode the same batches.
-    # Each node's first rank builds the cache first (home directories are often node-local).
-    # ---------------------------------------------------------------------------------------------
-    with launch.node_first(accelerator):  # a missing or broken file: one error line on every rank
+    # ADAPT: data. Tokenized and packed by each node's first rank; the others read its cache.
+    with launch.node_first(accelerator):
         raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
+        config.vocab_size = len(tokenizer)  # the preset's vocabulary is the tokenizer's
+        models.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
         lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format(
             "torch"
         )
-    train_set = lm_data["train"]
-    n_eval = min(args.max_eval_samples, len(lm_data["validation"]))
-    eval_set = lm_data["validation"].select(range(n_eval))
-    updates_per_epoch = len(train_set) // global_batch  # whole global batches; the rest is dropped
-    guard.data_ready(train_size=len(train_set), train_unit=f"blocks of {args.block_size} tokens")
+    data_digest = checks.same_data(accelerator, raw, tokenizer, args.block_size, "stream")
+    train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
+        lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids
+    )
+    updates_per_epoch = len(train_set) // global_batch
     max_steps = (
         args.max_steps
         if args.max_steps > 0
         else math.ceil(args.num_train_epochs * updates_per_epoch)
+    )
+    # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
+    guard.data_ready(
+        train_size=len(train_set),
+        train_unit=f"blocks of {args.block_size} tokens",
+        steps=max_steps,
+        model_cls=model_cls,
+        model_config=config,
     )
     # >>> shared: loaders
     # shuffle=True + the seedable sampler: one permutation per epoch (set_epoch), the same on all
@@ -262,231 +261,246 @@ def main() -> int:
     )
     # <<< shared
 
-    # ---------------------------------------------------------------------------------------------
     # ADAPT: model. fp32 master weights in every mode; the precision only changes the compute.
-    # ---------------------------------------------------------------------------------------------
-    eos = tokenizer.eos_token_id
-    config = models.llama_config(
-        args.model_config,
-        vocab_size=len(tokenizer),
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        use_cache=False,
-    )
     set_seed(args.seed)  # the same initial weights in every mode and on every rank
-    model = LlamaForCausalLM(config)
-    # From here each rank draws its own random numbers (dropout, if a config has any); the data
-    # order does not use them: the seedable sampler has its own generator, seeded by seed + epoch.
-    set_seed(args.seed, device_specific=True)
-    # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
+    model = model_cls(config)
+    model.config.use_cache = False
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
+    set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
+    flops_per_token, flops_method = metrics.model_flops_per_token(model, args.block_size)
+
+    peak_lr = args.learning_rate  # (llama.py scales it with --scale_lr)
+    # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
     optimizer = torch.optim.AdamW(
-        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+        models.param_groups(model, args.weight_decay),
+        lr=peak_lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
     )
-    accelerator.print(metrics.weight_decay_line(optimizer))
+    decay = [
+        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+        f"({sum(p.numel() for p in g['params']):,} elements)"
+        for g in optimizer.param_groups
+    ]
+    accelerator.print(f"AdamW weight decay: {', '.join(decay)}")
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, lr_scheduler
-    )
-    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
-
-    # Resume only into the same kind of run: the data position follows from the step count, the
-    # seed and the block size, and the scaler state means nothing to another precision.
-    run_state = {
-        "precision": mode,
-        **checkpoint.precision_state(accelerator),  # + ZeRO's dtypes
-        "distributed_type": checkpoint.strategy_name(accelerator),
-        "world_size": world_size,
+    data_state = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.block_size,
-        # the optimizer state brings its own LR and decay back, whatever the flags say
-        "learning_rate": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "warmup_steps": args.warmup_steps,
-        "max_grad_norm": args.max_grad_norm,
-        "model_config": models.config_state(config),
-        "max_steps": max_steps,
+        "train_blocks": len(train_set),
+        "data_digest": data_digest,
     }
-    resume_path, saved = checkpoint.resume_or_start(  # all must match; --max_steps: within warmup
-        accelerator, args, run_state, lr_decays_after=args.warmup_steps
+    # >>> shared: run state
+    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
+    run_state, must_match = checkpoint.run_state(
+        accelerator, args, model, peak_lr, max_steps, **data_state
+    )
+    # <<< shared
+    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
+        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
     )
     step = saved["step"]
-    # fp16 bookkeeping the scaler does not keep: skipped steps so far, and in a row (COMPLETE.json)
-    skipped_steps = saved.get("skipped_steps", 0)
-    skipped_in_a_row = saved.get("skipped_in_a_row", 0)
-    if resume_path:  # model, optimizer, scheduler, RNG and the scaler's scale; micro steps follow
-        checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
-    # metrics.jsonl: a resume keeps the lines up to its step, a fresh run starts it empty
-    metrics_path = metrics.RunLog(
-        accelerator, args, "mixed_precision", step if resume_path else None
-    ).path
-    scale = precision.loss_scale(accelerator, model)  # None without loss scaling
-    accelerator.print(
-        f"{str(accelerator.distributed_type).split('.')[-1]} x{world_size} | "
-        f"{n_params / 1e6:.2f}M params | global batch {global_batch} | steps {step}..{max_steps}"
-        + (f" | loss scale {scale:.0f}" if scale is not None else "")
-        + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
-        + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+
+    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
+    model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, lr_scheduler
+    )
+    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    device = accelerator.device
+    run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
+        accelerator,
+        model,
+        args,
+        precision={"requested": args.precision, "used": mode, "reason": reason},
+        global_batch=global_batch,
+        n_params=n_params,
+        updates_per_epoch=updates_per_epoch,
+        max_steps=max_steps,
+        model_type=config.model_type,
+        model_class=model_cls.__name__,
+        data=data.pack_stats(lm_data),
+        flops_per_token=flops_per_token,
+        flops_per_token_method=flops_method,
+        **guard.prepared(accelerator, model, model_cls, global_batch),
+    )  # FSDP units, DeepSpeed
+    accelerator.print(metrics.start_line(run_info))
+    if resume_path:  # + scheduler, scaler (its scale), per-rank RNG; micro steps follow the step
+        applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
+        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+    run_info["workarounds"] = applied  # the library workarounds that ran, in order
+    log = metrics.RunLog(
+        accelerator, args, "mixed_precision", step if resume_path else None, run_info, saved
     )
 
-    # ---------------------------------------------------------------------------------------------
-    # Training loop. The first micro batch of the launch is measured: bytes saved for backward
-    # (activations), parameters and gradients on this rank. Tokens/s counts the steps after it.
-    # ---------------------------------------------------------------------------------------------
+    # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
+    # The launch's first micro batch is measured: bytes saved for backward (activations),
+    # parameters and gradients on this rank. Its tokens/s counts the steps after the first.
     model.train()
-    start_step, sizes, nonfinite_losses, last_window_loss = step, {}, 0, float("nan")
-    # an inf/NaN loss or norm stops the run, unless fp16 loss scaling skips the step
-    guard = precision.NonFiniteGuard(accelerator, model)
-    window_loss, window_batches, tokens, t0 = torch.zeros((), device=accelerator.device), 0, 0, None
+    progress = tqdm(
+        total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process
+    )
+    t_start = log.start_clock(device, flops_per_token, args.peak_tflops)  # tokens/s, MFU
     epoch = step // updates_per_epoch
-    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: a checkpoint at the next step boundary
-    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
-    while step < max_steps:
+    # skipped fp16 steps (and in a row: below --min_loss_scale it stops), inf/NaN outside fp16
+    health = precision.StepHealth(accelerator, model, saved, args.min_loss_scale)
+    seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
+    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)  # SIGTERM, Ctrl-C, SIGHUP
+    problem = preempt = None  # why the loop ends early: one error line, or a signal's name
+    start, sizes, t_first, t_last, record = step, {}, None, None, {}
+    while step < max_steps and not (problem or preempt):
         train_loader.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         done_in_epoch = step % updates_per_epoch  # > 0 only right after a mid-epoch resume
-        batches = accelerator.skip_first_batches(
-            train_loader, done_in_epoch * args.gradient_accumulation_steps
-        )
-        for batch in batches:
-            measure = not sizes
-            with accelerator.accumulate(model):
-                with SavedTensorBytes() if measure else nullcontext() as saved:
-                    loss = model(**batch).loss  # ADAPT: loss
-                accelerator.backward(loss)  # under fp16: backward of loss x scale
-                window_loss += loss.detach()
-                window_batches += 1
-                if accelerator.sync_gradients:
-                    if step + 1 == args.inject_inf_grad_at_step:
-                        poison_gradients(model)
-                    # Under fp16 this unscales the gradients first, so the norm and the clip
-                    # threshold are in true units; an inf/NaN norm means this step is skipped.
-                    norm_before_clip = grad_norm.clip_grad_norm_(
-                        accelerator, model, args.max_grad_norm
-                    )
-                if measure:  # autocast's weight casts apart from the activations
-                    sizes = {
-                        "activation_bytes": saved.bytes - saved.weight_copy_bytes,
-                        "weight_copy_bytes": saved.weight_copy_bytes,
-                        "parameter_bytes": local_tensor_bytes(model.parameters()),
-                        "gradient_bytes": local_tensor_bytes(p.grad for p in model.parameters()),
-                    }
-                step_lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
-                optimizer.step()  # under fp16: scaler.step (skipped on inf/NaN) then scaler.update
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()  # a skipped step did not happen: the schedule holds
-                optimizer.zero_grad()
-            tokens += batch["input_ids"].numel()
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            # on the device: read at logging and saving steps
-            guard.record(step, window_loss / window_batches, norm_before_clip)
-            step_skipped = accelerator.optimizer_step_was_skipped
-            skipped_steps += step_skipped
-            skipped_in_a_row = skipped_in_a_row + 1 if step_skipped else 0
-            # None in fp32/bf16 (no read); fp16: a host read, but scaler.step synced for its check
-            scale = precision.loss_scale(accelerator, model)
-            # the same verdict on every rank: the scale and the skips are the same everywhere
-            warning, stop = precision.loss_scale_verdict(
-                scale, skipped_in_a_row, args.min_loss_scale
+        batches = iter(
+            accelerator.skip_first_batches(
+                train_loader, done_in_epoch * args.gradient_accumulation_steps
             )
-            stop = stop and f"step {step}: {stop}"
-            if warning and accelerator.is_main_process:
-                print(f"step {step}: {warning}", file=sys.stderr, flush=True)
-            if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
-                tokens, t0 = 0, time.perf_counter()
-            preempt = preempted()  # a collective: every rank stops at the same step
+        )
+        for _ in range(done_in_epoch, updates_per_epoch):
+            lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
+            t0 = time.perf_counter()
+            window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+            log.count(data_wait=time.perf_counter() - t0)
+            seen.take(epoch, window)  # --record_sample_ids: pops the ids, kept on the device
+            # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
+            # window on all ranks, so the gradient is the full global batch's even with padding.
+            # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
+            num_items, has_targets = global_batch * (args.block_size - 1), True  # full blocks
+            loss_total = torch.zeros((), device=device)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    with SavedTensorBytes() if not sizes else nullcontext() as meter:
+                        loss = model(**batch, num_items_in_batch=num_items).loss  # sum / num_items
+                    loss_total += loss.detach()
+                    accelerator.backward(loss * args.gradient_accumulation_steps * world_size)
+                    if not sizes:  # the launch's first micro batch; autocast's weight copies apart
+                        sizes = {
+                            "activation_bytes": meter.bytes - meter.weight_copy_bytes,
+                            "weight_copy_bytes": meter.weight_copy_bytes,
+                            "parameter_bytes": local_bytes(model.parameters()),
+                            "gradient_bytes": local_bytes(p.grad for p in model.parameters()),
+                        }
+                    if accelerator.sync_gradients and step + 1 == args.inject_inf_grad_at_step:
+                        poison_gradients(model)  # fp16: unscaled by the clip, then skipped
+                    # >>> shared: step
+                    if accelerator.sync_gradients:  # the window's last micro batch
+                        # the global norm in fp64: every strategy clips with the same number
+                        norm_before_clip = grad_norm.clip_grad_norm_(
+                            accelerator, model, args.max_grad_norm
+                        )
+                    optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        lr_scheduler.step()  # a skipped step did not happen: the LR holds
+                    optimizer.zero_grad()
+                    # <<< shared
+            t_last = time.perf_counter()  # tokens/s: from the end of the first (measured) step
+            t_first = t_first or t_last
+            # >>> shared: end of step
+            step += 1
+            progress.update(1)
+            health.after_step(step, has_targets, loss_total, norm_before_clip)  # fp16 skips
+            if has_targets:  # this rank's tokens, padding left out; an empty window trained none
+                log.count(window)
+            do_eval = step % args.eval_steps == 0 or step == max_steps
+            if step % args.logging_steps == 0 or do_eval:
+                record = log.record(  # + tokens/s, data wait, memory, MFU of the window
+                    step=step,
+                    epoch=epoch,
+                    lr=lr,
+                    empty_windows=health.empty_windows,
+                    loss=launch.data_parallel_sum(accelerator, loss_total).item(),  # nats/token
+                    grad_norm=float(norm_before_clip),
+                    **health.scale_fields(),
+                )  # fp16 scale
+                if do_eval:
+                    record["eval_loss"] = evaluate(model, eval_loader, accelerator)
+                log.log(record)  # NaN (an empty window) is written as null
+                progress.set_postfix(
+                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}"
+                )
+            preempt = preempted()  # a collective: every rank stops at the same step, or none
             save = preempt or (args.save_steps and step % args.save_steps == 0)
-            log_now = step % args.logging_steps == 0 or step == max_steps
-            if not stop and (save or log_now):
-                stop = guard.problem()  # before any checkpoint of non-finite weights
-
-            if log_now or stop:
-                loss_mean = accelerator.reduce(window_loss, "mean").item() / window_batches
-                record = {
-                    "step": step,
-                    "epoch": epoch,
-                    "loss": loss_mean,
-                    "lr": step_lr,
-                    "grad_norm": float(norm_before_clip),  # read now: no sync on other steps
-                    "loss_scale": scale,
-                    "step_skipped": step_skipped,
-                    "skipped_steps": skipped_steps,
-                }
-                nonfinite_losses += not math.isfinite(loss_mean)
-                if not math.isfinite(loss_mean) and accelerator.is_main_process and not guard.on:
-                    precision.warn_nonfinite_loss(step, loss_mean, mode)  # the run goes on (fp16)
-                if accelerator.is_main_process:  # inf/NaN -> null, named in "nonfinite"
-                    metrics.append_jsonl(metrics_path, record)
-                accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
-                accelerator.print(
-                    " | ".join(
-                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in record.items()
+            # <<< shared
+            if record.get("step") == step and "loss_scale" in record:  # fp16: the run goes on
+                if not math.isfinite(record["loss"]):
+                    errors.warn(
+                        f"step {step}: loss {record['loss']} in fp16; lower --learning_rate, "
+                        "lengthen --warmup_steps or use --precision bf16 (fp32's range)"
                     )
-                )
-                last_window_loss = loss_mean
-                window_loss.zero_()
-                window_batches = 0
-            if save and not stop:  # + scaler.pt; the skip counts go into COMPLETE.json
-                fp16 = {"skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row}
+            # >>> shared: save or stop
+            # a non-finite loss or norm stops before any checkpoint or export of its weights
+            problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
+            if save and not problem:
                 saved_to = checkpoint.save_checkpoint(
-                    accelerator, args.output_dir, step, run_state={**run_state, **fp16}
+                    accelerator,
+                    args.output_dir,
+                    step,
+                    args.save_total_limit,
+                    {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
+                    hf_files=(
+                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
+                        tokenizer,
+                    ),
                 )
-            if stop or preempt:
-                if not stop:
-                    accelerator.print(
-                        f"preempted ({preempt}) at step {step}: saved {saved_to}; "
-                        "relaunch with --resume_from_checkpoint auto to continue"
-                    )
-                del model, optimizer
-                launch.teardown(accelerator)
-                if stop:
-                    raise Stop(stop)
-                return checkpoint.PREEMPTED_EXIT_CODE
-            if step >= max_steps or step % updates_per_epoch == 0:  # the epoch's last global batch
+            if preempt and not problem:
+                accelerator.print(
+                    f"preempted ({preempt}) at step {step}: saved {saved_to}; "
+                    "relaunch with --resume_from_checkpoint auto to continue"
+                )
+            if problem or preempt or step >= max_steps:
                 break
+            # <<< shared
         epoch += 1
-
-    # ---------------------------------------------------------------------------------------------
-    # Summary: one row of the comparison table (the main process writes it).
-    # ---------------------------------------------------------------------------------------------
-    elapsed = time.perf_counter() - t0 if t0 else float("nan")
-    eval_loss = evaluate(model, eval_loader, accelerator)
+    # >>> shared: export
+    progress.close()
+    if problem or preempt:  # in order: the model before the process group, then the exit
+        del model, optimizer
+        launch.teardown(accelerator)
+        if problem:
+            raise errors.Stop(problem)
+        return checkpoint.PREEMPTED_EXIT_CODE
+    skipped = health.end_of_run(step)  # one warning for each kind of skipped step
+    # ADAPT: export. Gather the full state dict on every rank (a collective); rank 0 writes.
+    final_dir = checkpoint.export_model(accelerator, model, tokenizer, args.output_dir)
+    # <<< shared
+    seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
+    accelerator.wait_for_everyone()
+    log.summary(
+        {
+            "step": step,
+            "wall_seconds": time.perf_counter() - t_start,
+            **skipped,
+            **log.tokens_seen(),  # input (padding left out) and target tokens, all ranks
+            **metrics.end_figures(accelerator, model),
+        }
+    )  # peak memory, buffer dtypes
+    # The row of the comparison table: the last step's losses (it is evaluated), this rank's
+    # tokens/s after its first step, the bytes of the first micro batch.
+    trained = (step - start - 1) * global_batch // world_size * args.block_size
+    elapsed = t_last - t_first if step > start + 1 else float("nan")
     if accelerator.is_main_process:
-        summary = metrics.strict_json(
-            {  # a NaN loss becomes null, named in "nonfinite"
-                **run_state,
-                "requested": args.precision,
-                "reason": reason,
-                "device": accelerator.device.type,
-                "steps": step,
-                "train_loss": last_window_loss,
-                "eval_loss": eval_loss,
-                "tokens_per_second": tokens / elapsed
-                if t0 and step > start_step + 1
-                else float("nan"),
-                "loss_scale": precision.loss_scale(accelerator, model),
-                "skipped_steps": skipped_steps,
-                "nonfinite_losses": nonfinite_losses,
-                "n_params": n_params,
-                **sizes,
-            }
-        )
+        last = json.loads(Path(log.path).read_text().splitlines()[-2])  # (the summary is [-1])
+        summary = {
+            **run_state,
+            "precision": mode,
+            **run_info["precision"],  # requested, used, reason
+            "device": device.type,
+            "steps": step,
+            "train_loss": last.get("loss"),
+            "eval_loss": last.get("eval_loss"),
+            "tokens_per_second": trained / elapsed,
+            "loss_scale": precision.loss_scale(accelerator, model),
+            "skipped_steps": health.skipped_steps,
+            "n_params": n_params,
+            **sizes,
+        }
         Path(args.output_dir, "summary.json").write_text(
-            json.dumps(summary, indent=1, allow_nan=False)
+            json.dumps(metrics.strict_json(summary), indent=1, allow_nan=False)
         )
-        accelerator.print(f"summary: {json.dumps(summary, allow_nan=False)}")
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
-    accelerator.print(
-        metrics.final_line(
-            metrics_path, f"summary in {Path(args.output_dir, 'summary.json')}", eval_loss=eval_loss
-        )
-    )
+    accelerator.print(log.final_line(f"model in {final_dir}, summary.json in {args.output_dir}"))
     return 0
 
 

@@ -401,6 +401,11 @@ def compared(tmp_path_factory, cache_dir):
     return out, proc, reads
 
 
+def step_lines(path):
+    """The step records of a metrics.jsonl (standard JSON), without the run's summary line."""
+    return [r for r in strict_lines(path) if not r.get("summary")]
+
+
 def assert_no_reads_in_ordinary_steps(reads, mode):
     """No read of a device value in an ordinary step (a GPU stall each): only logging steps read."""
     assert sorted(reads) == [0, 1] and all(any(r[3] == 2 for r in log) for log in reads.values())
@@ -465,8 +470,8 @@ def test_fp32_and_bf16_losses_agree(config, compared, tmp_path, cache_dir, monke
     ):  # the same answer under both strategies in bf16 too: FSDP2's bf16 run against DDP's,
         # every logged step's loss and grad norm (both runs' metrics.jsonl), and the eval loss
         ddp_steps, fsdp_steps = (
-            strict_lines(out / "bf16" / "metrics.jsonl"),
-            strict_lines(bf16_out / "metrics.jsonl"),
+            step_lines(out / "bf16" / "metrics.jsonl"),
+            step_lines(bf16_out / "metrics.jsonl"),
         )
         assert [r["step"] for r in ddp_steps] == [r["step"] for r in fsdp_steps] == [2, 4]
         for a, b in zip(ddp_steps, fsdp_steps):
@@ -534,10 +539,10 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(tmp_path, cach
         cache_dir=cache_dir,
     )
     assert "GradScaler('cpu') installed" in proc.stdout
-    steps = strict_lines(out / "metrics.jsonl")
+    steps = step_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == [1, 2, 3]
     before, hit = steps[0], steps[1]
-    assert not before["step_skipped"] and hit["step_skipped"]
+    assert before["skipped_steps"] == 0 and hit["skipped_steps"] == 1  # step 2 skipped
     assert hit["loss_scale"] == before["loss_scale"] / 2 == 32768
     assert [r["skipped_steps"] for r in steps] == [0, 1, 1]  # cumulative, on every line
     assert hit["grad_norm"] is None and hit["nonfinite"] == [
@@ -572,7 +577,7 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(tmp_path, cach
         cache_dir=cache_dir,
         check=False,
     )
-    assert "loss scale 32768 | skipped steps 1 | resumed from" in proc.stdout, proc.stdout[-3000:]
+    assert f"resumed from {out / 'checkpoint-3'} at step 3" in proc.stdout, proc.stdout[-3000:]
     assert proc.returncode != 0
     errors = {
         line for line in proc.stderr.splitlines() if line.startswith("error:")
@@ -580,15 +585,11 @@ def test_fp16_skips_the_overflowed_step_and_checkpoints_the_scale(tmp_path, cach
     assert len(errors) == 1 and next(iter(errors)).startswith(
         "error: step 5: the fp16 loss scale fell to 16384, below its minimum 32768, after 1 skipped steps in a row"
     ), proc.stderr[-3000:]
-    steps = strict_lines(out / "metrics.jsonl")
+    steps = step_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     resumed, hit = steps[3], steps[4]
-    assert (
-        not resumed["step_skipped"]
-        and resumed["loss_scale"] == 32768
-        and resumed["skipped_steps"] == 1
-    )
-    assert hit["step_skipped"] and hit["loss_scale"] == 16384 and hit["skipped_steps"] == 2
+    assert resumed["loss_scale"] == 32768 and resumed["skipped_steps"] == 1  # step 4 not skipped
+    assert hit["loss_scale"] == 16384 and hit["skipped_steps"] == 2  # step 5 skipped
 
 
 def test_fp32_has_no_safety_net_so_the_run_stops_at_the_bad_step(tmp_path, cache_dir):
@@ -623,17 +624,12 @@ def test_fp32_has_no_safety_net_so_the_run_stops_at_the_bad_step(tmp_path, cache
         check=False,
     )
     assert proc.returncode != 0
-    steps = strict_lines(out / "metrics.jsonl")
+    steps = step_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == [1, 2]
-    assert (
-        not steps[1]["step_skipped"]
-        and steps[1]["grad_norm"] is None
-        and steps[1]["nonfinite"] == ["grad_norm"]
-    )
+    assert steps[1]["grad_norm"] is None and steps[1]["nonfinite"] == ["grad_norm"]
     assert math.isfinite(steps[1]["loss"])  # the inf is in the gradients
-    assert all(
-        r["loss_scale"] is None and r["skipped_steps"] == 0 for r in steps
-    )  # no loss scaling in fp32
+    # no loss scaling in fp32: no scale, no skipped steps
+    assert all("loss_scale" not in r and "skipped_steps" not in r for r in steps)
     errors = {
         line[line.index("error:") :]
         for line in proc.stderr.splitlines()
@@ -679,16 +675,12 @@ def test_sigterm_saves_exits_143_and_the_resume_is_exact(compared, tmp_path, cac
         "latest",
         cache_dir=cache_dir,
     )
-    assert f"steps 1..{STEPS} | resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, (
-        proc.stdout[-3000:]
-    )
-    reference = strict_lines(compared[0] / "no" / "metrics.jsonl")
-    got = strict_lines(out / "metrics.jsonl")
+    assert f"resumed from {out / 'checkpoint-1'} at step 1" in proc.stdout, proc.stdout[-3000:]
+    reference = step_lines(compared[0] / "no" / "metrics.jsonl")
+    got = step_lines(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in reference] == [2, 4]
-    for a, b in zip(reference, got):
-        # a logged loss is the mean over the steps since the last log, in this launch: step 2's covers
-        # step 2 alone after the resume, steps 1-2 without one; the norm and LR are the step's own
-        for key in ("grad_norm", "lr") if a["step"] == 2 else ("loss", "grad_norm", "lr"):
+    for a, b in zip(reference, got):  # the logged loss, norm and LR are the step's own
+        for key in [k for k in ("loss", "grad_norm", "lr", "eval_loss") if k in a]:
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (key, a, b)
     want, summary = (
         strict_json((d / "summary.json").read_text()) for d in (compared[0] / "no", out)
@@ -712,7 +704,7 @@ def test_compare_prints_the_table(compared):
         line.split("|")[1].strip() for line in table.splitlines()[4:]
     ]  # title, blank, header, rule
     assert rows == ["no", "bf16", "fp16"]
-    assert [r["step"] for r in strict_lines(out / "no" / "metrics.jsonl")] == [
+    assert [r["step"] for r in step_lines(out / "no" / "metrics.jsonl")] == [
         2,
         4,
     ]  # the stale line is gone
