@@ -94,8 +94,7 @@ class Args:
 def evaluate(model, eval_loader, accelerator) -> float:
     """Token-weighted mean eval loss in nats/token; each eval block counted exactly once."""
     model.eval()
-    nats = torch.zeros((), device=accelerator.device)
-    tokens = torch.zeros((), device=accelerator.device)
+    nats, tokens = torch.zeros(2, device=accelerator.device)  # (one buffer, two views)
     for batch in eval_loader:
         logits = model(
             input_ids=batch["input_ids"],

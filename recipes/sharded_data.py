@@ -1,27 +1,22 @@
 """Data that never starves the ranks: tokenized parquet shards, each rank reads only its own.
 
-    python recipes/sharded_data.py prepare --output_dir data_shards --num_shards 4
-    accelerate launch --config_file accelerate_configs/ddp.yaml \
-        recipes/sharded_data.py --data_dir data_shards [--loader datasets]
-    accelerate launch --config_file accelerate_configs/fsdp.yaml \
-        recipes/sharded_data.py --data_dir data_shards
-    python recipes/sharded_data.py prepare --output_dir /tmp/shards_1gb --num_shards 8 --repeat 200
+    python tools/prepare_shards.py --output_dir data_shards --num_shards 4
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sharded_data.py \
+        --data_dir data_shards [--loader datasets]
 
-`prepare` (one process) tokenizes the bundled corpus once into `shard_{i:04d}.parquet` files and
-`manifest.json` (--repeat 200: ~1 GB of text). Training: shard i belongs to rank i % world_size;
-each rank checks its own shards and streams them one row group at a time, so its memory stays
-flat as the corpus grows (`--loader datasets`: the same with `datasets` streaming). The loader is
-not passed to `accelerator.prepare` (no "already sharded" switch): each rank iterates its own.
-It trains the `debug` Llama for --max_steps (--num_train_epochs is refused: each rank's epoch has
-its own length) and prints, per rank, the loader's tokens/s alone against a step's, and the
-memory of the rank and its workers. --save_steps, --resume_from_checkpoint: as in llama.py.
-Outputs: metrics.jsonl (steps, then a summary with the table), checkpoint-N/, sample_ids/.
-Depth (shards, resume, the `datasets` route, measurements): docs/sharded_data.md.
-To change the data, model or loss, find the `# ADAPT:` markers.
+recipes/llama.py, adapted: the diff between the two files is the lesson.
+Shard i (tools/prepare_shards.py writes them) belongs to rank i % world_size, which checks it
+and streams it one row group at a time (`--loader datasets`: through `datasets`): memory stays
+flat as the corpus grows. Each rank's epochs have their own length: the run counts --max_steps.
+Per rank, it prints the loader's tokens/s alone against a step's, and the memory of the rank
+and its workers. More: docs/sharded_data.md.
+To adapt the code, find the `# ADAPT:` markers: data, model, loss, export.
 """
 
 import gc
 import hashlib
+import json
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +25,8 @@ from pathlib import Path
 gc.collect()  # the process's earlier garbage (a notebook's), before imports_done freezes
 gc.disable()  # the imports below run without it: launch.imports_done()
 import numpy as np
+import psutil
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from accelerate import Accelerator
@@ -37,39 +34,34 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientA
 from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
-from transformers import LlamaForCausalLM, get_constant_schedule_with_warmup
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import checkpoint, checks, errors, grad_norm, launch
 from common import metrics, models, precision, workarounds
-from common.args import flag, make_output_dir, parse_args, parse_flags
-from common.data import SHARD_MANIFEST, own_shards
+from common.args import flag, make_output_dir, parse_args
 from common.errors import Stop
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
 
 
 @dataclass
-class PrepareArgs:
-    output_dir: str = flag(None, "folder for the shards and manifest.json")
-    num_shards: int = flag(2, "a multiple of the world size you will train with", low=1)
-    repeat: int = flag(1, "repeat the corpus K times (bigger corpora for measurements)", low=1)
-    max_blocks: int = flag(None, "keep only the first N blocks (quick tests)", low=1)
-    block_size: int = flag(256, low=2)
-    rows_per_row_group: int = flag(256, "the unit a loader worker reads and shuffles", low=1)
-    tokenizer_name_or_path: str = flag(None, "default: the project's corpus BPE")
-    vocab_size: int = flag(4096, low=256)
-    cache_dir: str = data.DEFAULT_CACHE_DIR
-    overwrite_output_dir: bool = False
+class Args:
+    """Flags of this recipe; common/args.py has the core ones."""
 
-
-@dataclass
-class TrainArgs:
-    """Training's own flags; the core TrainingArguments ones come from common/args.py."""
-
-    data_dir: str = flag(None, "the prepare step's --output_dir")
+    data_dir: str = flag(None, "the folder tools/prepare_shards.py wrote")
     loader: str = flag("parquet", "parquet (row groups per rank) or datasets (streaming)")
-    model_config: str = flag("debug", f"preset: {', '.join(models.PRESETS)}")
+    model_config: str = flag("debug", f"Llama preset: {', '.join(models.PRESETS)}")
+    max_eval_samples: int = flag(None, "cap on validation blocks per eval; default: all", low=1)
+    per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
+    save_total_limit: int = flag(None, "keep only the newest N complete checkpoints", low=1)
+    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
+    record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
     # DataLoader (transformers.TrainingArguments names)
     dataloader_num_workers: int = flag(2, low=0)
     dataloader_prefetch_factor: int = flag(4, "batches queued per worker", low=1)
@@ -78,56 +70,63 @@ class TrainArgs:
     shuffle_buffer_size: int = flag(1024, "--loader datasets: rows in the shuffle buffer", low=1)
     loader_benchmark_batches: int = flag(40, "batches timed for the loader alone", low=1)
     verify_checksums: bool = flag(True, "SHA-256 of each own shard against the manifest")
-    record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
-    ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
 
 
-TRAIN_DEFAULTS = dict(
-    output_dir="runs/sharded_data",
-    per_device_train_batch_size=8,
-    learning_rate=1e-3,
-    weight_decay=0.1,
-    max_steps=30,
-    logging_steps=5,
-)
+def own_shards(
+    data_dir: str, world_size: int, rank: int, verify: bool, every_shard: bool = False
+) -> tuple[dict, list[Path]]:
+    """(manifest.json, the shards `rank` owns: shard i is rank i % world_size's), its own shards
+    and validation.parquet checked (`every_shard`: every shard there, for the datasets route)."""
+    root, manifest_path = Path(data_dir), Path(data_dir) / "manifest.json"
+    if not manifest_path.is_file():
+        raise Stop(f"{manifest_path} not found: prepare it first (tools/prepare_shards.py)")
+    manifest = json.loads(manifest_path.read_text())
+    n = len(manifest["shards"])
+    if n % world_size or n != manifest["num_shards"]:
+        raise Stop(
+            f"{manifest_path} lists {n} shards for a world size of {world_size}: shard i belongs "
+            f"to rank i % world_size (prepare a multiple of {world_size} with --num_shards)"
+        )
+    mine = []
+    for i, shard in enumerate([*manifest["shards"], manifest["validation"]]):
+        path, own = root / shard["name"], i % world_size == rank or i == n
+        if (own or every_shard) and not path.is_file():
+            raise Stop(f"missing shard {path}: shard {i} of the {n} listed in {manifest_path}")
+        if not own:
+            continue
+        try:
+            found = {"bytes": path.stat().st_size, "rows": pq.read_metadata(path).num_rows}
+        except (pa.ArrowException, OSError) as e:
+            raise Stop(f"corrupt parquet file {path}: {e}") from None
+        with open(path, "rb") as f:
+            found["sha256"] = hashlib.file_digest(f, "sha256").hexdigest() if verify else None
+        for key, name in (("bytes", "bytes"), ("rows", "rows"), ("sha256", "SHA-256")):
+            if found[key] not in (None, shard[key]):
+                raise Stop(
+                    f"corrupt shard {path}: {name} {found[key]}, the manifest says "
+                    f"{shard[key]}; prepare it again"
+                )
+        mine += [path] if i < n else []
+    return manifest, mine
 
 
-def parse_prepare_args(argv: list[str]) -> PrepareArgs:
-    """The prepare step's flags; a bad one exits with one `error:` line."""
-    return parse_flags(
-        (PrepareArgs,),
-        argv,
-        description="sharded_data.py prepare: tokenize the "
-        "bundled corpus once and write parquet shards and manifest.json into "
-        "--output_dir (training: sharded_data.py --help)",
-    )[0][0]
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM, SIGINT and SIGHUP (torchrun signals each rank's process
+    group, Ctrl-C the terminal's): the rank saves at the next step, then stops its workers."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
-def prepare(args: PrepareArgs) -> None:
-    """Tokenize the bundled corpus once; write the shards, then manifest.json (common/data.py)."""
-    data.write_shards(args)
-
-
-# The two loaders: this rank's own row groups (parquet), or `datasets` streaming.
 class RankShards(torch.utils.data.IterableDataset):
-    """Batches from this rank's shards, read one row group at a time.
-
-    Yields dicts: `input_ids` int64 [batch_size, block_size] and `block_id` int64 [batch_size].
-    Each epoch a seeded permutation (seed, epoch, rank) of the (file, row group) pairs is dealt
-    round-robin to the DataLoader workers, and rows are shuffled inside each row group (a local
-    shuffle, as in any streaming loader). Each worker drops its last partial batch of the epoch.
-    """
+    """This rank's shards as batches, {"input_ids": int64 [batch, block_size], "block_id": int64
+    [batch]}. Each epoch the (file, row group) pairs, permuted by (seed, epoch, rank), are dealt
+    to the workers; rows are shuffled within a row group; a worker drops its last partial batch."""
 
     def __init__(self, paths: list[Path], batch_size: int, seed: int, rank: int):
-        self.paths, self.batch_size = [str(p) for p in paths], batch_size
-        self.seed, self.rank = seed, rank
-        self.units = [
-            (f, g)
-            for f, p in enumerate(self.paths)
-            for g in range(pq.ParquetFile(p).num_row_groups)
-        ]
-        # Shared memory: persistent DataLoader workers keep their own copy of this object and
-        # would never see a plain attribute change (datasets' IterableDataset does the same).
+        self.paths, self.batch_size, self.seed = [str(p) for p in paths], batch_size, [seed, rank]
+        groups = [pq.ParquetFile(p).num_row_groups for p in self.paths]
+        self.units = [(f, g) for f, n in enumerate(groups) for g in range(n)]
+        # shared memory: a persistent worker keeps its own copy of this object, as in datasets
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch: int) -> None:
@@ -136,59 +135,68 @@ class RankShards(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        epoch = int(self.epoch)
-        order = np.random.default_rng([self.seed, epoch, self.rank]).permutation(len(self.units))
-        files, tokens, ids = {}, None, None
-        for u in order[worker::n_workers]:
+        seed = [self.seed[0], int(self.epoch), self.seed[1]]
+        files, rows, ids = {}, [], []
+        for u in np.random.default_rng(seed).permutation(len(self.units))[worker::n_workers]:
             f, g = self.units[u]
             if f not in files:  # not memory-mapped: every mapped page a worker read stays resident
                 files[f] = pq.ParquetFile(self.paths[f], memory_map=False)
             table = files[f].read_row_group(g)  # this row group only, freed once batched
-            rows = np.random.default_rng([self.seed, epoch, self.rank, u]).permutation(len(table))
-            t = table.column("input_ids").combine_chunks().values.to_numpy()
-            t, b = t.reshape(len(table), -1)[rows], table.column("block_id").to_numpy()[rows]
-            tokens, ids = (
-                (t, b)
-                if tokens is None
-                else (np.concatenate([tokens, t]), np.concatenate([ids, b]))
-            )
-            while len(ids) >= self.batch_size:
-                yield {
-                    "input_ids": torch.from_numpy(tokens[: self.batch_size].astype(np.int64)),
-                    "block_id": torch.from_numpy(ids[: self.batch_size].copy()),
+            order = np.random.default_rng([*seed, u]).permutation(len(table))
+            tokens = table.column("input_ids").combine_chunks().values.to_numpy()
+            rows += list(tokens.reshape(len(table), -1)[order])
+            ids += list(table.column("block_id").to_numpy()[order])
+            while len(ids) >= (b := self.batch_size):
+                yield {"input_ids": torch.tensor(np.stack(rows[:b]), dtype=torch.int64)} | {
+                    "block_id": torch.tensor(ids[:b])
                 }
-                tokens, ids = tokens[self.batch_size :], ids[self.batch_size :]
+                rows, ids = rows[b:], ids[b:]
 
 
-def datasets_route(
-    manifest: dict, data_dir: str, rank: int, world_size: int, seed: int, buffer_size: int
-):
-    """The same shards through `datasets` streaming: a torch-formatted IterableDataset of rows
-    (`input_ids` int64 [block_size], `block_id` int64) with `set_epoch`. `reshard()` makes each row
-    group a shard, and `max_buffer_input_shards=1` reads them one after another: with the defaults,
-    memory grows with the corpus and each epoch's end stalls 5 s
-    (docs/sharded_data.md#the-datasets-route). strategy="shards" deals whole row groups to ranks
-    (the "examples" fallback would have every rank read every row and keep 1 in world_size),
-    re-dealt every epoch (seed + epoch): this route needs every shard on every node.
-    """
-    files = [str(Path(data_dir) / s["name"]) for s in manifest["shards"]]
-    stream = load_dataset("parquet", data_files=files, split="train", streaming=True).reshard()
-    stream = split_dataset_by_node(stream, rank=rank, world_size=world_size, strategy="shards")
-    # row groups, then rows within a buffer; reseeded by set_epoch (shared with persistent workers)
-    return stream.shuffle(
-        seed=seed, buffer_size=buffer_size, max_buffer_input_shards=1
-    ).with_format("torch")
+# >>> shared: evaluate (tests/test_skeleton.py keeps the shared blocks identical across recipes)
+@torch.no_grad()
+def evaluate(model, eval_loader, accelerator) -> float:
+    """Token-weighted mean eval loss in nats/token; each eval block counted exactly once."""
+    model.eval()
+    nats, tokens = torch.zeros(2, device=accelerator.device)  # (one buffer, two views)
+    for batch in eval_loader:
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+        ).logits  # --packing documents
+        # nats and target tokens per block, in fp32 slices: no fp32 copy of the whole logits
+        per_block, targets = metrics.token_nll(logits, batch["labels"])
+        del logits
+        # gather_for_metrics drops the blocks Accelerate duplicated to even out the last batch
+        per_block, targets = accelerator.gather_for_metrics((per_block, targets))
+        nats += per_block.sum()
+        tokens += targets.sum()
+    model.train()
+    return (nats / tokens).item()
+
+
+# <<< shared
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["prepare"]:
-        return prepare(parse_prepare_args(sys.argv[2:]))
-    args = parse_args(TrainArgs, description=__doc__, **TRAIN_DEFAULTS)  # bad flag: an error line
+    args = parse_args(
+        Args,
+        description=__doc__,
+        output_dir="runs/sharded_data",
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        max_steps=30,
+        logging_steps=5,
+    )
+    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     checks.sharded_data_flags(args)  # --max_steps, not --num_train_epochs
-    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one error line, now
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
         raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     startup = {"steps": args.max_steps}  # known before the data: every rank streams that many
+
+    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
     # the launch against the flags and the hardware, before any work (common/checks.py)
@@ -215,286 +223,316 @@ def main() -> int:
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     # <<< shared
-    rank, device = accelerator.process_index, accelerator.device
-    accumulation = args.gradient_accumulation_steps
 
-    # -----------------------------------------------------------------------------------------
-    # ADAPT: data. This rank's shards only, through a DataLoader that overlaps reading with compute.
-    # -----------------------------------------------------------------------------------------
-    # Each rank checks its own shards (the datasets route re-deals every file each epoch: all),
-    # then all compare: one rank's bad shard, or a node whose manifest differs, stops every rank.
+    # ADAPT: data. This rank's shards only, read while the model computes. Each rank checks its
+    # own; one rank's bad shard, or a node whose manifest differs, stops every rank.
+    rank, data_dir, max_steps = accelerator.process_index, Path(args.data_dir), args.max_steps
+    datasets_route = args.loader == "datasets"  # it deals every shard to some rank each epoch
     manifest, paths = checks.stop_if_any_rank_fails(
-        accelerator,
-        own_shards,
-        args.data_dir,
-        world_size,
-        rank,
-        args.verify_checksums,
-        every_shard=args.loader == "datasets",
+        accelerator, own_shards, data_dir, world_size, rank, args.verify_checksums, datasets_route
     )
-    manifest_path = Path(args.data_dir) / SHARD_MANIFEST
-    manifest_sha256 = hashlib.sha256(manifest_path.read_bytes()).hexdigest()
-    checks.same_on_every_rank(accelerator, f"shard manifest {manifest_path}", manifest_sha256[:16])
+    manifest_sha256 = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
+    checks.same_on_every_rank(
+        accelerator, f"shard manifest {data_dir / 'manifest.json'}", manifest_sha256[:16]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(data_dir / "tokenizer")
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
-    dataset = (
-        RankShards(paths, batch, args.seed, rank)
-        if args.loader == "parquet"
-        else datasets_route(
-            manifest, args.data_dir, rank, world_size, args.seed, args.shuffle_buffer_size
-        )
-    )
-    loader_batch = None if args.loader == "parquet" else batch  # RankShards yields whole batches
-    workers = args.dataloader_num_workers
-    # Not for accelerator.prepare: split_batches would slice each batch across the ranks, and
-    # dispatch_batches (the default for iterable datasets) has rank 0 read everything.
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_size=loader_batch,
-        drop_last=loader_batch is not None,
-        num_workers=workers,
-        pin_memory=args.dataloader_pin_memory and device.type == "cuda",  # async copies to GPU
-        prefetch_factor=args.dataloader_prefetch_factor if workers else None,
-        persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-forks
-        generator=torch.Generator(),  # iter() seeds from here, not the RNG a resume restores
-        worker_init_fn=data.leave_signals_to_the_rank,
-    )  # the rank saves first, then stops them
-
-    def epochs(epoch: int, done: int):
-        """(epoch, batches of it consumed, batch) forever, from `done` batches into `epoch`. The
-        order is a function of (--seed, epoch, rank): a resume re-creates its epoch and discards
-        the `done` batches already trained on (no loader state to save)."""
-        while True:
-            dataset.set_epoch(epoch)
-            n = 0
-            for n, b in enumerate(loader, 1):
-                if n > done:
-                    yield (
-                        epoch,
-                        n,
-                        {
-                            "sample_id": b["block_id"],
-                            "input_ids": b["input_ids"].long().to(device, non_blocking=True),
-                        },
-                    )
-            if n == 0:
-                raise ValueError(
-                    f"rank {rank}: shards {[p.name for p in paths]} hold less than "
-                    f"one batch of {batch} per loader worker ({workers}); prepare "
-                    "more blocks or lower the batch size"
-                )
-            epoch, done = epoch + 1, 0
-
-    # -----------------------------------------------------------------------------------------
-    # ADAPT: model. Then accelerator.prepare: model, optimizer and LR schedule (not the loader).
-    # -----------------------------------------------------------------------------------------
-    config = models.llama_config(args.model_config, vocab_size=manifest["tokenizer"]["vocab_size"])
+    model_cls = LlamaForCausalLM
+    config = models.llama_config(args.model_config, vocab_size=len(tokenizer))
+    models.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
     if block_size > config.max_position_embeddings:
         raise Stop(
             f"the shards' block size {block_size} exceeds --model_config {args.model_config}"
             f"'s max_position_embeddings {config.max_position_embeddings}"
         )
-    # With the model config: the FSDP wrap class against the model, ZeRO-3 against the plan.
-    guard.check(
-        flags={**guard.facts["flags"], "block_size": block_size},
-        model_cls=LlamaForCausalLM,
+    if not datasets_route:
+        train_set = RankShards(paths, batch, args.seed, rank)
+    else:  # row groups as shards, read in turn, dealt to the ranks anew each epoch (set_epoch)
+        files = [str(data_dir / s["name"]) for s in manifest["shards"]]
+        stream = load_dataset("parquet", data_files=files, split="train", streaming=True)
+        stream = split_dataset_by_node(stream.reshard(), rank, world_size, strategy="shards")
+        train_set = stream.shuffle(
+            args.seed, buffer_size=args.shuffle_buffer_size, max_buffer_input_shards=1
+        ).with_format("torch")
+    held_out = pq.read_table(data_dir / "validation.parquet")[: args.max_eval_samples]
+    eval_ids = torch.tensor(held_out.column("input_ids").to_pylist())  # [blocks, block_size]
+    eval_set = [{"input_ids": x, "labels": x} for x in eval_ids]  # the model shifts the labels
+    guard.facts["flags"]["block_size"] = block_size  # (for the ZeRO-3 check)
+    # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
+    guard.data_ready(
+        train_size=manifest["total_blocks"],
+        train_unit=f"blocks of {block_size} tokens",
+        steps=max_steps,
+        model_cls=model_cls,
         model_config=config,
     )
-    set_seed(args.seed)  # same initial weights on every rank
-    model = LlamaForCausalLM(config)
-    # From here each rank draws its own random numbers (dropout); the data order does not use
-    # them: RankShards seeds with (--seed, epoch, rank), the datasets route with --seed + epoch.
-    set_seed(args.seed, device_specific=True)
-    model.config.use_cache = False
-    # Decay on weight matrices and embeddings only: a norm's gain is centred on 1, not 0.
-    optimizer = torch.optim.AdamW(
-        models.param_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95)
+    # Not prepared: split_batches would slice batches across ranks; dispatch_batches, read all
+    pin = accelerator.device.type == "cuda"  # page-locked host memory, for non-blocking copies
+    workers = args.dataloader_num_workers
+    train_loader = torch.utils.data.DataLoader(
+        train_set,
+        batch_size=batch if datasets_route else None,  # RankShards: whole batches
+        drop_last=datasets_route,
+        num_workers=workers,
+        prefetch_factor=args.dataloader_prefetch_factor if workers else None,
+        persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-forks
+        worker_init_fn=leave_signals_to_the_rank,  # the rank saves first, then stops them
+        generator=torch.Generator(),  # iter() seeds from here, not the RNG a resume restores
+        pin_memory=pin and args.dataloader_pin_memory,
     )
-    accelerator.print(metrics.weight_decay_line(optimizer))
+    eval_loader = torch.utils.data.DataLoader(
+        eval_set,
+        batch_size=args.per_device_eval_batch_size,
+        generator=torch.Generator(),
+        pin_memory=pin,
+    )
+
+    def epochs(epoch: int, done: int):
+        """(epoch, batches of it consumed, batch), forever; the order follows from the seed."""
+        while True:
+            train_set.set_epoch(epoch)
+            n = 0
+            for n, b in enumerate(train_loader, 1):
+                if n > done:  # the labels are the inputs (the model shifts them)
+                    ids = b["input_ids"].long().to(accelerator.device, non_blocking=True)
+                    sample_ids = {"sample_id": b["block_id"]} if args.record_sample_ids else {}
+                    yield epoch, n, {**sample_ids, "input_ids": ids, "labels": ids}
+            if n == 0:
+                raise Stop(
+                    f"rank {rank}: shards {[p.name for p in paths]} hold less than one batch "
+                    f"of {batch} per loader worker ({workers}); prepare more blocks"
+                )
+            epoch, done = epoch + 1, 0
+
+    # ADAPT: model. fp32 master weights; the launch config picks the compute precision.
+    model = model_cls(config)
+    model.config.use_cache = False
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
+    set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
+    flops_per_token, flops_method = metrics.model_flops_per_token(model, block_size)
+
+    peak_lr = args.learning_rate  # (llama.py scales it with --scale_lr)
+    # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
+    optimizer = torch.optim.AdamW(
+        models.param_groups(model, args.weight_decay),
+        lr=peak_lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
+    decay = [
+        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+        f"({sum(p.numel() for p in g['params']):,} elements)"
+        for g in optimizer.param_groups
+    ]
+    accelerator.print(f"AdamW weight decay: {', '.join(decay)}")
     lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # then constant
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot see our loader
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = batch
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
-    # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
-    # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
-    run_state = {
-        "distributed_type": checkpoint.strategy_name(accelerator),
-        "world_size": world_size,
-        "seed": args.seed,
+
+    data_state = {  # what fixes each rank's data order: its shards (the world size), the reading
         "global_batch": global_batch,
+        "seed": args.seed,
+        "block_size": block_size,
+        "world_size": world_size,
         "per_device_train_batch_size": batch,
         "loader": args.loader,
         "dataloader_num_workers": workers,
         "shuffle_buffer_size": args.shuffle_buffer_size,
-        "block_size": block_size,
         "manifest_sha256": manifest_sha256,
-        "model_config": models.config_state(config),
-        "learning_rate": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "warmup_steps": args.warmup_steps,
-        "max_grad_norm": args.max_grad_norm,
-        **checkpoint.precision_state(accelerator),
-        "max_steps": args.max_steps,
-    }  # (never compared: the LR is constant after warmup)
-    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state)  # all must match
-    if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow the step
-        checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, saved["step"])
-        accelerator.print(checkpoint.resumed_line(resume_path, saved["step"]))
-    accelerator.print(
-        f"{accelerator.distributed_type.name} x{world_size} | {args.loader} loader "
-        f"| {len(paths)} shard(s) per rank | {manifest['text_bytes'] / 1e6:.1f} MB "
-        f"corpus | {workers} workers | batch {batch} x {block_size} tokens x "
-        f"{accumulation} accumulation per rank | {accelerator.mixed_precision}"
+    }
+    # >>> shared: run state
+    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
+    run_state, must_match = checkpoint.run_state(
+        accelerator, args, model, peak_lr, max_steps, **data_state
     )
-    # metrics.jsonl (a resume keeps the step lines up to its step) and the trackers
-    log = metrics.RunLog(accelerator, args, "sharded_data", saved["step"] if resume_path else None)
+    # <<< shared
+    # (the LR is constant after the warmup: another --max_steps continues exactly)
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, must_match)
+    step = saved["step"]
 
-    # 1. The loader alone: tokens/s it delivers with nothing else running (start-up excluded).
-    loader_tps = metrics.loader_tokens_per_second(
-        loader, args.loader_benchmark_batches, batch * block_size
+    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, eval loader
+    model, optimizer, eval_loader, lr_scheduler = accelerator.prepare(
+        model, optimizer, eval_loader, lr_scheduler
     )
+    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    device = accelerator.device
+    run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
+        accelerator,
+        model,
+        args,
+        precision=guard.precision,
+        global_batch=global_batch,
+        n_params=n_params,
+        max_steps=max_steps,
+        model_type=config.model_type,
+        model_class=model_cls.__name__,
+        data={k: manifest[k] for k in ("source", "text_bytes", "total_blocks", "num_shards")},
+        flops_per_token=flops_per_token,
+        flops_per_token_method=flops_method,
+        **guard.prepared(accelerator, model, model_cls, global_batch),
+    )  # FSDP units, DeepSpeed
+    accelerator.print(metrics.start_line(run_info))
+    if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
+        applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
+        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+    run_info["workarounds"] = applied  # the library workarounds that ran, in order
+    log = metrics.RunLog(
+        accelerator, args, "sharded_data", step if resume_path else None, run_info, saved
+    )
+    # The loader alone: the tokens/s it delivers with nothing else running (start-up excluded).
+    stream = iter(train_loader)
+    t0, _ = time.perf_counter(), next(stream)
+    n = sum(1 for _, _ in zip(range(args.loader_benchmark_batches), stream))
+    loader_tps = n * batch * block_size / (time.perf_counter() - t0)
+    del stream
+    accelerator.print(f"{args.loader} loader alone: {loader_tps:,.0f} tokens/s, {workers} workers")
 
-    # 2. Training: what one step consumes, and how long the step waits for data. GPU work is
-    # asynchronous: no per-step synchronize (it would stall the host every step); the step time is
-    # the loop's wall time, the queued GPU work included at the end, less the waits and the saves.
+    # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()
-    wait_s, save_s, start, t_loop = 0.0, 0.0, saved["step"], time.perf_counter()
+    progress = tqdm(
+        total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process
+    )
+    t_start = log.start_clock(device, flops_per_token)  # tokens/s, MFU
+    epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]  # this rank's own
+    health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
     seen = metrics.SampleIds(args.record_sample_ids)  # ids stay tensors until the end
-    # fp16 bookkeeping the scaler does not keep, and this rank's data position: from COMPLETE.json
-    skipped_steps, in_a_row = saved.get("skipped_steps", 0), saved.get("skipped_in_a_row", 0)
-    epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]
-    batches = epochs(epoch, done)
-
-    def teardown():
-        nonlocal model, optimizer
-        batches.close()  # release the loader's iterator (and its workers' queues)
-        del model, optimizer
-        launch.teardown(accelerator)  # in order: the model before the process group
-
-    # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: save a checkpoint at the next step.
-    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)
-    nonfinite = precision.NonFiniteGuard(accelerator, model)  # inf/NaN outside fp16 scaling stops
-    for step in range(start + 1, args.max_steps + 1):
-        lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
-        window_loss = torch.zeros((), device=device)
-        for _ in range(accumulation):
+    preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)  # SIGTERM, Ctrl-C, SIGHUP
+    problem = preempt = None  # why the loop ends early: one error line, or a signal's name
+    batches, start, wait_s, t_last = epochs(epoch, done), step, 0.0, t_start
+    while step < max_steps and not (problem or preempt):
+        for _ in range(step, max_steps):  # (one pass: each rank's own epochs are in `batches`)
+            lr = lr_scheduler.get_last_lr()[0]  # the LR this optimizer step applies
             t0 = time.perf_counter()
-            epoch, done, b = next(batches)
-            wait_s += time.perf_counter() - t0
-            with accelerator.accumulate(model):  # backward divides the loss by the accumulation
-                loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss  # ADAPT: loss
-                accelerator.backward(loss)  # under fp16: backward of loss x scale
-                # >>> shared: step
-                if accelerator.sync_gradients:  # the window's last micro batch
-                    # the global norm in fp64: every strategy clips with the same number
-                    norm_before_clip = grad_norm.clip_grad_norm_(
-                        accelerator, model, args.max_grad_norm
-                    )
-                optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()  # a skipped step did not happen: the LR holds
-                optimizer.zero_grad()
-                # <<< shared
-            window_loss += loss.detach() / accumulation
-            seen.take(epoch, [b])  # --record_sample_ids (an epoch may end inside a window)
-        nonfinite.record(step, window_loss, norm_before_clip)  # on the device, read when logging
-        skipped = accelerator.optimizer_step_was_skipped
-        skipped_steps, in_a_row = skipped_steps + skipped, in_a_row + 1 if skipped else 0
-        scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
-        # the same verdict on every rank: the scale and the skips are the same everywhere
-        warning, scale_error = precision.loss_scale_verdict(scale, in_a_row)
-        if warning and accelerator.is_main_process:
-            print(f"step {step}: {warning}", file=sys.stderr, flush=True)
-        if step % args.logging_steps == 0 or step == args.max_steps:
-            fp16 = {} if scale is None else {"loss_scale": scale, "skipped_steps": skipped_steps}
-            record = {
-                "step": step,
-                "epoch": epoch,  # the only host reads of the step
-                "loss": accelerator.reduce(window_loss, reduction="mean").item(),
-                "lr": lr,
-                "grad_norm": float(norm_before_clip),
-                **fp16,
-            }
-            accelerator.print(
-                f"step {step} | epoch {epoch} | loss {record['loss']:.3f} "
-                f"| lr {lr:.3g}"
-                + (f" | loss scale {scale:g} | skipped steps {skipped_steps}" if fp16 else "")
-            )
-            log.log(record)  # strict JSON: inf/NaN -> null, named in "nonfinite"
-        preempt = preempted()  # a collective: every rank stops at the same step (a signal, or None)
-        save = preempt or (args.save_steps and step % args.save_steps == 0)
-        # a non-finite loss or norm stops before any checkpoint or export of its weights
-        problem = (
-            f"step {step}: {scale_error}"
-            if scale_error
-            else (
-                (save or step == args.max_steps or step % args.logging_steps == 0)
-                and nonfinite.problem()
-            )
-        )
-        if save and not problem:
-            t_save = time.perf_counter()
-            saved_to = checkpoint.save_checkpoint(
-                accelerator,
-                args.output_dir,
-                step,
-                run_state={
-                    **run_state,
-                    "skipped_steps": skipped_steps,
-                    "skipped_in_a_row": in_a_row,
-                    # every rank's own [epoch, batches consumed in it] (epochs differ in length)
-                    "data_position": gather_object([[epoch, done]]),
-                },
-            )
-            save_s += time.perf_counter() - t_save
-        if problem or preempt:
-            if not problem:
+            window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+            wait_s += (wait := time.perf_counter() - t0)
+            log.count(data_wait=wait)
+            for epoch, done, batch in window:  # an epoch may end inside a window
+                seen.take(epoch, [batch])  # --record_sample_ids: pops the ids, kept on the device
+            window = [batch for *_, batch in window]  # and [epoch, done]: this rank's position
+            # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
+            # window on all ranks, so the gradient is the full global batch's even with padding.
+            # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
+            num_items, has_targets = global_batch * (block_size - 1), True  # full blocks
+            loss_total = torch.zeros((), device=device)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    loss = model(**batch, num_items_in_batch=num_items).loss  # sum / num_items
+                    loss_total += loss.detach()
+                    accelerator.backward(loss * args.gradient_accumulation_steps * world_size)
+                    # >>> shared: step
+                    if accelerator.sync_gradients:  # the window's last micro batch
+                        # the global norm in fp64: every strategy clips with the same number
+                        norm_before_clip = grad_norm.clip_grad_norm_(
+                            accelerator, model, args.max_grad_norm
+                        )
+                    optimizer.step()  # no-op until the window's last micro batch; fp16 may skip
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        lr_scheduler.step()  # a skipped step did not happen: the LR holds
+                    optimizer.zero_grad()
+                    # <<< shared
+            t_last = time.perf_counter()  # the step's end, on the host
+            # >>> shared: end of step
+            step += 1
+            progress.update(1)
+            health.after_step(step, has_targets, loss_total, norm_before_clip)  # fp16 skips
+            if has_targets:  # this rank's tokens, padding left out; an empty window trained none
+                log.count(window)
+            do_eval = step % args.eval_steps == 0 or step == max_steps
+            if step % args.logging_steps == 0 or do_eval:
+                record = log.record(  # + tokens/s, data wait, memory, MFU of the window
+                    step=step,
+                    epoch=epoch,
+                    lr=lr,
+                    empty_windows=health.empty_windows,
+                    loss=launch.data_parallel_sum(accelerator, loss_total).item(),  # nats/token
+                    grad_norm=float(norm_before_clip),
+                    **health.scale_fields(),
+                )  # fp16 scale
+                if do_eval:
+                    record["eval_loss"] = evaluate(model, eval_loader, accelerator)
+                log.log(record)  # NaN (an empty window) is written as null
+                progress.set_postfix(
+                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}"
+                )
+            preempt = preempted()  # a collective: every rank stops at the same step, or none
+            save = preempt or (args.save_steps and step % args.save_steps == 0)
+            # <<< shared
+            if save:  # every rank's own [epoch, batches consumed in it]: epochs differ
+                run_state["data_position"] = gather_object([[epoch, done]])
+            # >>> shared: save or stop
+            # a non-finite loss or norm stops before any checkpoint or export of its weights
+            problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
+            if save and not problem:
+                saved_to = checkpoint.save_checkpoint(
+                    accelerator,
+                    args.output_dir,
+                    step,
+                    args.save_total_limit,
+                    {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
+                    hf_files=(
+                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
+                        tokenizer,
+                    ),
+                )
+            if preempt and not problem:
                 accelerator.print(
                     f"preempted ({preempt}) at step {step}: saved {saved_to}; "
                     "relaunch with --resume_from_checkpoint auto to continue"
                 )
-            teardown()
-            if problem:
-                raise Stop(problem)
-            return checkpoint.PREEMPTED_EXIT_CODE
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the GPU work still queued belongs to the steps
-    compute_s = time.perf_counter() - t_loop - wait_s - save_s
-    trained = (args.max_steps - start) * accumulation * batch * block_size  # 0: resumed at the end
-    step_tps = trained / compute_s if compute_s and trained else float("nan")
-
-    # 3. Live memory, with the persistent workers still alive: the rank's and its workers'.
-    per_rank = metrics.gather_loader_rows(
-        accelerator,
-        [
-            rank,
-            len(paths),
-            loader_tps,
-            step_tps,
-            loader_tps / step_tps,
-            wait_s / (wait_s + compute_s or float("nan")),
-        ],
-    )  # + memory, every rank's row
-    seen.write(
-        accelerator,
-        args.output_dir,  # --record_sample_ids: each rank its own file
-        shards=[p.name for p in paths] if args.loader == "parquet" else None,
-    )
+            if problem or preempt or step >= max_steps:
+                break
+            # <<< shared
+    # >>> shared: export
+    progress.close()
+    if problem or preempt:  # in order: the model before the process group, then the exit
+        del model, optimizer
+        launch.teardown(accelerator)
+        if problem:
+            raise errors.Stop(problem)
+        return checkpoint.PREEMPTED_EXIT_CODE
+    skipped = health.end_of_run(step)  # one warning for each kind of skipped step
+    # ADAPT: export. Gather the full state dict on every rank (a collective); rank 0 writes.
+    final_dir = checkpoint.export_model(accelerator, model, tokenizer, args.output_dir)
+    # <<< shared
+    gc.collect()  # memory, the workers alive: RSS counts pages a worker shares with the rank
+    workarounds.trim_malloc_heap()  # glibc keeps freed heap pages: RSS then counts what is live
+    me, compute_s = psutil.Process(), t_last - t_start - wait_s
+    kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
+    step_tps = (step - start) * global_batch // world_size * block_size / compute_s or float("nan")
+    wait_share = wait_s / (t_last - t_start)
+    row = [rank, len(paths), loader_tps, step_tps, loader_tps / step_tps, wait_share]
+    row += [me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
+    rows = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=device)).tolist()
+    keys = "rank shards loader_tokens_per_second step_tokens_per_second loader_to_step_ratio "
+    keys += "data_wait_share rss_bytes uss_bytes workers_uss_bytes workers"  # memory in bytes
+    per_rank = [metrics.strict_json(dict(zip(keys.split(), r))) for r in rows]  # nan: null
+    shards = None if datasets_route else [p.name for p in paths]
+    seen.write(accelerator, args.output_dir, shards=shards)  # --record_sample_ids: each rank's
+    accelerator.wait_for_everyone()
     log.summary(
         {
-            "step": args.max_steps,
+            "step": step,
+            "wall_seconds": time.perf_counter() - t_start,
+            **skipped,
+            **log.tokens_seen(),  # input (padding left out) and target tokens, all ranks
+            **metrics.end_figures(accelerator, model),
             "loader": args.loader,
             "text_bytes": manifest["text_bytes"],
-            "world_size": world_size,
             "precision": guard.precision,
             "per_rank": per_rank,
         }
-    )
-    accelerator.print(metrics.loader_table(per_rank, manifest["text_bytes"], args.loader))
-    teardown()
-    accelerator.print(log.final_line(f"metrics in {log.path}"))
+    )  # peak memory, buffer dtypes
+    table = "\n| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step "
+    table += "| data wait | rank RSS MiB | rank USS MiB | workers USS MiB |\n" + "|---" * 11 + "|"
+    for r in rows:  # the memory in MiB, the workers' count in brackets
+        cells = [f"{manifest['text_bytes'] / 1e6:.0f} MB", args.loader]
+        cells += [format(x, f) for x, f in zip(r, (".0f", ".0f", ",.0f", ",.0f", ".0f", ".1%"))]
+        table += f"\n| {' | '.join(cells + [f'{x / 2**20:.0f}' for x in r[6:9]])} ({r[9]:.0f}) |"
+    accelerator.print(table)
+    del model, optimizer
+    launch.teardown(accelerator)  # in order: the model before the process group
+    accelerator.print(log.final_line(f"model in {final_dir}, metrics in {log.path}"))
     return 0
 
 
