@@ -3,7 +3,7 @@
     python benchmarks/data_routes.py                     # ~8 minutes on 2 CPU cores, 0.6 GB of disk
     python benchmarks/data_routes.py --repeats 1 --routes datasets --output runs/data_routes.md
 
-The corpora: `recipes/sharded_data.py prepare --repeat K` repeats the bundled Shakespeare corpus
+The corpora: `tools/prepare_shards.py --repeat K` repeats the bundled Shakespeare corpus
 (5.06 MB of text) K times: K=2 is 10 MB, K=200 is 1,011 MB of text (549 MB of parquet in 8
 shards of 632 row groups of 256 blocks x 256 tokens). Fast (20 s for 1 GB), and representative
 for the loaders, which never look at a token's value: what they pay for is rows, row groups per
@@ -69,8 +69,7 @@ def prepare(out: Path, repeat: int, num_shards: int) -> dict:
     if not (out / "manifest.json").exists():
         cmd = [
             sys.executable,
-            str(REPO / "recipes/sharded_data.py"),
-            "prepare",
+            str(REPO / "tools/prepare_shards.py"),
             "--output_dir",
             str(out),
             "--num_shards",

@@ -8,7 +8,6 @@ counted once, so views (transposes, reshapes, slices of one buffer) are not doub
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import torch
 
@@ -91,24 +90,6 @@ class SavedTensorBytes:
             self.weight_copy_bytes += n if is_copy else 0
             self.count += bool(n)
         self._storages.clear()  # hold no reference past the forward: backward must be able to free them
-
-
-def local_tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes this rank holds for `tensors` (e.g. `model.parameters()` or their `.grad`s).
-
-    FSDP2 DTensors count their local shard only (`to_local()`); `None` entries (parameters
-    without a gradient) count zero.
-
-    Returns:
-        int, bytes (elements x element size of each tensor's own dtype).
-    """
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 class PeakTensorBytes:

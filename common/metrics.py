@@ -550,59 +550,6 @@ class SampleIds:
             )
 
 
-def weight_decay_line(optimizer) -> str:
-    """The AdamW groups as a line: "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on
-    9 tensors (2,304 elements)" (ZeRO-3's partitioned parameters counted whole: `ds_numel`)."""
-    return "AdamW weight decay: " + ", ".join(
-        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
-        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)"
-        for g in optimizer.param_groups
-    )
-
-
-def comparison_table(rows: list[dict], config_file: str, model_config: str, block_size: int) -> str:
-    """recipes/mixed_precision.py --compare's table, in Markdown: a title line (the launch, from the
-    first launch that succeeded), a blank line, then one row per precision.
-
-    Args:
-        rows: each launch's summary.json, or {"precision": mode, "failed": True} for one that failed;
-            a null figure (not finite, named in its "nonfinite") shows as nan.
-    """
-    done = [r for r in rows if not r.get("failed")] or [{}]
-    lines = [
-        f"{config_file}: {done[0].get('distributed_type')} x{done[0].get('world_size')} on "
-        f"{done[0].get('device')}, {model_config} Llama, global batch {done[0].get('global_batch')} x "
-        f"{block_size} tokens, {done[0].get('steps')} steps. Activations: bytes saved for backward by one "
-        "micro batch, autocast's weight copies apart; parameters and gradients: bytes on one rank.",
-        "",
-        "| precision | train loss after N steps | eval loss | tokens/s per device | activations MiB "
-        "| autocast weight copies MiB | parameters MiB | gradients MiB | loss scale | skipped steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r.get("failed"):
-            lines.append(f"| {r['precision']} | failed: see its output above | | | | | | | | |")
-            continue
-        mib = [
-            f"{r[k] / 2**20:.2f}"
-            for k in ("activation_bytes", "weight_copy_bytes", "parameter_bytes", "gradient_bytes")
-        ]
-        num = {
-            k: "nan" if r[k] is None else format(r[k], spec)
-            for k, spec in (
-                ("train_loss", ".4f"),
-                ("eval_loss", ".4f"),
-                ("tokens_per_second", ".0f"),
-            )
-        }
-        lines.append(
-            f"| {r['precision']} | {num['train_loss']} | {num['eval_loss']} | "
-            f"{num['tokens_per_second']} | {' | '.join(mib)} | "
-            f"{r['loss_scale'] if r['loss_scale'] is not None else '-'} | {r['skipped_steps']} |"
-        )
-    return "\n".join(lines)
-
-
 def end_figures(accelerator, model) -> dict:
     """The summary's figures of the finished run: its peak memory (`memory_summary`) and the
     dtypes of the unwrapped model's buffers (rotary inv_freq: fp32 under every strategy)."""
@@ -612,18 +559,7 @@ def end_figures(accelerator, model) -> dict:
     }
 
 
-def loader_tokens_per_second(loader, batches: int, tokens_per_batch: int) -> float:
-    """Tokens/s `loader` delivers alone: `batches` batches after the first (start-up excluded)."""
-    stream = iter(loader)
-    next(stream)
-    t0, n = time.perf_counter(), 0
-    for n, _ in enumerate(stream, 1):
-        if n == batches:
-            break
-    return n * tokens_per_batch / (time.perf_counter() - t0)
-
-
-LOADER_KEYS = [
+OADER_KEYS = [
     "rank",
     "shards",
     "loader_tokens_per_second",
@@ -635,44 +571,3 @@ LOADER_KEYS = [
     "workers_uss_bytes",
     "workers",
 ]  # a row of recipes/sharded_data.py's summary
-
-
-def gather_loader_rows(accelerator, row: list[float]) -> list[dict]:
-    """Every rank's `row` (LOADER_KEYS up to data_wait_share) and memory, as strict-JSON records.
-
-    Memory: the rank's RSS and USS, and its loader workers' summed USS and number, in bytes. RSS
-    counts pages a forked worker still shares with its parent (libraries, torch); USS counts only
-    the pages a process alone holds, so the workers' cost is their USS. Garbage is collected and
-    freed heap pages handed back first (`workarounds.trim_malloc_heap`), so that RSS counts live
-    memory. A collective.
-    """
-    import gc
-
-    import psutil
-
-    gc.collect()
-    workarounds.trim_malloc_heap()  # glibc keeps freed heap pages: RSS then counts what is live
-    me = psutil.Process()
-    kids = [p.memory_full_info().uss for p in me.children(recursive=True) if p.is_running()]
-    row = [*row, me.memory_info().rss, me.memory_full_info().uss, sum(kids), len(kids)]
-    table = accelerator.gather(torch.tensor([row], dtype=torch.float64, device=accelerator.device))
-    return [strict_json(dict(zip(LOADER_KEYS, r))) for r in table.cpu().tolist()]
-
-
-def loader_table(per_rank: list[dict], text_bytes: int, loader: str) -> str:
-    """The per-rank loader table (`LOADER_KEYS` records) as markdown, after an empty line."""
-    lines = [
-        "",
-        "| corpus | loader | rank | shards | loader tokens/s | step tokens/s | loader/step "
-        "| data wait | rank RSS MiB | rank USS MiB | workers USS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in per_rank:
-        lines.append(
-            f"| {text_bytes / 1e6:.0f} MB | {loader} | {r['rank']:.0f} | {r['shards']:.0f} "
-            f"| {r['loader_tokens_per_second']:,.0f} | {r['step_tokens_per_second']:,.0f} "
-            f"| {r['loader_to_step_ratio']:.0f} | {r['data_wait_share']:.1%} "
-            f"| {r['rss_bytes'] / 2**20:.0f} | {r['uss_bytes'] / 2**20:.0f} "
-            f"| {r['workers_uss_bytes'] / 2**20:.0f} ({r['workers']:.0f}) |"
-        )
-    return "\n".join(lines)

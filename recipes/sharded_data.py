@@ -190,8 +190,8 @@ def main() -> int:
         max_steps=30,
         logging_steps=5,
     )
-    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     checks.sharded_data_flags(args)  # --max_steps, not --num_train_epochs
+    make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
         raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     startup = {"steps": args.max_steps}  # known before the data: every rank streams that many

@@ -473,14 +473,13 @@ ENTRY_POINTS = sorted(
     str(p.relative_to(REPO))
     for pattern in ("recipes/*.py", "benchmarks/*.py")
     for p in REPO.glob(pattern)
-) + ["common/launch.py", "tools/plan.py", "tools/consolidate.py"]
+) + ["common/launch.py", "tools/plan.py", "tools/consolidate.py", "tools/prepare_shards.py"]
 SAYS = {
     "common/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
-    "recipes/sharded_data.py prepare": "tokenize the bundled corpus once and write parquet shards",
 }
 
 
-@pytest.mark.parametrize("entry", [*ENTRY_POINTS, "recipes/sharded_data.py prepare"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_help_of_every_entry_point(entry, monkeypatch, capsys):
     script, *sub = entry.split()
     monkeypatch.setattr(sys, "argv", [str(REPO / script), *sub, "--help"])
@@ -540,7 +539,6 @@ def test_help_of_gpu_sh():
             ["--dataloader_num_workers", -1],
             "--dataloader_num_workers must be at least 0, got -1",
         ),
-        ("sharded_data", ["prepare", "--num_shards", 0], "--num_shards must be at least 1, got 0"),
     ],
 )
 def test_out_of_range_flags_are_refused(recipe, argv, message, tmp_path, monkeypatch):

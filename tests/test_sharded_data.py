@@ -14,6 +14,7 @@ import types
 
 import pyarrow.parquet as pq
 import pytest
+from transformers import AutoTokenizer
 
 from common import data
 from conftest import (
@@ -54,24 +55,27 @@ def strict_metrics(out):
     return [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
 
 
+PREPARE = "tools/prepare_shards.py"
+
+
 def recipe_functions():
-    """The recipe's module globals (its `prepare`, `parse_prepare_args`, `own_shards`), for calls in this process."""
+    """The recipe's module globals (its `own_shards`), for calls in this process."""
     return runpy.run_path(str(REPO / RECIPE), run_name="sharded_data_in_tests")
 
 
 def prepare(out, *args, cache_dir, cli=False):
-    """`sharded_data.py prepare` into `out`, in this process (the same work without an interpreter start): with
-    `cli`, the command line (the script run as __main__ with `prepare ...` as its argv, as
-    `python recipes/sharded_data.py prepare ...` runs it: exit status 0); else its function. Returns the manifest."""
+    """tools/prepare_shards.py into `out`, in this process (the same work without an interpreter start): with
+    `cli`, the command line (the script run as __main__ with these flags as its argv, as
+    `python tools/prepare_shards.py ...` runs it: exit status 0); else its function. Returns the manifest."""
     argv = ["--output_dir", str(out), "--cache_dir", cache_dir, *map(str, args)]
     if cli:
         with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
-            mp.setattr(sys, "argv", [str(REPO / RECIPE), "prepare", *argv])
-            runpy.run_path(str(REPO / RECIPE), run_name="__main__")
+            mp.setattr(sys, "argv", [str(REPO / PREPARE), *argv])
+            runpy.run_path(str(REPO / PREPARE), run_name="__main__")
         assert exc.value.code == 0
     else:
-        recipe = recipe_functions()
-        recipe["prepare"](recipe["parse_prepare_args"](argv))
+        tool = runpy.run_path(str(REPO / PREPARE), run_name="prepare_shards_in_tests")
+        tool["prepare"](tool["parse_flags"]((tool["Args"],), argv)[0][0])
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -123,6 +127,13 @@ def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
         if i == 0:  # block 0 is the corpus' first packed block, token for token
             assert table.column("input_ids")[0].as_py() == first
     assert sorted(all_ids) == list(range(256))
+    # the held-out blocks, whole and in order, and the tokenizer the shards were made with
+    held_out = data.pack_dataset(raw, tokenizer, 64, cache_dir)["validation"]["input_ids"]
+    table = pq.read_table(out / "validation.parquet")
+    assert manifest["validation"]["rows"] == table.num_rows == len(held_out) > 0
+    assert table.column("input_ids").to_pylist() == [list(b) for b in held_out]
+    saved = AutoTokenizer.from_pretrained(out / "tokenizer")
+    assert saved.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
 
 
 @pytest.fixture(scope="module")
@@ -268,12 +279,14 @@ def test_exactly_one_writer_per_file(run):
     writes = writes_by_file(run["out"], run["log"])
     on_disk = files_under(run["out"])
     assert set(on_disk) <= set(writes), set(on_disk) - set(writes)
-    assert set(on_disk) == {
+    assert {f for f in on_disk if not f.startswith("final/")} == {
         ".lock",
         "metrics.jsonl",
+        "run_info.json",
         "sample_ids/rank0.json",
         "sample_ids/rank1.json",
     }
+    assert {"final/config.json", "final/model.safetensors", "final/tokenizer.json"} <= set(on_disk)
     for (
         path,
         ranks,
@@ -437,11 +450,17 @@ def test_fp16_on_cpu_ranks_is_real_and_logs_the_loss_scale(tiny, tmp_path, cache
             "error: sharded_data.py does not take --num_train_epochs: each rank streams its own shards",
         ),
         (["--output_dir", "{out}", "--max_steps", -1], "error: sharded_data.py needs --max_steps"),
+        (
+            ["prepare", "--output_dir", "{out}", "--num_shards", 0],
+            "error: --num_shards must be at least 1, got 0",
+        ),
     ],
 )
 def test_flags_it_cannot_honour_are_refused(argv, expected, tmp_path, monkeypatch):
+    """The recipe's refusals, and (argv starting with "prepare") tools/prepare_shards.py's."""
+    script, argv = (PREPARE, argv[1:]) if argv[0] == "prepare" else (RECIPE, argv)
     message = run_in_process(
-        monkeypatch, RECIPE, *[str(a).format(out=tmp_path / "out") for a in argv]
+        monkeypatch, script, *[str(a).format(out=tmp_path / "out") for a in argv]
     )
     assert message.startswith(expected) and "\n" not in message, message
     assert not (tmp_path / "out").exists()
@@ -609,7 +628,7 @@ def test_bad_shard_gives_a_clear_error(tiny, tmp_path, cache_dir):
 
 
 def test_a_missing_shard_stops_every_rank(tiny, tmp_path, monkeypatch):
-    """Rank 0's shard 2 missing: the FileNotFoundError of `own_shards` becomes the one-line `Stop` of
+    """Rank 0's shard 2 missing: the `Stop` of `own_shards` becomes the one-line `Stop` of
     checks.stop_if_any_rank_fails, naming rank 0 and the file (the launch above shows that line reaching
     every rank; here its gather is stubbed for one process); rank 1's own shards are all there."""
     import accelerate.utils
@@ -743,6 +762,8 @@ def test_each_node_needs_only_its_own_shards(tiny, tmp_path, cache_dir):
         node.mkdir()
         for name in ["manifest.json", *(f"shard_{s:04d}.parquet" for s in range(m, 4, WORLD))]:
             shutil.copy(tiny[0] / name, node / name)
+        shutil.copy(tiny[0] / "validation.parquet", node)  # every rank evaluates
+        shutil.copytree(tiny[0] / "tokenizer", node / "tokenizer")
     results = two_machines(
         nodes,
         tmp_path / "run",

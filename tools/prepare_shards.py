@@ -87,7 +87,9 @@ def prepare(args: Args) -> dict:
     for old in [out / "manifest.json", *out.glob("shard_*.parquet")]:
         old.unlink(missing_ok=True)  # no stale shard of an earlier, larger set may survive
     raw = data.load_text_dataset()
-    tokenizer = data.get_tokenizer(args.tokenizer_name_or_path, raw, args.vocab_size, args.cache_dir)
+    tokenizer = data.get_tokenizer(
+        args.tokenizer_name_or_path, raw, args.vocab_size, args.cache_dir
+    )
     packed = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format("numpy")
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32  # half the bytes below 65,536
     train, held_out = (packed[s]["input_ids"][:].astype(dtype) for s in ("train", "validation"))
