@@ -135,6 +135,9 @@ class Args:
     num_attention_heads: int = flag(2, low=1)
     intermediate_size: int = flag(512, low=1)
     per_device_eval_batch_size: int = flag(64, low=1)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
     record_sample_ids: bool = field(
         default=False, metadata={"help": "each rank writes the sample ids it saw"}
     )
@@ -224,7 +227,7 @@ def main() -> int:
             args.tokenizer_name_or_path, data.load_text_dataset(), args.vocab_size, args.cache_dir
         )
     if unknown := sorted(set(corpus["work"]) - GENRE_OF_WORK.keys()):
-        raise ValueError(f"works with no genre in GENRE_OF_WORK: {unknown}; add them to the map")
+        raise Stop(f"works with no genre in GENRE_OF_WORK: {unknown}; add them to the map")
     # Each passage starts with the BPE's one special token, which plays BERT's [CLS]: the classifier
     # reads the final state at position 0, so that position must always hold the same token. The
     # held-out tail of each work overlaps no training passage; every genre is in both splits.
@@ -308,38 +311,34 @@ def main() -> int:
     # the sampler reseeds its own generator from (seed, epoch). A resume restores every stream.
     set_seed(args.seed, device_specific=True)
     # Decay on weight matrices and embeddings only: LayerNorm gains centre on 1, biases are offsets.
+    peak_lr = args.learning_rate
     optimizer = torch.optim.AdamW(
-        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+        models.param_groups(model, args.weight_decay),
+        lr=peak_lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
     )
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so
-    # the global batch, seed and passages must be those it was saved with; refused before prepare.
-    strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the layout
-    data_state = {
+    # Resume: a verified, complete checkpoint, refused before prepare unless the data position
+    # (recomputed from the step) and what the optimizer state brings back are the same; with
+    # dropout, the split of the global batch too (its masks follow it).
+    data_state = {  # what fixes which samples step k trains on
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.block_size,
         "train_passages": len(train_set),
-    }  # what fixes which samples step k trains on
-    # The optimizer's LR and decay come back from its state whatever the flags say, and with
-    # dropout, the masks depend on how a step's samples are split over ranks and micro batches.
-    same_run = {
-        "learning_rate": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "warmup_steps": args.warmup_steps,
-        **checkpoint.precision_state(accelerator),
-        "max_grad_norm": args.max_grad_norm,
-        "model_config": models.config_state(model.config),
-        "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": accumulation,
-        "world_size": world_size,
     }
-    run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
-    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, [*data_state, *same_run], lr_decays_after=args.warmup_steps
+    # >>> shared: run state
+    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
+    run_state, must_match = checkpoint.run_state(
+        accelerator, args, model, peak_lr, max_steps, **data_state
     )
-    step, skipped_steps = saved["step"], saved.get("skipped_steps", 0)
+    # <<< shared
+    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
+        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
+    )
+    step, strategy = saved["step"], run_state["distributed_type"]  # "FSDP2", "MULTI_CPU", ...
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
@@ -363,8 +362,8 @@ def main() -> int:
     # Training loop. One iteration = one optimizer step = one accumulation window of micro batches.
     # ---------------------------------------------------------------------------------------------
     model.train()
-    t_start, skipped_in_a_row, accuracy = time.perf_counter(), 0, None
-    guard = precision.NonFiniteGuard(accelerator, model)  # inf/NaN stops the run (fp16: skips)
+    t_start, accuracy = time.perf_counter(), None
+    health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
     epoch = step // steps_per_epoch
     seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
     # SIGTERM (preemption, a time limit), Ctrl-C or SIGHUP: a checkpoint at the next step boundary
@@ -399,14 +398,7 @@ def main() -> int:
                     optimizer.zero_grad()
                     # <<< shared
             step += 1
-            guard.record(step, window_loss, norm_before_clip)  # read at logging and saving steps
-            scale = precision.loss_scale(accelerator, model)  # None unless fp16
-            skipped = scale is not None and accelerator.optimizer_step_was_skipped
-            skipped_steps += skipped
-            skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-            warning, scale_error = precision.loss_scale_verdict(scale, skipped_in_a_row)
-            if warning and accelerator.is_main_process:
-                print(f"step {step}: {warning}")
+            health.after_step(step, True, window_loss, norm_before_clip)  # fp16 skips
             if step % args.logging_steps == 0:  # the norm is a device tensor until now: one sync
                 record = {
                     "step": step,
@@ -414,9 +406,8 @@ def main() -> int:
                     "loss": accelerator.reduce(window_loss, reduction="mean").item(),
                     "grad_norm": float(norm_before_clip),
                     "lr": lr,
+                    **health.scale_fields(),  # fp16: the loss scale and skipped steps
                 }
-                if scale is not None:
-                    record.update(loss_scale=scale, skipped_steps=skipped_steps)
                 accelerator.log(record, step=step)
                 if accelerator.is_main_process:
                     metrics.append_jsonl(metrics_path, record)
@@ -439,20 +430,13 @@ def main() -> int:
             preempt = preempted()  # a collective: every rank stops at the same step
             save = preempt or (args.save_steps and step % args.save_steps == 0)
             # a non-finite loss or norm stops before any checkpoint or export of its weights
-            problem = (
-                f"step {step}: {scale_error}"
-                if scale_error
-                else (
-                    (save or step >= max_steps or step % args.logging_steps == 0)
-                    and guard.problem()
-                )
-            )
+            problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:  # after the eval, which a resume does not redo
                 saved_to = checkpoint.save_checkpoint(
                     accelerator,
                     args.output_dir,
                     step,
-                    run_state={**run_state, "skipped_steps": skipped_steps},
+                    run_state={**run_state, **health.state()},
                     hf_files=(accelerator.unwrap_model(model).config, tokenizer),
                 )
             if problem or preempt:
@@ -498,7 +482,7 @@ def main() -> int:
                 "n_params": n_params,
                 "world_size": world_size,
                 "distributed_type": strategy,
-                "skipped_steps": skipped_steps,
+                "skipped_steps": health.skipped_steps,
                 "per_genre_recall": per_genre,
                 "wall_seconds": time.perf_counter() - t_start,
             },
