@@ -419,6 +419,6 @@ def patch_accelerator(accelerator) -> list[str]:
     )
 
 
-def patch_prepared_model(accelerator, model) -> list[str]:
+def patch_model(accelerator, model) -> list[str]:
     """Right after `prepare`: `drop_fp32_output_copy`, then `eager_state_dict_keys`."""
     return drop_fp32_output_copy(accelerator, model) + eager_state_dict_keys(accelerator, model)
