@@ -407,9 +407,7 @@ def main() -> int:
             skipped = scale is not None and accelerator.optimizer_step_was_skipped
             skipped_steps += skipped
             skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-            warning, scale_error = precision.loss_scale_verdict(scale, skipped_in_a_row)
-            if warning and accelerator.is_main_process:
-                print(f"step {step}: {warning}")
+            scale_error = precision.loss_scale_verdict(scale, skipped_in_a_row, step)
             if step % args.logging_steps == 0:  # the norm is a device tensor until now: one sync
                 record = {
                     "step": step,

@@ -393,12 +393,8 @@ def main() -> int:
             # None in fp32/bf16 (no read); fp16: a host read, but scaler.step synced for its check
             scale = precision.loss_scale(accelerator, model)
             # the same verdict on every rank: the scale and the skips are the same everywhere
-            warning, stop = precision.loss_scale_verdict(
-                scale, skipped_in_a_row, args.min_loss_scale
-            )
+            stop = precision.loss_scale_verdict(scale, skipped_in_a_row, step, args.min_loss_scale)
             stop = stop and f"step {step}: {stop}"
-            if warning and accelerator.is_main_process:
-                print(f"step {step}: {warning}", file=sys.stderr, flush=True)
             if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
                 tokens, t0 = 0, time.perf_counter()
             preempt = preempted()  # a collective: every rank stops at the same step

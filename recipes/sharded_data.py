@@ -406,9 +406,7 @@ def main() -> int:
         skipped_steps, in_a_row = skipped_steps + skipped, in_a_row + 1 if skipped else 0
         scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
         # the same verdict on every rank: the scale and the skips are the same everywhere
-        warning, scale_error = precision.loss_scale_verdict(scale, in_a_row)
-        if warning and accelerator.is_main_process:
-            print(f"step {step}: {warning}", file=sys.stderr, flush=True)
+        scale_error = precision.loss_scale_verdict(scale, in_a_row, step)
         if step % args.logging_steps == 0 or step == args.max_steps:
             fp16 = {} if scale is None else {"loss_scale": scale, "skipped_steps": skipped_steps}
             record = {
