@@ -129,13 +129,8 @@ def for_launch(launch_config: dict, hardware: dict) -> dict:
     requested = launch_config.get("mixed_precision") or "no"
     if hardware["device_type"] != "cpu":
         return {"requested": requested, "used": requested, "reason": f"{requested} as requested"}
-    used, reason = choose_precision(
-        requested,
-        hardware["device_type"],
-        hardware["capability"],
-        0,  # before the model: no large-model fp16 warning
-        forced=launch_config.get("mixed_precision_forced", True),
-    )
+    forced = launch_config.get("mixed_precision_forced", True)
+    used, reason = choose_precision(requested, "cpu", None, 0, forced)  # 0: no model yet
     if (used != requested or "emulated" in reason) and int(os.environ.get("RANK", 0)) == 0:
         print(f"precision: {reason}", flush=True)
     return {"requested": requested, "used": used, "reason": reason}
