@@ -1,11 +1,5 @@
-"""The launch: process-group settings, real ranks on CPU-only hosts, and an orderly end.
-
-On a CPU-only host, Accelerate 1.15 turns the ranks of `accelerate launch` into independent
-single processes; `process_group` puts each strategy back on its distributed path over gloo
-(common/workarounds.py), and `check_distributed` refuses to train if that did not work. A host
-with NVIDIA GPUs that torch cannot see is refused unless `ACCELERATE_RECIPES_ALLOW_CPU=1` (or
-`ACCELERATE_USE_CPU=true`): `accelerate launch --cpu` starts one plain process instead.
-"""
+"""The launch: process-group settings, real ranks on CPU-only hosts (where Accelerate 1.15 would
+run independent processes: `process_group`, `check_distributed`), and an orderly end."""
 
 from __future__ import annotations
 
@@ -39,12 +33,8 @@ def _env_true(name: str) -> bool:
 def host_nvidia_gpus(
     proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0
 ) -> tuple[int, str]:
-    """NVIDIA GPUs on this host, whatever torch makes of them: (count, where seen) or (0, "").
-
-    Reads the driver's `proc_dir`, else counts the `GPU ...` lines of `nvidia-smi -L` (one that
-    fails or runs past `timeout_s` counts none). Neither needs CUDA, so this sees GPUs that a
-    CPU-only torch, a driver mismatch or `CUDA_VISIBLE_DEVICES=""` hide.
-    """
+    """NVIDIA GPUs on this host, even those torch cannot see: (count, where seen) or (0, ""), from
+    the driver's `proc_dir`, else `nvidia-smi -L` (failed or past `timeout_s`: none)."""
     try:
         if n := len(os.listdir(proc_dir)):
             return n, proc_dir
@@ -63,11 +53,10 @@ def host_nvidia_gpus(
 
 
 def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
-    """Settings for `Accelerator(kwargs_handlers=[...])`, after the launch's checks. Call first.
-
-    `timeout_s` (`--ddp_timeout`): a rank stuck in a collective longer raises, so one dead rank
-    ends the job. Returns the kwargs (gloo on CPU-only torchrun launches) and the workarounds
-    applied.
+    """Settings for `Accelerator(kwargs_handlers=[...])` (gloo on CPU-only torchrun launches) and
+    the workarounds applied, after the launch's checks. `timeout_s`: a rank stuck in a collective
+    longer raises, so one dead rank ends the job. A host whose NVIDIA GPUs torch cannot see is
+    refused unless `ACCELERATE_RECIPES_ALLOW_CPU=1` (`--cpu` would start one process).
     """
     if timeout_s <= 0:
         raise Stop(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
@@ -146,12 +135,9 @@ def _end_process() -> None:
 
 @contextmanager
 def node_first(accelerator: Accelerator):
-    """Run the block on each node's first rank, then on the others (which then read its caches).
-
-    An `OSError` or `ValueError` in the block becomes a `Stop`, raised after the first rank has
-    released the others (Accelerate 1.15's `local_main_process_first` does not on an error), which
-    meet the same error: one `error:` line per rank, and none left waiting.
-    """
+    """Run the block on each node's first rank, then on the others (which read its caches). An
+    `OSError` or `ValueError` becomes a `Stop` once the others are released (Accelerate 1.15's
+    `local_main_process_first` leaves them waiting): they meet it too, one `error:` line each."""
     if not accelerator.is_local_main_process:
         accelerator.wait_for_everyone()
     try:
@@ -164,23 +150,16 @@ def node_first(accelerator: Accelerator):
 
 
 def teardown(accelerator: Accelerator) -> None:
-    """End a run in order, on every way out after `prepare`. A collective.
-
-    Drop the recipe's references first (`del model, optimizer`): the prepared model (DDP's reducer
-    holds the process group) freed after the group hung or aborted now and then in gloo's
-    destructor (torch 2.13, CPU).
-    """
+    """End a run in order after `prepare` (a collective). `del model, optimizer` first: freed after
+    the process group, DDP's reducer hung now and then in gloo's destructor (torch 2.13, CPU)."""
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     accelerator.end_training()
 
 
 def check_distributed(accelerator: Accelerator) -> None:
-    """Refuse independent processes posing as a distributed run, and end the process group at exit.
-
-    Compares Accelerate's state with the launcher's `WORLD_SIZE` and the strategy that
-    `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED` ask for.
-    """
+    """Refuse independent processes posing as a distributed run (against the launcher's
+    `WORLD_SIZE` and strategy), and end the process group at exit."""
     atexit.register(_end_process)  # first: a refused start ends the process group cleanly too
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mismatch = "common/launch.py no longer matches this Accelerate version"

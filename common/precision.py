@@ -49,12 +49,9 @@ def cpu_hardware_dtypes() -> set[str]:
     on AVX-512 CPUs without them)."""
     if platform.machine().lower() in ("arm64", "aarch64"):
         return {"bf16"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
-    native = set()
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        native.add("bf16")
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():  # AVX512-FP16 or AMX-FP16
-        native.add("fp16")
-    return native
+    bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()  # AVX512-FP16 or AMX-FP16
+    return {name for name, has in (("bf16", bf16), ("fp16", fp16)) if has}
 
 
 def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
