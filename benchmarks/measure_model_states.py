@@ -337,7 +337,7 @@ def main():
         if i:  # a fresh Accelerator per shape (DeepSpeed takes one model per Accelerator); the process group stays
             AcceleratorState._reset_state()
         try:
-            pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)
+            pg_kwargs = launch.process_group(args.ddp_timeout)[0]
         except ValueError as err:  # e.g. a GPU host whose GPUs torch cannot see
             sys.exit(f"error: {err}")
         accelerator = Accelerator(kwargs_handlers=[pg_kwargs])

@@ -207,7 +207,7 @@ def main() -> int:
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
     # and FSDP's gradient reduction in fp32
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    applied += guard.workarounds + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -347,7 +347,7 @@ def main() -> int:
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    workarounds.prepared(accelerator, model)  # autocast stays; no fp32 copy of every output
+    workarounds.patch_model(accelerator, model)  # autocast stays; no fp32 copy of every output
     if resume_path:  # model, optimizer, scheduler, grad scaler and every rank's RNG
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
     accelerator.print(
@@ -407,9 +407,7 @@ def main() -> int:
             skipped = scale is not None and accelerator.optimizer_step_was_skipped
             skipped_steps += skipped
             skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-            warning, scale_error = precision.loss_scale_verdict(scale, skipped_in_a_row)
-            if warning and accelerator.is_main_process:
-                print(f"step {step}: {warning}")
+            scale_error = precision.loss_scale_verdict(scale, skipped_in_a_row, step)
             if step % args.logging_steps == 0:  # the norm is a device tensor until now: one sync
                 record = {
                     "step": step,

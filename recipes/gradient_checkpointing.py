@@ -141,7 +141,7 @@ def build(accelerator, args, tokenizer, num_layers: int, variant: str):
         models.param_groups(model, args.weight_decay), lr=args.learning_rate
     )
     model, optimizer = accelerator.prepare(model, optimizer)
-    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.patch_model(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     return model, optimizer
 
 
@@ -267,7 +267,7 @@ def main() -> int:
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
     # and FSDP's gradient reduction in fp32
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    applied += guard.workarounds + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size

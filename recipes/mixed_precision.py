@@ -207,7 +207,7 @@ def main() -> int:
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
     # and FSDP's gradient reduction in fp32
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    applied += guard.workarounds + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -292,7 +292,7 @@ def main() -> int:
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.patch_model(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
 
     # Resume only into the same kind of run: the data position follows from the step count, the
     # seed and the block size, and the scaler state means nothing to another precision.
@@ -393,12 +393,8 @@ def main() -> int:
             # None in fp32/bf16 (no read); fp16: a host read, but scaler.step synced for its check
             scale = precision.loss_scale(accelerator, model)
             # the same verdict on every rank: the scale and the skips are the same everywhere
-            warning, stop = precision.loss_scale_verdict(
-                scale, skipped_in_a_row, args.min_loss_scale
-            )
+            stop = precision.loss_scale_verdict(scale, skipped_in_a_row, step, args.min_loss_scale)
             stop = stop and f"step {step}: {stop}"
-            if warning and accelerator.is_main_process:
-                print(f"step {step}: {warning}", file=sys.stderr, flush=True)
             if step == start_step + 1:  # throughput clock starts after the measured, warm-up step
                 tokens, t0 = 0, time.perf_counter()
             preempt = preempted()  # a collective: every rank stops at the same step

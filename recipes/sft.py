@@ -158,7 +158,7 @@ def main() -> int:
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
     # and FSDP's gradient reduction in fp32
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    applied += guard.workarounds + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -303,7 +303,7 @@ def main() -> int:
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    applied += workarounds.patch_model(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
         accelerator,

@@ -213,7 +213,7 @@ def main() -> int:
     guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
     # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
     # and FSDP's gradient reduction in fp32
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    applied += guard.workarounds + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -318,7 +318,7 @@ def main() -> int:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = batch
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.patch_model(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     # Resume only into the same run: what fixes each rank's data order (its shards: the world size;
     # the manifest, seed, loader, workers, batch) and what the optimizer state would bring back.
     run_state = {
@@ -406,9 +406,7 @@ def main() -> int:
         skipped_steps, in_a_row = skipped_steps + skipped, in_a_row + 1 if skipped else 0
         scale = precision.loss_scale(accelerator, model)  # None unless fp16 loss scaling is on
         # the same verdict on every rank: the scale and the skips are the same everywhere
-        warning, scale_error = precision.loss_scale_verdict(scale, in_a_row)
-        if warning and accelerator.is_main_process:
-            print(f"step {step}: {warning}", file=sys.stderr, flush=True)
+        scale_error = precision.loss_scale_verdict(scale, in_a_row, step)
         if step % args.logging_steps == 0 or step == args.max_steps:
             fp16 = {} if scale is None else {"loss_scale": scale, "skipped_steps": skipped_steps}
             record = {
