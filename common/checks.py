@@ -587,26 +587,24 @@ def _zero3_problems(ds, where, n_params, ranks, mixed_precision, device_memory):
     ar = 2 if zero.get("use_multi_rank_bucket_allreduce", True) else 1  # ZeRO-2 all-reduces
     # Bytes per parameter: the model states a rank holds (parameters, g-byte gradients, fp32 master
     # and Adam: the ZeRO paper's, in these configs' dtypes), and what it sends per step before a
-    # ring's (N-1)/N share: the gradient reduction, the parameter all-gathers (ZeRO-3: two).
+    # ring's (N-1)/N share: the gradient reduction, then the parameter all-gathers (ZeRO-3: two).
     per_param = {
-        "ZeRO-3": ((low + g + 12) / n, c + 2 * low),
         "ZeRO-2": (low + (g + 12) / n, ar * c + low),
         "FSDP2 with fsdp_reshard_after_forward: false": (16 / n + low * (1 - 1 / n), 4 + low),
     }
     ring = n_params * (n - 1) / n
-    held, sends = n_params * per_param["ZeRO-3"][0], ring * per_param["ZeRO-3"][1]
+    sends = ring * (c + 2 * low)  # ZeRO-3's
     better = [
-        f"{name} would hold {_size(n_params * s)} and send {_size(ring * b)}"
+        f"{name} would hold {_size(n_params * s)} of model states and send {_size(ring * b)}"
         for name, (s, b) in per_param.items()
         if n_params * s <= device_memory / 2 and ring * b < sends
     ]
     if better:
         yield _warning(
-            f"ZeRO-3 (zero_optimization.stage: 3 in {where}) holds {_size(held)} of model states "
-            f"per rank and sends {_size(sends)} per step, but {'; '.join(better)}, within half of "
-            f"{_size(device_memory)} per rank; prefer that unless you measured otherwise (python "
-            "tools/plan.py counts activations and predicts tokens/s; "
-            "benchmarks/compare_strategies.py measures)"
+            f"ZeRO-3 (zero_optimization.stage: 3 in {where}) sends {_size(sends)} per rank and "
+            f"step, but {'; '.join(better)} (at most half of {_size(device_memory)} per rank); "
+            "prefer that unless you measured otherwise (python tools/plan.py counts activations "
+            "and predicts tokens/s; benchmarks/compare_strategies.py measures)"
         )
 
 

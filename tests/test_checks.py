@@ -441,16 +441,16 @@ def test_zero3_where_a_less_sharded_strategy_fits():
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     head = (
         "warning: ZeRO-3 (zero_optimization.stage: 3 in the DeepSpeed JSON ds_configs/zero3.json) "
-        f"holds {mb(zero3)} of model states per rank and sends {mb(sends['zero3'])} per step, but "
+        f"sends {mb(sends['zero3'])} per rank and step, but "
     )
     tail = (
-        ", within half of {} per rank; prefer that unless you measured otherwise (python "
+        " (at most half of {} per rank); prefer that unless you measured otherwise (python "
         "tools/plan.py counts activations and predicts tokens/s; benchmarks/compare_strategies.py "
         "measures)"
     )
-    zero2_line = f"ZeRO-2 would hold {mb(zero2)} and send {mb(sends['zero2_rs'])}"
+    zero2_line = f"ZeRO-2 would hold {mb(zero2)} of model states and send {mb(sends['zero2_rs'])}"
     fsdp_line = (
-        f"FSDP2 with fsdp_reshard_after_forward: false would hold {mb(fsdp)} and send "
+        f"FSDP2 with fsdp_reshard_after_forward: false would hold {mb(fsdp)} of model states and send "
         f"{mb(fsdp_sends)}"
     )
     assert problems(10**9) == [head + fsdp_line + tail.format("1.00 GB")]
