@@ -679,8 +679,8 @@ class Startup:
         args: the parsed flags; those of `FLAGS` the recipe has are checked.
         precision_used: the precision the recipe chose itself (mixed_precision.py's --precision)
             instead of the launch config's, kept where the hardware computes it.
-        compiles, tensor_parallel: as `config_problems`.
-        steps, model_cls, model_config: when known before the data.
+        facts: `check`'s, known at launch: compiles, tensor_parallel, steps, model_cls and
+            model_config.
 
     Attributes:
         precision: {"requested", "used", "reason"} (`precision.for_launch`); "used" goes to the
@@ -699,46 +699,27 @@ class Startup:
         "packing",
     )
 
-    def __init__(
-        self,
-        args,
-        *,
-        precision_used: str | None = None,
-        compiles: bool = False,
-        steps: int | None = None,
-        model_cls=None,
-        model_config=None,
-        tensor_parallel: bool = False,
-    ):
+    def __init__(self, args, *, precision_used: str | None = None, **facts):
         self.config = launch_config_from_env()
         hardware = detect_hardware()
-        if precision_used is None:
-            self.precision = precision.for_launch(self.config, hardware)
-        else:
-            self.precision = {
-                "requested": precision_used,
-                "used": precision_used,
-                "reason": "--precision",
-            }
+        self.precision = (
+            precision.for_launch(self.config, hardware)
+            if precision_used is None
+            else dict(requested=precision_used, used=precision_used, reason="--precision")
+        )
         flags = {k: getattr(args, k) for k in self.FLAGS if hasattr(args, k)}
         flags["mixed_precision"] = self.precision["used"]
         self.ds, ds_where = deepspeed_settings(self.config)
-        self.facts = dict(
-            ds=self.ds,
-            ds_where=ds_where,
-            flags=flags,
-            hardware=hardware,
-            compiles=compiles,
-            steps=steps,
-            tensor_parallel=tensor_parallel,
-        )
+        self.facts = dict(ds=self.ds, ds_where=ds_where, flags=flags, hardware=hardware)
         self._warned: set[str] = set()
-        self.check(model_cls=model_cls, model_config=model_config)
+        self.check(**facts)
 
     def check(self, *, model_cls=None, model_config=None, **facts) -> None:
         """Add `facts` (config_problems' keywords), then stop on any error; warn of each new warning."""
         self.facts.update({k: v for k, v in facts.items() if v is not None})
         if model_cls is not None:
+            if self.facts["flags"].get("packing") == "documents":
+                documents_kept_apart(model_cls)
             self.facts.update(model_facts(self.config, self.ds, model_cls, model_config))
         problems = config_problems(self.config, **self.facts)
         for p in problems:
@@ -748,26 +729,11 @@ class Startup:
         if lines := [p.text for p in problems if p.severity == "error"]:
             raise Stop("\nerror: ".join(lines))
 
-    def data_ready(
-        self,
-        *,
-        train_size: int,
-        train_unit: str,
-        steps: int | None = None,
-        model_cls=None,
-        model_config=None,
-    ) -> None:
-        """The training set against one global batch, warmup against the run, and the model once its
-        config exists: its FSDP wrap class, ZeRO-3's plan, --packing documents."""
-        if self.facts["flags"].get("packing") == "documents":
-            documents_kept_apart(model_cls)
-        self.check(
-            train_size=train_size,
-            train_unit=train_unit,
-            steps=steps,
-            model_cls=model_cls,
-            model_config=model_config,
-        )
+    def data_ready(self, **facts) -> None:
+        """`check` once the data exists: the training set (`train_size`, `train_unit`) against one
+        global batch, warmup against the run (`steps`), the model once its config exists
+        (`model_cls`, `model_config`: its FSDP wrap class, ZeRO-3, --packing documents)."""
+        self.check(**facts)
 
     def prepared(self, accelerator, model, model_cls, global_batch: int) -> dict:
         """After `accelerator.prepare`: every decoder block its own FSDP unit (else each rank gathers
