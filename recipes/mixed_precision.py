@@ -43,7 +43,7 @@ from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, data, errors, grad_norm, launch, metrics
-from common import models, precision, workarounds
+from common import models, precision, run_dir, workarounds
 from common.errors import Stop
 from common.args import changed_flags, flag, make_output_dir, parse_args
 from common.precision import MIN_LOSS_SCALE  # (Args.precision hides the module)
@@ -178,10 +178,10 @@ def main() -> int:
         "precision_used": mode,
         "model_cls": LlamaForCausalLM,
         "model_config": model_config,
-        "handlers": [
-            GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)
-        ],
     }
+    handlers = [  # the Accelerator's kwargs_handlers besides the process group's
+        GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)
+    ]
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
     # >>> shared: accelerator
     # Library workarounds (common/workarounds.py) return the names of those applied
@@ -189,6 +189,7 @@ def main() -> int:
     # The launch against the flags and the hardware, before any work (common/checks.py lists
     # the checks): a DeepSpeed JSON's batch, clipping or precision would win over the flags, ...
     guard = checks.Startup(args, **startup)
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -202,12 +203,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # Startup's (real gloo ranks on a CPU-only host), then a GradScaler for fp16 on CPU ranks
-    # and FSDP's gradient reduction in fp32
-    applied += guard.workarounds + workarounds.patch_accelerator(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size

@@ -638,7 +638,7 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
     )
     info = json.loads((out / "run_info.json").read_text())
     # a global batch above the one --learning_rate was tuned at, without --scale_lr: said, LR unchanged
-    assert "warning: global batch 8 > 2 without --scale_lr" in proc.stdout
+    assert "warning: global batch 8 > 2 without --scale_lr" in proc.stderr
     assert info["args"]["learning_rate"] == 3e-3
     native = "bf16" in precision.cpu_native_dtypes()
     assert info["mixed_precision"] == info["precision"]["used"] == ("bf16" if native else "no")

@@ -218,11 +218,12 @@ def test_a_model_without_position_ids_cannot_pack_documents():
     from transformers import BloomForCausalLM, GPT2LMHeadModel
 
     from common import checks
+    from common.errors import Stop
 
-    assert (
-        checks.documents_problem(LlamaForCausalLM) is None
-        and checks.documents_problem(GPT2LMHeadModel) is None
-    )
-    assert checks.documents_problem(BloomForCausalLM).startswith(
+    checks.documents_kept_apart(LlamaForCausalLM)
+    checks.documents_kept_apart(GPT2LMHeadModel)
+    with pytest.raises(Stop) as stop:
+        checks.documents_kept_apart(BloomForCausalLM)
+    assert str(stop.value).startswith(
         "--packing documents keeps documents apart through position_ids, which BloomForCausalLM's forward"
     )
