@@ -1160,21 +1160,23 @@ def lora_targets_found(model, targets: str) -> None:
         )
 
 
-def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) -> None:
+def tokenizer_fits(
+    tokenizer, source: str | None, raw, config, block_size: int, pretrained: bool = False
+) -> None:
     """The tokenizer and the block size against the model config, before packing.
 
     A tokenizer that loads but cannot encode (a model directory without tokenizer files) would
     train on nothing but end-of-text tokens, and look like fast learning; token ids past the
-    embedding fail with an IndexError at the first forward; blocks longer than the model's
-    positions fail deep in its attention.
+    embedding fail with an IndexError at the first forward (but for tokens added to a `pretrained`
+    model's vocabulary: `models.load_pretrained_on_ranks` grows its embeddings); blocks longer
+    than the model's positions fail deep in its attention.
     """
     from common import data
 
-    if source and (
-        problem := data.tokenizer_error(tokenizer, source, data.sample_text(raw["train"]))
-    ):
-        raise Stop(problem)
-    if len(tokenizer) > config.vocab_size:
+    if source:
+        data.stop_unless_tokenizer_encodes(tokenizer, source, data.sample_text(raw["train"]))
+    added = sum(i >= config.vocab_size for i in tokenizer.added_tokens_decoder) if pretrained else 0
+    if len(tokenizer) - added > config.vocab_size:
         raise Stop(
             f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
             f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
@@ -1239,16 +1241,16 @@ def classifier_flags(args) -> None:
         )
 
 
-def same_data(
-    accelerator, raw, tokenizer, block_size: int, packing: str, rows_key: str | None = None
-) -> str:
-    """Stop unless every rank packed the same data: train and validation rows, tokenizer, block
-    size, packing mode and a recipe's own `rows_key` (`data.packing_digest`). A collective. Each node
-    reads --train_file from its own path, and another copy there would train on other samples.
-    Returns the digest, for the checkpoints (a resume on other data is refused)."""
+def same_data(accelerator, lm_data) -> str:
+    """Stop unless every rank has the same train and validation blocks (`data.pack_stats`' digests
+    of what `data.pack_dataset` made). A collective. Each node reads --train_file from its own path,
+    and another copy there would train on other samples. Returns the digest, for the checkpoints
+    (a resume on other data is refused)."""
     from common import data
 
-    digest = data.packing_digest(raw, tokenizer, block_size, packing, rows_key)
+    digest = "-".join(
+        data.pack_stats(lm_data)[split]["digest"] for split in ("train", "validation")
+    )
     same_on_every_rank(
         accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
     )
