@@ -198,8 +198,10 @@ def test_a_pretrained_model_takes_added_tokens(tmp_path, cache_dir):
     check and grow its embeddings, the pretrained rows unchanged; from scratch, the config's
     vocabulary must hold them."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     raw = data.load_text_dataset()
     tokenizer = data.get_tokenizer(None, raw, 4096, cache_dir)
     torch.manual_seed(0)
