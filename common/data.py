@@ -111,11 +111,9 @@ def load_text_dataset(
         n, n_val = len(raw["train"]), max(1, len(raw["train"]) * validation_split_percentage // 100)
         if n_val >= n:
             raise Stop(f"only {n} training rows: too few to hold out a validation split")
+        train = raw["train"]
         raw = datasets.DatasetDict(
-            {
-                "train": raw["train"].select(range(n_val, n)),
-                "validation": raw["train"].select(range(n_val)),
-            }
+            train=train.select(range(n_val, n)), validation=train.select(range(n_val))
         )
     for split in ("train", "validation"):
         if not any(set(names) <= set(raw[split].column_names) for names in columns):
@@ -245,6 +243,11 @@ def _cache_key(raw, tokenizer, block_size: int, packing: str, to_rows) -> str:
     tokenizer.init_kwargs = {k: v for k, v in where[1].items() if k != "name_or_path"}
     try:
         made = Hasher.hash([tokenizer, to_rows])
+    except Exception as err:  # noqa: BLE001  (whatever dill cannot pickle)
+        raise Stop(
+            f"to_rows cannot key the data cache ({type(err).__name__}: {err}): let it close over "
+            "the values it needs, not the accelerator or args"
+        ) from None
     finally:
         tokenizer.name_or_path, tokenizer.init_kwargs = where
     key = ["v5", _digest(raw["train"], raw["validation"]), made, block_size, packing]

@@ -223,3 +223,21 @@ def test_a_pretrained_model_takes_added_tokens(tmp_path, cache_dir):
     assert torch.equal(rows[:4096], base.get_input_embeddings().weight)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(["<|user|>", "<|bot|>"]) + [5, 6]])
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_rows_that_cannot_key_the_cache_stop_in_one_line(tmp_path, cache_dir):
+    """`to_rows` keys the cache through `datasets`' hash of what it closes over: a value that cannot
+    be pickled (here a generator) stops with one line, and the tokenizer keeps its directory."""
+    raw = data.load_text_dataset()
+    tokenizer = data.get_tokenizer(None, raw, 4096, cache_dir)
+    where = tokenizer.name_or_path
+    lines = (line for line in ["a"])
+
+    def rows(batch):
+        return {"input_ids": [[next(lines, 1)]], "labels": [[1]]}
+
+    with pytest.raises(
+        Stop, match=r"^to_rows cannot key the data cache \(TypeError: cannot pickle"
+    ):
+        data.pack_dataset(raw, tokenizer, 64, str(tmp_path), "none", rows)
+    assert tokenizer.name_or_path == where
