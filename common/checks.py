@@ -860,18 +860,20 @@ def lora_targets_found(model, targets: str) -> None:
         )
 
 
-def tokenizer_fits(tokenizer, source: str | None, raw, config, block_size: int) -> None:
+def tokenizer_fits(
+    tokenizer, source: str | None, raw, config, block_size: int, pretrained: bool = False
+) -> None:
     """The tokenizer and the block size against the model config, before packing. A tokenizer that
     cannot encode (a model directory without tokenizer files) would train on end-of-text tokens
-    alone, and look like fast learning; ids past the embedding, or blocks longer than the model's
-    positions, fail deep in the first forward."""
+    alone, and look like fast learning; ids past the embedding (but tokens added to a `pretrained`
+    model's vocabulary, whose embeddings `models.load_pretrained_on_ranks` grows), or blocks longer
+    than the model's positions, fail deep in the first forward."""
     from common import data
 
-    if source and (
-        problem := data.tokenizer_error(tokenizer, source, data.sample_text(raw["train"]))
-    ):
-        raise Stop(problem)
-    if len(tokenizer) > config.vocab_size:
+    if source:
+        data.stop_unless_tokenizer_encodes(tokenizer, source, data.sample_text(raw["train"]))
+    added = sum(i >= config.vocab_size for i in tokenizer.added_tokens_decoder) if pretrained else 0
+    if len(tokenizer) - added > config.vocab_size:
         raise Stop(
             f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
             f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
@@ -930,15 +932,16 @@ def classifier_flags(args) -> None:
         )
 
 
-def same_data(
-    accelerator, raw, tokenizer, block_size: int, packing: str, rows_key: str | None = None
-) -> str:
-    """Stop unless every rank packed the same data (`data.packing_digest` of the rows, tokenizer,
-    block size, packing and a recipe's `rows_key`). A collective. Returns the digest, which the
-    checkpoints keep (a resume on other data is refused)."""
+def same_data(accelerator, lm_data) -> str:
+    """Stop unless every rank has the same train and validation blocks (`data.pack_stats`' digests
+    of what `data.pack_dataset` made). A collective. Each node reads --train_file from its own path,
+    and another copy there would train on other samples. Returns the digest, for the checkpoints
+    (a resume on other data is refused)."""
     from common import data
 
-    digest = data.packing_digest(raw, tokenizer, block_size, packing, rows_key)
+    digest = "-".join(
+        data.pack_stats(lm_data)[split]["digest"] for split in ("train", "validation")
+    )
     same_on_every_rank(
         accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
     )

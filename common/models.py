@@ -517,7 +517,8 @@ def load_pretrained_on_ranks(
     accelerator, name_or_path: str, config, allow_new_weights: bool, tokenizer=None
 ) -> torch.nn.Module:
     """`load_pretrained` on every rank, or on rank 0 alone where prepare broadcasts its weights; with
-    `tokenizer`, its generation config takes the eos and pad ids (`align_generation_ids`).
+    `tokenizer`, its generation config takes the eos and pad ids (`align_generation_ids`), and its
+    embeddings grow to hold tokens added to the vocabulary.
 
     Under FSDP with `fsdp_cpu_ram_efficient_loading` (accelerate_configs/fsdp.yaml) `prepare` sends
     rank 0's weights to the others, so they only build the shapes, in storage nothing writes (no
@@ -535,12 +536,10 @@ def load_pretrained_on_ranks(
 
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
     model, error = None, None
+    shapes_only = plugin is not None and plugin.cpu_ram_efficient_loading
+    shapes_only = shapes_only and not accelerator.is_main_process
     try:
-        if (
-            plugin is not None
-            and plugin.cpu_ram_efficient_loading
-            and not accelerator.is_main_process
-        ):
+        if shapes_only:
             with no_init_weights():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             model.tie_weights()
@@ -552,6 +551,10 @@ def load_pretrained_on_ranks(
         raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
     if tokenizer is not None:
         align_generation_ids(model, tokenizer)
+    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        # tokens added to its vocabulary (checks.tokenizer_fits): new rows at the mean of the
+        # loaded ones (shapes only: prepare brings rank 0's)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=not shapes_only)
     return tensor_parallel(accelerator, model)  # tp.yaml: each rank keeps its slices
 
 

@@ -182,13 +182,15 @@ def main() -> int:
         tokenizer = data.get_tokenizer(tokenizer_source, raw, args.vocab_size, args.cache_dir)
         if not (args.config_name or args.model_name_or_path):
             config.vocab_size = len(tokenizer)  # a preset's vocabulary is the tokenizer's
-        checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.block_size)
+        checks.tokenizer_fits(
+            tokenizer, tokenizer_source, raw, config, args.block_size, pretrained=not from_scratch
+        )
         ids = models.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
         lm_data = data.pack_dataset(
             raw, tokenizer, args.block_size, args.cache_dir, args.packing
         ).with_format("torch")
     # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(accelerator, raw, tokenizer, args.block_size, args.packing)
+    data_digest = checks.same_data(accelerator, lm_data)  # and the resume's fingerprint
     if ids and (args.config_name or args.model_name_or_path):  # (presets: nothing to report)
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids

@@ -116,6 +116,55 @@ def evaluate(model, eval_loader, accelerator) -> float:
 # <<< shared
 
 
+def chat_rows(tokenizer, template_file: str | None, assistant_only: bool):
+    """The data stage's `to_rows` (`data.pack_dataset`): each conversation through the chat template
+    (`template_file`'s, else the tokenizer's), its labels -100 but on the assistant's turns (all
+    tokens without `assistant_only`): what the template adds after the generation prompt."""
+    if template_file:
+        if not Path(template_file).is_file():
+            raise errors.Stop(f"--chat_template {template_file}: no such file")
+        tokenizer.chat_template = Path(template_file).read_text()
+    if not tokenizer.chat_template:
+        raise errors.Stop(
+            "the tokenizer has no chat template: pass --chat_template FILE (a Jinja "
+            "template; data/chat_template.jinja is a plain-text one)"
+        )
+
+    def render(messages, prompt=False) -> list[int]:
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def to_rows(batch: dict) -> dict:
+        rows = {"input_ids": [], "labels": []}
+        for messages in batch.get("messages") or [
+            [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+            for p, c in zip(batch["prompt"], batch["completion"])
+        ]:
+            ids = render(messages)
+            labels = [-100] * len(ids) if assistant_only else list(ids)
+            for k, turn in enumerate(messages if assistant_only else []):
+                if turn["role"] != "assistant":
+                    continue
+                which = f"the conversation that starts {messages[0]['content'][:40]!r}"
+                if k == 0:
+                    raise errors.Stop(f"{which} starts with an assistant turn: it answers nothing")
+                prompt, whole = render(messages[:k], prompt=True), render(messages[: k + 1])
+                if ids[: len(whole)] != whole or whole[: len(prompt)] != prompt:
+                    raise errors.Stop(
+                        f"the chat template is not prefix-stable: in {which}, "
+                        f"turn {k} changes the tokens before it"
+                    )
+                labels[len(prompt) : len(whole)] = whole[len(prompt) :]  # the reply and its eos
+            rows["input_ids"].append(ids)
+            rows["labels"].append(labels)
+        return rows
+
+    return to_rows
+
+
 def main() -> int:
     args = parse_args(
         Args,
@@ -182,8 +231,10 @@ def main() -> int:
         )
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, 0, args.cache_dir)
-        to_rows, rows_key = data.chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
-        checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.max_length)
+        to_rows = chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
+        checks.tokenizer_fits(
+            tokenizer, tokenizer_source, raw, config, args.max_length, pretrained=True
+        )
         ids = models.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
         lm_data = data.pack_dataset(
             raw,
@@ -192,13 +243,10 @@ def main() -> int:
             args.cache_dir,
             args.packing,
             to_rows,
-            rows_key,
             "--max_length",
         ).with_format("torch")
     # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(
-        accelerator, raw, tokenizer, args.max_length, args.packing, rows_key
-    )
+    data_digest = checks.same_data(accelerator, lm_data)  # and the resume's fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids

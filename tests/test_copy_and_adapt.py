@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import KEYS, worst_gaps  # noqa: E402
 
 from common import data, metrics, models  # noqa: E402
+from common.errors import Stop  # noqa: E402
 
 STEPS = 5
 FLAGS = [
@@ -271,7 +272,9 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     AutoModelForCausalLM.from_config(ARCHS["qwen2"]).save_pretrained(model_dir)
     raw = data.load_text_dataset(None, None, str(train), str(valid), 5)
     tokenizer = data.get_tokenizer(str(model_dir), raw, 4096, cache_dir)
-    problem = data.tokenizer_error(tokenizer, str(model_dir), raw["train"][:100]["text"])
+    with pytest.raises(Stop) as stopped:
+        data.stop_unless_tokenizer_encodes(tokenizer, str(model_dir), raw["train"][:100]["text"])
+    problem = str(stopped.value)
     assert problem and "\n" not in problem, problem
     assert f"the tokenizer loaded from {model_dir} has 1 entries" in problem
     assert "pass --tokenizer_name_or_path" in problem
@@ -281,14 +284,14 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     lines = source.split("    with launch.node_first(accelerator):\n", 1)[1].splitlines()
     end = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith(" " * 8))
     block = "\n".join(lines[:end])  # the with-block: every line indented past it
-    assert "checks.tokenizer_fits(tokenizer, tokenizer_source," in block
+    assert "checks.tokenizer_fits(\n            tokenizer, tokenizer_source," in block
     fits = (
         (REPO / "common" / "checks.py")
         .read_text()
         .split("def tokenizer_fits(", 1)[1]
         .split("\ndef ", 1)[0]
     )
-    assert "data.tokenizer_error(tokenizer, source," in fits and "raise Stop(problem)" in fits
+    assert "data.stop_unless_tokenizer_encodes(tokenizer, source," in fits
 
 
 def test_vocab_smaller_than_tokenizer_stops_every_rank(tmp_path, small_corpus, cache_dir):
@@ -346,11 +349,11 @@ def test_tokenizer_check(tmp_path, small_corpus):
     AutoModelForCausalLM.from_config(ARCHS["gpt2"]).save_pretrained(model_dir)
     empty = AutoTokenizer.from_pretrained(model_dir)
     texts = ["To be, or not to be, that is the question. " * 100]
-    problem = data.tokenizer_error(empty, str(model_dir), texts)
+    with pytest.raises(Stop) as stopped:
+        data.stop_unless_tokenizer_encodes(empty, str(model_dir), texts)
+    problem = str(stopped.value)
     assert problem and str(model_dir) in problem and "--tokenizer_name_or_path" in problem
-    assert (
-        data.tokenizer_error(AutoTokenizer.from_pretrained(small_corpus[2]), "bpe", texts) is None
-    )
+    data.stop_unless_tokenizer_encodes(AutoTokenizer.from_pretrained(small_corpus[2]), "bpe", texts)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
