@@ -189,8 +189,7 @@ def main() -> int:
         lm_data = data.pack_dataset(
             raw, tokenizer, args.block_size, args.cache_dir, args.packing
         ).with_format("torch")
-    # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(accelerator, lm_data)  # and the resume's fingerprint
+    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids and (args.config_name or args.model_name_or_path):  # (presets: nothing to report)
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids

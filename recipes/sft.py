@@ -246,7 +246,7 @@ def main() -> int:
             "--max_length",
         ).with_format("torch")
     # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(accelerator, lm_data)  # and the resume's fingerprint
+    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
