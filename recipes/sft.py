@@ -245,7 +245,6 @@ def main() -> int:
             to_rows,
             "--max_length",
         ).with_format("torch")
-    # Each node reads --train_file from its own path: another copy there trains on other samples.
     data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
