@@ -39,7 +39,7 @@ from transformers import BertConfig, BertForSequenceClassification, get_linear_s
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common.args import flag
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch
-from common import errors, metrics, models, precision, workarounds
+from common import errors, metrics, models, precision, run_dir, workarounds
 from common.errors import Stop
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
@@ -355,7 +355,7 @@ def main() -> int:
         f" | {len(train_set)} train / {len(eval_set)} held-out passages"
         f" | global batch {global_batch} | {max_steps} steps ({steps_per_epoch} per epoch)"
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+        + (f" ({note})" if (note := run_dir.restart_note()) else "")
     )
     # metrics.jsonl: a fresh log per run; a resume keeps the lines up to its step (no summaries)
     metrics_path = metrics.RunLog(

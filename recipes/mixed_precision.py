@@ -43,7 +43,7 @@ from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, data, errors, grad_norm, launch, metrics
-from common import models, precision, workarounds
+from common import models, precision, run_dir, workarounds
 from common.errors import Stop
 from common.args import changed_flags, flag, make_output_dir, parse_args
 from common.precision import MIN_LOSS_SCALE  # (Args.precision hides the module)
@@ -332,7 +332,7 @@ def main() -> int:
         + (f" | loss scale {scale:.0f}" if scale is not None else "")
         + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+        + (f" ({note})" if (note := run_dir.restart_note()) else "")
     )
 
     # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.checkpoint import verify_checkpoint  # noqa: E402
-from common.models import inference_ready, weights_mismatch  # noqa: E402
+from common.causal_lm import weights_mismatch  # noqa: E402
+from common.models import inference_ready  # noqa: E402
 from common.workarounds import safetensors_mode_from_umask  # noqa: E402
 
 
