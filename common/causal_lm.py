@@ -318,6 +318,27 @@ def run_state(
     return state, [*data_position, *same_run]
 
 
+def record_resume(run_info: dict, path: Path, step: int, saved: dict) -> str:
+    """Record the resume in `run_info["resumed"]` (checkpoint, step, saved_world_size, resharded:
+    how, or None for a full state or the same world size); returns the line to print, which on
+    another world size says how: ": resharded from 2 to 3 ranks through DCP"."""
+    n, m = saved.get("world_size"), run_info["world_size"]
+    how = checkpoint.RESHARDS.get(saved.get("distributed_type"))
+    moved = n is not None and n != m
+    run_info["resumed"] = {
+        "checkpoint": str(path),
+        "step": step,
+        "saved_world_size": n,
+        "resharded": how if moved else None,
+    }
+    line = checkpoint.resumed_line(path, step)
+    if not moved:
+        return line
+    if how:
+        return f"{line}: resharded from {n} to {m} ranks through {how}"
+    return f"{line}: written by {n} rank(s), loaded whole on each of {m}"
+
+
 def sample_from_export(
     export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device, prompt_tokens=16
 ) -> str:

@@ -1,15 +1,11 @@
-"""Atomic, verified checkpoints around `accelerator.save_state` / `load_state`, the checks that a
-resume continues the run it claims to, and the export.
+"""Atomic, verified checkpoints around `accelerator.save_state` / `load_state`, the check that a
+resume continues its run exactly, and the export.
 
-`{output_dir}/checkpoint-{step}/` holds what `save_state` writes (one shard per rank under FSDP and
-ZeRO) and `COMPLETE.json`, written last by rank 0: the step, the save order, the run state, every
-file's size and sha256, and a sha256 of the marker's own other contents. Files are fsynced before
-the marker is written, the folder after it. A checkpoint whose marker is missing, or does not
-match itself or the files, is never resumed from. The ranks share the hashing (sha256: about
-0.6 GB/s per core with SHA-NI).
-
-"Newest" (rotation, `latest`, `auto`) is the order of the saves in `output_dir`, never a clock or
-the step: each marker's `save_order` is 1 + the largest among the complete checkpoints there.
+`checkpoint-{step}/` holds what `save_state` writes and `COMPLETE.json`, written last by rank 0
+after every file is fsynced: step, save order, run state, each file's size and sha256 (the ranks
+share the hashing), and the marker's own sha256. A checkpoint whose marker is missing or does not
+match itself or the files is never resumed from. "Newest" (rotation, `latest`, `auto`) follows the
+save order, never a clock or the step.
 """
 
 from __future__ import annotations
@@ -83,15 +79,11 @@ def save_checkpoint(
     run_state: dict | None = None,
     hf_files: tuple = (),
 ) -> Path:
-    """Save the training state as `{output_dir}/checkpoint-{step}`, atomically; returns its path
-    (on every rank, after a final barrier). Call on every rank.
-
-    `run_state` goes into the marker, for `check_resume`; `hf_files` (objects with
-    `save_pretrained`: the model config, the tokenizer) into `hf/`, for `tools/consolidate.py`.
-    A model with frozen parameters (LoRA) is saved without them, and the marker records its
-    trainable parameters' `trainable_sums`, which `load_checkpoint` checks. `save_total_limit`:
-    the newest complete checkpoints kept, this one always among them.
-    """
+    """Save the training state as `{output_dir}/checkpoint-{step}`, atomically; returns its path.
+    Call on every rank. `run_state` goes into the marker (`check_resume`), `hf_files` (config,
+    tokenizer) into `hf/` (`tools/consolidate.py`). Frozen parameters (LoRA's base) are left out,
+    and the marker holds `trainable_sums`. `save_total_limit`: how many complete checkpoints stay,
+    this one always among them."""
     if save_total_limit is not None and save_total_limit < 1:
         raise Stop(
             f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}"
@@ -132,10 +124,8 @@ def save_checkpoint(
         }
         marker[SEAL] = _marker_sha256(marker)
         _fsync_dirs(tmp)  # the names too, before the marker vouches for them
-        with open(tmp / MARKER, "w") as f:
-            f.write(json.dumps(marker, indent=1))
-            f.flush()
-            os.fsync(f.fileno())
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        _fsync(tmp / MARKER)
         _fsync(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -286,11 +276,9 @@ def resolve_checkpoint(
 def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: int) -> list[str]:
     """`accelerator.load_state(path)` on every rank; returns the workarounds applied.
 
-    FSDP1 needs `fill_fsdp1_optimizer_state` first (else its moments stay zero). After the load the
-    count of micro batches follows this run's split of the global batch: saved at step 9 with
-    batch 2 x 1 and resumed as 1 x accumulation 2, it is 18, where the saved 9 would give
-    9 % 2 = 1 and close every window one micro batch early. A ZeRO-2 checkpoint of another world
-    size loads through `zero_universal`; FSDP's DCP folders reshard by themselves.
+    After the load the count of micro batches follows this run's split of the global batch: saved
+    at step 9 with batch 2 x 1 and resumed as 1 x accumulation 2, it is 18, where the saved 9 would
+    give 9 % 2 = 1 and close every window one micro batch early.
     """
     applied = workarounds.fill_fsdp1_optimizer_state(accelerator, model, optimizer)
     partial = trainable_only(accelerator)
@@ -322,13 +310,9 @@ def _clean_name(name: str) -> str:
 @contextmanager
 def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None = None):
     """Yields the keyword arguments of `save_state` (or `load_state`) that leave frozen parameters
-    out of a checkpoint when `partial` (and load it back); {} otherwise.
-
-    DeepSpeed: `exclude_frozen_parameters`, `load_module_strict=False`. FSDP:
-    `workarounds.fsdp_trainable_state_only` for the block (its name added to `applied`). One
-    process and DDP: a save hook drops the frozen weights from `model.safetensors` (a save that
-    would lack a trainable parameter stops), and the load is not strict.
-    """
+    out of a checkpoint when `partial`; {} otherwise. FSDP: `fsdp_trainable_state_only` for the
+    block. One process and DDP: a save hook drops the frozen weights (a trainable one missing
+    stops the save), and the load is not strict."""
     if not partial:
         yield {}
     elif accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -363,9 +347,8 @@ def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None =
 
 def trainable_sums(accelerator) -> dict[str, list]:
     """{name: [elements, sum, sum of squares]} in fp64 of every trainable parameter of the prepared
-    models, whole: what a partial checkpoint records, so that a load that silently left a
-    parameter as it was is caught. A collective; cheap for LoRA's adapters (ZeRO-3 gathers them,
-    FSDP2 each DTensor, FSDP1 adds up its ranks' slices)."""
+    models, whole (a collective): a partial checkpoint records them, so that a load that silently
+    left a parameter as it was is caught."""
     import torch
 
     sums, deepspeed = {}, accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -418,14 +401,10 @@ def _check_trainable(path: Path, saved: dict, loaded: dict) -> None:
 
 @contextmanager
 def zero_universal(accelerator, path: Path, engine):
-    """Yields the folder to `load_state` from: `path`, or for a ZeRO-2 checkpoint written by
-    another number of ranks, a universal copy of it. A collective.
-
-    DeepSpeed loads ZeRO-2 optimizer partitions only on the number of ranks that wrote them; its
-    universal checkpoint (every parameter's fp32 weights, moments and step, whole) loads on any.
-    Each node's first rank converts `path/pytorch_model` with `ds_to_universal` into $TMPDIR
-    (about 1.3x its size), beside links to `path`'s other files, and deletes it after the load.
-    """
+    """Yields the folder to `load_state` from: `path`, or for a ZeRO-2 checkpoint of another world
+    size, a universal copy (DeepSpeed loads ZeRO-2 partitions only on as many ranks as wrote them;
+    its universal checkpoint holds each parameter whole). Each node's first rank converts it with
+    `ds_to_universal` into $TMPDIR (about 1.3x its size) and deletes it after. A collective."""
     import tempfile
     from types import SimpleNamespace
 
@@ -437,11 +416,8 @@ def zero_universal(accelerator, path: Path, engine):
     ):
         yield path
         return
-    key = f"{Path(path).resolve()}:{saved.get('saved_at')}"
-    folder = (
-        Path(tempfile.gettempdir())
-        / f"zero-universal-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    )
+    key = hashlib.sha256(f"{Path(path).resolve()}:{saved.get('saved_at')}".encode()).hexdigest()
+    folder = Path(tempfile.gettempdir()) / f"zero-universal-{key[:16]}"  # the same on a node
     error = None
     if accelerator.is_local_main_process:
         import io
@@ -576,25 +552,16 @@ def check_resume(
     must_match: list[str],
     lr_decays_after: int | None = None,
 ) -> None:
-    """Stop unless this run continues the checkpoint at `path` exactly, in one line listing every
-    difference: "cannot resume from PATH: seed 42 -> 7; ...".
+    """Stop unless this run continues the checkpoint at `path` (marker `saved`) exactly, in one
+    line listing every difference: "cannot resume from PATH: seed 42 -> 7; ...".
 
-    Args:
-        saved: the checkpoint's marker.
-        run_state: this run's, with `distributed_type` (`strategy_name`), `world_size` and
-            `max_steps` (where this run ends).
-        must_match: keys of `run_state` that must equal the saved ones: the data position (global
-            batch, seed, blocks) and what the optimizer state would bring back silently (LR,
-            decay, betas). The world size only where listed (dropout masks, per-rank shards) or
-            where the sharded state cannot reshard: a sharded state resumes on its own strategy
-            only, and on another world size only where `RESHARDS` names how.
-        lr_decays_after: the warmup of an LR schedule that decays over `max_steps` (cosine,
-            linear): another `max_steps` is refused once the checkpoint is past it. None: the LR
-            does not depend on `max_steps`.
-
-    A checkpoint past `max_steps` is refused (nothing would train), and so is one at `max_steps`
-    of a run with another `max_steps`; at the end of the same run nothing trains and the recipe
-    exports again (a job that died after its last save).
+    `run_state`: this run's, with `distributed_type` (`strategy_name`), `world_size`, `max_steps`.
+    `must_match`: its keys that must equal the saved ones: the data position, and what the
+    optimizer state brings back silently (LR, decay, betas); the world size only where listed
+    (dropout masks, per-rank shards) or where a sharded state cannot reshard (`RESHARDS`).
+    `lr_decays_after`: the warmup of an LR that decays over `max_steps` (None: a constant LR);
+    another `max_steps` is refused past it. A checkpoint past `max_steps`, or at it from a run of
+    another length, is refused; at the end of the same run nothing trains (the export is rewritten).
     """
     at, before, after = saved["step"], saved.get("max_steps"), run_state.get("max_steps")
     if after is not None and (at > after or at == after and before not in (None, after)):
@@ -639,15 +606,10 @@ def check_resume(
 
 
 def stop_on_signal(accelerator, timeout_s: float):
-    """Turn SIGTERM, SIGINT and SIGHUP into "save at the next step boundary, then exit"; returns
-    `preempted() -> str | None`, the signal's name on every rank once any rank received one.
-
-    SLURM (preemption, time limit), Kubernetes (eviction) and users (`kill`, Ctrl-C, a closed
-    terminal) send one of these about 30 s before SIGKILL; torchrun passes it on to every worker.
-    The handler only records it; `preempted()`, called on every rank at every step boundary,
-    all-reduces it (MAX) over a gloo group of `timeout_s`, so every rank stops at the same step:
-    one 4-byte CPU collective per step, no device sync. Install right before the training loop.
-    """
+    """Record SIGTERM, SIGINT and SIGHUP (what SLURM, Kubernetes, torchrun and Ctrl-C send about
+    30 s before SIGKILL) instead of dying; returns `preempted()`: the signal's name on every rank
+    once any rank got one, else None. Call it on every rank at every step boundary: it all-reduces
+    over a gloo group (a 4-byte CPU collective, no device sync), so all stop at the same step."""
     import torch
     import torch.distributed as dist
 
@@ -674,20 +636,15 @@ def stop_on_signal(accelerator, timeout_s: float):
 def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     """Write the model and tokenizer whole to `{output_dir}/final/` (safetensors, configs with the
     KV cache on), atomically; returns that path. Call on every rank (gathering is a collective).
-
-    Replicated runs save the bare model's own state dict (`get_state_dict` gave the DDP wrapper's
-    "module." keys under regional compilation); sharded ones gather it (FSDP1 on a CPU-only host:
-    `workarounds.fsdp1_cpu_state_dict`). Tied embeddings are stored once. A LoRA model writes its
-    adapter to `final/adapter/` and the merged model to `final/` (`models.lora_copy`).
-    """
+    A LoRA model writes its adapter to `final/adapter/` and the merged model to `final/`."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points DDP)
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         state_dict = workarounds.fsdp1_cpu_state_dict(accelerator, model)
         if state_dict is None:
             state_dict = accelerator.get_state_dict(model)  # (on rank 0; FSDP1: others' empty)
-    else:
+    else:  # the bare model's: `get_state_dict` gave DDP's "module." keys under regional compile
         state_dict = unwrapped.state_dict()
-    if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):
+    if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # stored once
         state_dict.pop("lm_head.weight", None)
     with atomic_export(accelerator, output_dir) as export_dir:
         whole = unwrapped
@@ -749,33 +706,7 @@ def resume_or_start(
     return path, saved
 
 
-def resumed_line(
-    path: Path, step: int, saved: dict | None = None, world_size: int | None = None
-) -> str:
-    """ "resumed from PATH at step N", the restart (`run_dir.restart_note`), and on another world
-    size than the checkpoint's (`saved`) how: ": resharded from 2 to 3 ranks through DCP"."""
+def resumed_line(path: Path, step: int) -> str:
+    """ "resumed from PATH at step N", and which restart this is (`run_dir.restart_note`)."""
     note = restart_note()
-    line = f"resumed from {path} at step {step}" + (f" ({note})" if note else "")
-    n = (saved or {}).get("world_size")
-    if n is None or world_size in (None, n):
-        return line
-    how = RESHARDS.get(saved.get("distributed_type"))
-    return line + (
-        f": resharded from {n} to {world_size} ranks through {how}"
-        if how
-        else f": written by {n} rank(s), loaded whole on each of {world_size}"
-    )
-
-
-def record_resume(run_info: dict, path: Path, step: int, saved: dict) -> str:
-    """Record the resume in `run_info["resumed"]` (checkpoint, step, saved_world_size, resharded:
-    how, or None for a full state or the same world size); returns `resumed_line`'s line."""
-    n, m = saved.get("world_size"), run_info["world_size"]
-    how = RESHARDS.get(saved.get("distributed_type")) if n is not None and n != m else None
-    run_info["resumed"] = {
-        "checkpoint": str(path),
-        "step": step,
-        "saved_world_size": n,
-        "resharded": how,
-    }
-    return resumed_line(path, step, saved, m)
+    return f"resumed from {path} at step {step}" + (f" ({note})" if note else "")
