@@ -795,7 +795,7 @@ def config_problems(
         compiles: the recipe supports torch.compile (a dynamo backend): keeps eager state-dict keys in its
             checkpoints and export (recipes/llama.py, and the planner, which plans it). Else a backend is an error.
         tensor_parallel: the recipe shards its model on the mesh's tp dimension (recipes/llama.py,
-            `models.tensor_parallel`). Else a `parallelism_config_tp_size` above 1 is an error.
+            `causal_lm.tensor_parallel`). Else a `parallelism_config_tp_size` above 1 is an error.
 
     Returns:
         The problems, errors first, each a `Problem` whose text is one line naming the file or flag,
@@ -920,7 +920,7 @@ class Startup:
         precision_used: the precision the recipe chose itself (mixed_precision.py's --precision),
             instead of the launch config's, kept where the hardware computes it (`precision.for_launch`).
         compiles: the recipe supports torch.compile (eager key names in checkpoints and the export).
-        tensor_parallel: the recipe shards its model for tensor parallel (`models.tensor_parallel`).
+        tensor_parallel: the recipe shards its model for tensor parallel (`causal_lm.tensor_parallel`).
         steps, model_cls, model_config: known before the data (for the warmup, FSDP-wrap and ZeRO-3 checks).
         handlers: the recipe's own kwargs_handlers for the Accelerator (e.g. GradScalerKwargs).
 
