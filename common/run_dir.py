@@ -94,10 +94,13 @@ def clear(output_dir: str, resume_from_checkpoint: str | None) -> None:
         keep |= {p for p in out.iterdir() if p.resolve() in (resume, *resume.parents)}
     doomed = [p for p in sorted(out.iterdir()) if p not in keep]
     cwd = Path.cwd().resolve()
-    if doomed and (here in (Path.home().resolve(), cwd, *cwd.parents) or (here / ".git").exists()):
+    why = "holds a .git repository" if (here / ".git").exists() else None
+    if here in (Path.home().resolve(), cwd, *cwd.parents):
+        why = "is the home or working folder (or above it)"
+    if doomed and why:
         raise Stop(
-            f"--overwrite_output_dir would delete everything in {output_dir}, which is a home, "
-            "working or .git folder: give the run a folder of its own"
+            f"--overwrite_output_dir would delete everything in {output_dir}, which {why}: give "
+            "the run a folder of its own"
         )
     for p in doomed:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
