@@ -170,7 +170,7 @@ def parse_args(
         raise Stop("--max_steps must be positive, or -1 to train --num_train_epochs, got 0")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise Stop(f"--num_train_epochs must be positive, got {args.num_train_epochs}")
-    args.report_to = report_to(args.report_to)
+    args.report_to = resolve_trackers(args.report_to)
     if args.output_dir is None:
         raise Stop("--output_dir is required")
     restarted = bool(restart_note())
@@ -187,7 +187,7 @@ def parse_args(
     return args
 
 
-def report_to(text: str) -> str:
+def resolve_trackers(text: str) -> str:
     """--report_to resolved: the comma list of trackers to start, or "none"; 'all' is every
     installed tracker Accelerate supports. Stop for an unknown name, or one whose package is not
     installed (Accelerate would skip it silently)."""

@@ -102,7 +102,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         workarounds.safetensors_mode_from_umask(tmp)  # (safetensors writes 0600)
         for obj in hf_files:  # (a config with its KV cache on, as every export)
-            models.inference_ready(obj).save_pretrained(tmp / "hf")
+            models.for_inference(obj).save_pretrained(tmp / "hf")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
     if accelerator.num_processes > 1:  # (waits for rank 0's hf files)
@@ -656,7 +656,7 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
         names = [n for n in ("config", "generation_config") if getattr(whole, n, None) is not None]
         live = {n: getattr(whole, n) for n in names}
         for name in names:
-            setattr(whole, name, models.inference_ready(live[name]))
+            setattr(whole, name, models.for_inference(live[name]))
         try:
             whole.save_pretrained(
                 export_dir,

@@ -114,7 +114,7 @@ def config_state(config) -> dict:
     return {k: v for k, v in values.items() if k not in ("transformers_version", "_name_or_path")}
 
 
-def inference_ready(obj):
+def for_inference(obj):
     """A copy of a model or generation config with the KV cache on (`use_cache`: training turns it
     off, and a reloaded model decodes several times slower without it); anything else as it is."""
     if not hasattr(obj, "use_cache"):
