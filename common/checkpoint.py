@@ -37,18 +37,14 @@ _CKPT = re.compile(r"^checkpoint-(\d+)$")
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM; never 0
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's or a folder's (its entries') data and metadata to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dirs(directory: Path) -> None:
-    for d in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
-        _fsync(d)
+def _fsync(*paths: Path) -> None:
+    """Flush files' and folders' (their entries') data and metadata to disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _digests(accelerator, directory: Path, sizes: dict[str, int]) -> dict[str, str]:
@@ -123,10 +119,9 @@ def save_checkpoint(
             "sha256": sums,
         }
         marker[SEAL] = _marker_sha256(marker)
-        _fsync_dirs(tmp)  # the names too, before the marker vouches for them
+        _fsync(tmp, *(p for p in tmp.rglob("*") if p.is_dir()))  # the names the marker vouches for
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        _fsync(tmp / MARKER)
-        _fsync(tmp)
+        _fsync(tmp / MARKER, tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -155,9 +150,7 @@ def atomic_export(accelerator, output_dir: str):
     accelerator.wait_for_everyone()  # every rank's part is written
     if accelerator.is_main_process:
         workarounds.safetensors_mode_from_umask(tmp)  # (safetensors writes 0600)
-        for f in (p for p in tmp.rglob("*") if p.is_file()):
-            _fsync(f)
-        _fsync_dirs(tmp)
+        _fsync(*tmp.rglob("*"), tmp)  # files and folders
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
@@ -511,12 +504,11 @@ def precision_state(accelerator) -> dict:
     state = {"mixed_precision": accelerator.mixed_precision}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.state.deepspeed_plugin.deepspeed_config
+        grad_accum = (config.get("data_types") or {}).get("grad_accum_dtype")
         state["deepspeed_communication_data_type"] = str(
             config.get("communication_data_type") or "default"
         )
-        state["deepspeed_grad_accum_dtype"] = str(
-            (config.get("data_types") or {}).get("grad_accum_dtype") or "default"
-        )
+        state["deepspeed_grad_accum_dtype"] = str(grad_accum or "default")
     return state
 
 
