@@ -50,7 +50,7 @@ from transformers import LlamaForCausalLM
 sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # run from anywhere, no install step
-from common import data, launch, models  # noqa: E402
+from common import causal_lm, data, launch, models  # noqa: E402
 from common import errors  # noqa: E402
 from common.args import SEED_MAX, flag, parse_flags  # noqa: E402
 
@@ -231,7 +231,7 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
     )
     if kept:
         try:
-            config = models.apply_overrides(config, ",".join(kept))
+            config = causal_lm.apply_overrides(config, ",".join(kept))
         except ValueError as err:
             sys.exit(f"error: {err}")
     model = LlamaForCausalLM(config)

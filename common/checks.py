@@ -866,7 +866,7 @@ def tokenizer_fits(
     """The tokenizer and the block size against the model config, before packing. A tokenizer that
     cannot encode (a model directory without tokenizer files) would train on end-of-text tokens
     alone, and look like fast learning; ids past the embedding (but tokens added to a `pretrained`
-    model's vocabulary, whose embeddings `models.load_pretrained_on_ranks` grows), or blocks longer
+    model's vocabulary, whose embeddings `causal_lm.load_pretrained_on_ranks` grows), or blocks longer
     than the model's positions, fail deep in the first forward."""
     from common import data
 

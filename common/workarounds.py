@@ -9,7 +9,7 @@ recipes add up for run_info.json ("workarounds"); `fsdp1_cpu_state_dict` returns
 Patches that live beside the code they serve (their canaries are in tests/test_workarounds.py too):
 - common/checkpoint.py, `zero_universal`: DeepSpeed's `engine._config.load_universal_checkpoint`,
   on for one `load_state` (Accelerate has no universal-checkpoint option).
-- common/models.py, `tensor_parallel`: transformers' `model._tp_size`, which `from_pretrained`
+- common/causal_lm.py, `tensor_parallel`: transformers' `model._tp_size`, which `from_pretrained`
   sets for a tp plan and Accelerate's `prepare` reads.
 """
 

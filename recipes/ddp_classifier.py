@@ -357,7 +357,7 @@ def main() -> int:
         f" | {len(train_set)} train / {len(eval_set)} held-out passages"
         f" | global batch {global_batch} | {max_steps} steps ({steps_per_epoch} per epoch)"
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+        + (f" ({note})" if (note := run_dir.restart_note()) else "")
     )
     # metrics.jsonl: a fresh log per run; a resume keeps the lines up to its step (no summaries)
     metrics_path = metrics.RunLog(

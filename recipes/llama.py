@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch, run_dir
+from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, schedule, workarounds
 from common.args import choice, flag, make_output_dir, parse_args
 
@@ -169,7 +169,7 @@ def main() -> int:
         else:  # a preset; its vocabulary becomes the tokenizer's (set_token_ids)
             config = models.llama_config(args.model_config, vocab_size=args.vocab_size)
         if args.config_overrides:  # "key=value,key=value", as run_clm
-            config = models.apply_overrides(config, args.config_overrides)
+            config = causal_lm.apply_overrides(config, args.config_overrides)
         model_cls = models.causal_lm_class(config)
         raw = data.load_text_dataset(
             args.dataset_name,
@@ -185,7 +185,7 @@ def main() -> int:
         checks.tokenizer_fits(
             tokenizer, tokenizer_source, raw, config, args.block_size, pretrained=not from_scratch
         )
-        ids = models.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
+        ids = causal_lm.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
         lm_data = data.pack_dataset(
             raw, tokenizer, args.block_size, args.cache_dir, args.packing
         ).with_format("torch")
@@ -234,13 +234,13 @@ def main() -> int:
     # ADAPT: model. fp32 master weights; the launch config picks the compute precision.
     zero3_init = getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False)
     if args.model_name_or_path:  # missing or unexpected weights stop the run
-        model = models.load_pretrained_on_ranks(
+        model = causal_lm.load_pretrained_on_ranks(
             accelerator, args.model_name_or_path, config, args.allow_new_weights, tokenizer
         )
     elif zero3_init:  # built sharded (deepspeed.zero.Init): another random init than below
         model = AutoModelForCausalLM.from_config(config)
     else:
-        model = models.tensor_parallel(accelerator, model_cls(config))  # tp.yaml: sliced
+        model = causal_lm.tensor_parallel(accelerator, model_cls(config))  # tp.yaml: sliced
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
@@ -264,7 +264,7 @@ def main() -> int:
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     # Resume: the step count gives the data position, if global batch, seed and blocks match.
-    run_state, must_match = checkpoint.run_state(
+    run_state, must_match = causal_lm.run_state(
         accelerator,
         args,
         model,
@@ -307,7 +307,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info, saved)
 
@@ -439,7 +439,9 @@ def main() -> int:
     # Proof that the export works: rank 0 reloads it with plain transformers and samples.
     sample_tokens = 40 if args.sample_tokens is None and n_params < 1e9 else args.sample_tokens or 0
     if accelerator.is_main_process and sample_tokens > 0:
-        print(models.sample_from_export(final_dir, eval_set[0], tokenizer, sample_tokens, device))
+        print(
+            causal_lm.sample_from_export(final_dir, eval_set[0], tokenizer, sample_tokens, device)
+        )
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
     accelerator.print(log.final_line(f"model in {final_dir}, metrics in {log.path}"))

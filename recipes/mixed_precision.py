@@ -333,7 +333,7 @@ def main() -> int:
         + (f" | loss scale {scale:.0f}" if scale is not None else "")
         + (f" | skipped steps {skipped_steps}" if resume_path and scale is not None else "")
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+        + (f" ({note})" if (note := run_dir.restart_note()) else "")
     )
 
     # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch, run_dir
+from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, schedule, workarounds
 from common.args import choice, flag, make_output_dir, parse_args
 
@@ -235,7 +235,7 @@ def main() -> int:
         checks.tokenizer_fits(
             tokenizer, tokenizer_source, raw, config, args.max_length, pretrained=True
         )
-        ids = models.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
+        ids = causal_lm.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
         lm_data = data.pack_dataset(
             raw,
             tokenizer,
@@ -289,7 +289,7 @@ def main() -> int:
 
     # ADAPT: model. fp32 master weights; the launch config picks the compute precision. With
     # --use_peft the pretrained weights are frozen and LoRA adapters train (peft).
-    model = models.load_pretrained_on_ranks(
+    model = causal_lm.load_pretrained_on_ranks(
         accelerator, args.model_name_or_path, config, False, tokenizer
     )  # missing or unexpected weights stop it
     if args.gradient_checkpointing:
@@ -329,7 +329,7 @@ def main() -> int:
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     # Resume: the step count gives the data position, if global batch, seed and blocks match.
-    run_state, must_match = checkpoint.run_state(
+    run_state, must_match = causal_lm.run_state(
         accelerator,
         args,
         model,
@@ -374,7 +374,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "sft", step if resume_path else None, run_info, saved)
 
@@ -509,7 +509,9 @@ def main() -> int:
         first = eval_set[0]  # (a reply cut whole by --max_length: the conversation as it is)
         end = next(iter((first["labels"] != -100).nonzero().flatten().tolist()), None)
         prompt = {k: v[:end] for k, v in first.items() if k in ("input_ids", "attention_mask")}
-        print(models.sample_from_export(final_dir, prompt, tokenizer, sample_tokens, device, None))
+        print(
+            causal_lm.sample_from_export(final_dir, prompt, tokenizer, sample_tokens, device, None)
+        )
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
     accelerator.print(log.final_line(f"model in {final_dir}, metrics in {log.path}"))

@@ -406,8 +406,8 @@ def test_report_to_takes_what_training_arguments_takes(tmp_path, monkeypatch, ca
         monkeypatch.setattr(accelerate.utils, f"is_{name}_available", lambda: False)
     capsys.readouterr()
     assert resolved("all") == "none"
-    assert capsys.readouterr().out == (
-        "--report_to all: no tracker Accelerate supports is installed; metrics.jsonl only\n"
+    assert capsys.readouterr().err == (
+        "warning: --report_to all: no tracker Accelerate supports is installed; metrics.jsonl only\n"
     )
 
 

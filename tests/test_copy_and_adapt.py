@@ -28,7 +28,7 @@ from conftest import REPO, launch, read_metrics
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import KEYS, worst_gaps  # noqa: E402
 
-from common import data, metrics, models  # noqa: E402
+from common import causal_lm, data, metrics, models  # noqa: E402
 from common.errors import Stop  # noqa: E402
 
 STEPS = 5
@@ -385,11 +385,11 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     tokenizer = AutoTokenizer.from_pretrained(small_corpus[2])
     eos = tokenizer.eos_token_id
     scratch = GPT2Config(vocab_size=4096)  # bos/eos 50256, pad None
-    assert models.set_token_ids(scratch, tokenizer, from_scratch=True)
+    assert causal_lm.set_token_ids(scratch, tokenizer, from_scratch=True)
     assert (scratch.bos_token_id, scratch.eos_token_id, scratch.pad_token_id) == (eos, eos, eos)
     # pretrained: keeps its bos, gets the missing pad and the eos the data separates documents with
     pretrained = GPT2Config(vocab_size=4096)
-    assert models.set_token_ids(pretrained, tokenizer, from_scratch=False) == [
+    assert causal_lm.set_token_ids(pretrained, tokenizer, from_scratch=False) == [
         f"eos_token_id: 50256 -> {eos}",
         f"pad_token_id: None -> {eos}",
     ]
@@ -401,20 +401,20 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     # several stop ids (chat models) keep theirs and gain the trained one; a pad of its own (not the
     # eos, whose embedding row padding_idx would freeze) replaces the config's
     chat = GPT2Config(vocab_size=4096, eos_token_id=[7, 8], pad_token_id=9)
-    assert models.set_token_ids(chat, tokenizer, from_scratch=False) == [
+    assert causal_lm.set_token_ids(chat, tokenizer, from_scratch=False) == [
         f"eos_token_id: [7, 8] -> [{eos}, 7, 8]"
     ]
     tokenizer.add_special_tokens({"pad_token": "<pad>"})
     pad = tokenizer.pad_token_id
-    assert pad != eos and models.set_token_ids(chat, tokenizer, from_scratch=False) == [
+    assert pad != eos and causal_lm.set_token_ids(chat, tokenizer, from_scratch=False) == [
         f"pad_token_id: 9 -> {pad}"
     ]
     # its generation config (generation_config.json) follows: generate() stops on the trained eos
     small = GPT2Config(vocab_size=4096, n_layer=1, n_embd=8, n_head=2, eos_token_id=7)
     model = models.causal_lm_class(small)(small)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (7, None)
-    models.set_token_ids(model.config, tokenizer, from_scratch=False)
-    models.align_generation_ids(model, tokenizer)
+    causal_lm.set_token_ids(model.config, tokenizer, from_scratch=False)
+    causal_lm.align_generation_ids(model, tokenizer)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
         eos,
         pad,
@@ -436,7 +436,7 @@ def test_config_overrides_that_break_the_shapes_are_caught_before_training():
 
     import copy
 
-    broken = models.apply_overrides(
+    broken = causal_lm.apply_overrides(
         copy.deepcopy(ARCHS["qwen2"]), "hidden_size=60"
     )  # head_dim stays 16
     assert "must match" in models.forward_error(AutoModelForCausalLM.from_config(broken))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
-from common import checks, data, models
+from common import causal_lm, checks, data, models
 from common.errors import Stop
 from conftest import FAST, REPO, launch, read_metrics
 
@@ -213,7 +213,7 @@ def test_a_pretrained_model_takes_added_tokens(tmp_path, cache_dir):
         checks.tokenizer_fits(tokenizer, None, raw, config, 64)
     checks.tokenizer_fits(tokenizer, None, raw, config, 64, pretrained=True)
     try:  # (one process: no launch)
-        model = models.load_pretrained_on_ranks(
+        model = causal_lm.load_pretrained_on_ranks(
             Accelerator(cpu=True), str(tmp_path / "base"), config, False, tokenizer
         )
     finally:

@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, launch
 
 sys.path.insert(0, str(REPO))
-from common import models  # noqa: E402
+from common import causal_lm, models  # noqa: E402
 from tools import planner  # noqa: E402
 from tools import plan as plan_cli  # noqa: E402
 from common.memory import SavedTensorBytes  # noqa: E402
@@ -31,7 +31,7 @@ LORA_BOUND = 4e-3  # relative; LoRA measured worst 3.6e-4 (FSDP2 Adam moments: e
 
 def debug_config(overrides: str):
     config = models.llama_config("debug", 4096)
-    return models.apply_overrides(config, overrides) if overrides else config
+    return causal_lm.apply_overrides(config, overrides) if overrides else config
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"])

@@ -338,17 +338,19 @@ def test_refusals_are_one_line(monkeypatch, base, tmp_path, cache_dir):
         "error: --lora_target_modules q_proj,attn_out: no module named attn_out in the model (adapted: q_proj)"
     ], proc.stderr[-3000:]
     # a resume under other LoRA settings would train another model: the checkpoint's are named
-    from common.checkpoint import resume_error
+    from common.checkpoint import check_resume
+    from common.errors import Stop
 
     lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
     saved = {"step": 2, "lora": lora, "distributed_type": "MULTI_CPU", "world_size": 2}
-    error = resume_error(
-        tmp_path / "checkpoint-2",
-        saved,
-        {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
-        ["lora"],
-    )
-    assert error == (
+    with pytest.raises(Stop) as error:
+        check_resume(
+            tmp_path / "checkpoint-2",
+            saved,
+            {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
+            ["lora"],
+        )
+    assert str(error.value) == (
         f"cannot resume from {tmp_path / 'checkpoint-2'}: lora.r 8 -> 16. Resume with the saved "
         "settings, or start a new run (into another --output_dir) from its weights"
     )
@@ -403,7 +405,7 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from common import checkpoint, models
+    from common import causal_lm, checkpoint
     from common.errors import Stop
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -453,23 +455,22 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
     with torch.no_grad():
         changed.model.layers[1].mlp.down_proj.weight.mul_(1.01)
     changed.save_pretrained(other)
-    digest = models.weights_digest(str(base))
-    assert digest and models.weights_digest(str(moved)) == digest != models.weights_digest(
+    digest = causal_lm.weights_digest(str(base))
+    assert digest and causal_lm.weights_digest(str(moved)) == digest != causal_lm.weights_digest(
         str(other)
     )
     state = {
-        "frozen_base": models.weights_digest(str(other)),
+        "frozen_base": causal_lm.weights_digest(str(other)),
         "world_size": 1,
         "distributed_type": "NO",
         "max_steps": 4,
     }
-    error = checkpoint.resume_error(
-        path, {"step": 2, "frozen_base": digest}, state, ["frozen_base"]
-    )
-    assert error.startswith(
+    with pytest.raises(Stop) as error:
+        checkpoint.check_resume(path, {"step": 2, "frozen_base": digest}, state, ["frozen_base"])
+    assert str(error.value).startswith(
         f"cannot resume from {path}: frozen_base {digest} -> {state['frozen_base']} "
         "(the frozen base model's weights: --model_name_or_path)"
-    ), error
+    ), error.value
 
 
 def test_lora_with_gradient_checkpointing_and_packed_conversations(base, tmp_path, cache_dir):

@@ -472,14 +472,14 @@ def test_zero_universal():
 
 
 def test_tensor_parallel():
-    """common/models.tensor_parallel: transformers' `apply_tensor_parallelism` still leaves the
+    """common/causal_lm.tensor_parallel: transformers' `apply_tensor_parallelism` still leaves the
     model's `_tp_size` unset (`from_pretrained` sets it), which `tp_size` returns and Accelerate's
     `prepare` reads (`get_model_tp_size`)."""
     from accelerate.utils.other import get_model_tp_size
     from transformers import PreTrainedModel
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    name = "models.tensor_parallel"
+    name = "causal_lm.tensor_parallel"
     assert "_tp_size" not in inspect.getsource(apply_tensor_parallelism), upstream(name)
     assert "return self._tp_size" in inspect.getsource(PreTrainedModel.tp_size.fget), upstream(name)
     assert 'getattr(model, "tp_size"' in inspect.getsource(get_model_tp_size), upstream(name)
