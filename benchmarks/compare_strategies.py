@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from common import errors  # noqa: E402
 from common.args import flag, parse_flags  # noqa: E402
-from common.plan import COMM_KINDS, comm_pattern, predicted_comm_bytes  # noqa: E402,F401  (the ZeRO paper's volumes)
+from tools.planner import COMM_KINDS, comm_pattern, predicted_comm_bytes  # noqa: E402,F401  (the ZeRO paper's volumes)
 
 WARMUP_STEPS = 2  # first steps excluded from step time (allocation, first collectives, JIT)
 STATE_CATEGORIES = ("params", "grads", "fp32_master", "adam_moments")

@@ -9,7 +9,7 @@
 #    50 steps under accelerate_configs/ddp.yaml and fsdp.yaml (FSDP2), each eager and with
 #    torch.compile (`accelerate launch --dynamo_backend inductor --dynamo_use_regional_compilation`:
 #    block by block, as torchtitan does; one block's compile serves all 16). The per-device
-#    batch is the largest that common/plan.py fits in 85% of the GPU's memory (at most 64); a run
+#    batch is the largest that tools/planner.py fits in 85% of the GPU's memory (at most 64); a run
 #    that still runs out of memory is retried at 3/4 of its batch, twice at most.
 # 3. Writes one markdown table: tokens/s and MFU over steps 11-50 (the first 10 hold the warm-up and
 #    the compile, reported apart), peak memory (torch.cuda.max_memory_allocated and
@@ -79,19 +79,20 @@ else
   model=llama-3.2-1b; block=2048; steps=50; log_every=10; backend=inductor; precision=bf16
 fi
 
-pick_batch() {  # $1: config name -> the largest per-device batch that common/plan.py fits
+pick_batch() {  # $1: config name -> the largest per-device batch that tools/planner.py fits
   if [ "$smoke" = 1 ]; then echo 2; return; fi
   "$py" - "$1" "$model" "$block" <<'EOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, ".")
-from common import plan
+from common.checks import detect_memory
+from tools import planner
 config, model, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
-shape = plan.model_shape(plan.load_model_config(model, 4096))  # the recipe's default tokenizer: 4,096 entries
-strategy = plan.read_strategy(Path(f"accelerate_configs/{config}.yaml"))
-memory, _ = plan.detect_memory(1)
+shape = planner.model_shape(planner.load_model_config(model, 4096))  # the recipe's default tokenizer: 4,096 entries
+strategy = planner.read_strategy(Path(f"accelerate_configs/{config}.yaml"))
+memory, _ = detect_memory(1)
 fits = [b for b in range(1, 65)
-        if plan.plan_strategy(strategy, shape, 1, b, block, 1, False, "bf16")["total"] <= 0.85 * memory]
+        if planner.plan_strategy(strategy, shape, 1, b, block, 1, False, "bf16")["total"] <= 0.85 * memory]
 print(max(fits) if fits else 1)
 EOF
 }

@@ -12,7 +12,7 @@ $OUT (if set) or the working directory; the exit status is 1 if any check failed
 | eval memory      | an eval copying the whole logits three times | eval's peak < 1/2 a train step's (same batch)    |
 | grad-norm memory | fp64 copies of whole gradients for the norm  | clip_grad_norm_'s extra bytes < 3 fp64 slices    |
 | step syncs       | host syncs in an ordinary step               | no CUDA sync from project code in a step         |
-| deepspeed memory | 5e8-element buckets (2 GB per rank)          | ZeRO-2's peak < common/plan.py's total + 1 GiB   |
+| deepspeed memory | 5e8-element buckets (2 GB per rank)          | ZeRO-2's peak < tools/planner.py's total + 1 GiB   |
 | fsdp loading     | every rank loading the fp32 weights          | fine-tune under fsdp.yaml matches ddp's 1st loss |
 | tensor parallel  | TP under NCCL off one process (4 GPUs only)  | tools/smoke.py --configs tp passes (4 GPUs)      |
 

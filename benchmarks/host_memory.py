@@ -45,7 +45,7 @@ def main(model_dir: str, rank0_only: bool) -> None:
     if not files:
         sys.exit(f"error: no *.safetensors in {model_dir} (save the model with save_pretrained)")
     try:
-        pg_kwargs = launch.cpu_process_group_kwargs(120)
+        pg_kwargs = launch.process_group(120)[0]
     except ValueError as err:  # e.g. a GPU host whose GPUs torch cannot see
         sys.exit(f"error: {err}")
     accelerator = Accelerator(kwargs_handlers=[pg_kwargs])

@@ -7,7 +7,7 @@ deepspeed_zero3 by default), each measuring the debug preset twice in one launch
 with LoRA adapters of rank `--lora_r` on every Linear but the head (recipes/sft.py's `--use_peft`
 default all-linear). Each rank's parameters, gradients, fp32 master and Adam moments are counted from
 the live tensors after one optimizer step (measure_model_states.py says how), and set beside
-`common/plan.py`'s prediction for the same settings (`model_shape(config, lora)`, `plan_strategy`).
+`tools/planner.py`'s prediction for the same settings (`model_shape(config, lora)`, `plan_strategy`).
 The table gives the fullest rank's bytes; "gap" is (planned - measured) / measured.
 """
 
@@ -23,7 +23,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from common import models, plan  # noqa: E402
+from common import models  # noqa: E402
+from tools import planner  # noqa: E402
 
 STATES = ("params", "grads", "fp32_master", "adam_moments")
 
@@ -72,20 +73,20 @@ def main():
     args = p.parse_args()
     config = models.llama_config("debug", 4096)
     shapes = {
-        None: plan.model_shape(config),
-        args.lora_r: plan.model_shape(config, {"r": args.lora_r}),
+        None: planner.model_shape(config),
+        args.lora_r: planner.model_shape(config, {"r": args.lora_r}),
     }
     lines = []
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
-            spec = plan.read_strategy(REPO / "accelerate_configs" / f"{name}.yaml")
+            spec = planner.read_strategy(REPO / "accelerate_configs" / f"{name}.yaml")
             for m in measure(name, args.lora_r, args.mixed_precision, Path(tmp)):
                 shape = shapes[m["lora_r"]]
                 assert (
                     shape["n_params"] == m["n_params"] and shape["trainable"] == m["n_trainable"]
                 ), m
-                planned = plan.plan_strategy(
+                planned = planner.plan_strategy(
                     spec,
                     shape,
                     ranks=m["world_size"],
@@ -114,7 +115,7 @@ def main():
         f"gloo; torch {torch.__version__}. Full: {full['n_params']:,} parameters, all trained. LoRA r "
         f"{args.lora_r} on all-linear: {lora['n_params']:,} parameters, {lora['trainable']:,} of them (the "
         "adapters) trained. Bytes of the fullest rank, measured from the live tensors after one step "
-        "(benchmarks/measure_model_states.py) and planned (common/plan.py); gap = (planned - measured) / "
+        "(benchmarks/measure_model_states.py) and planned (tools/planner.py); gap = (planned - measured) / "
         f"measured; largest |gap| {worst:.1e}.",
         "",
         "| config | training | state | measured bytes | planned bytes | gap |",

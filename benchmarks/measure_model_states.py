@@ -50,7 +50,7 @@ from transformers import LlamaForCausalLM
 sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # run from anywhere, no install step
-from common import data, launch, models  # noqa: E402
+from common import causal_lm, data, launch, models  # noqa: E402
 from common import errors  # noqa: E402
 from common.args import SEED_MAX, flag, parse_flags  # noqa: E402
 
@@ -231,7 +231,7 @@ def measure_shape(accelerator, args, overrides: str, tokenizer, train_set) -> di
     )
     if kept:
         try:
-            config = models.apply_overrides(config, ",".join(kept))
+            config = causal_lm.apply_overrides(config, ",".join(kept))
         except ValueError as err:
             sys.exit(f"error: {err}")
     model = LlamaForCausalLM(config)
@@ -337,7 +337,7 @@ def main():
         if i:  # a fresh Accelerator per shape (DeepSpeed takes one model per Accelerator); the process group stays
             AcceleratorState._reset_state()
         try:
-            pg_kwargs = launch.cpu_process_group_kwargs(args.ddp_timeout)
+            pg_kwargs = launch.process_group(args.ddp_timeout)[0]
         except ValueError as err:  # e.g. a GPU host whose GPUs torch cannot see
             sys.exit(f"error: {err}")
         accelerator = Accelerator(kwargs_handlers=[pg_kwargs])

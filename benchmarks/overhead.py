@@ -116,7 +116,7 @@ def bare_loop(steps: int, fp32: bool = False, seed: int = 42) -> None:
     from transformers import get_cosine_schedule_with_warmup
 
     sys.path.insert(0, str(REPO))
-    from common import data, models, precision
+    from common import causal_lm, data, models, precision
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(
@@ -132,7 +132,7 @@ def bare_loop(steps: int, fp32: bool = False, seed: int = 42) -> None:
         "torch"
     )["train"]
     config = models.llama_config("debug", vocab_size=len(tokenizer))
-    models.set_token_ids(config, tokenizer, True)
+    causal_lm.set_token_ids(config, tokenizer, True)
     torch.manual_seed(seed)
     model = models.causal_lm_class(config)(config).to(device)
     model.config.use_cache = False

@@ -1,16 +1,11 @@
 """Global gradient-norm clipping whose norm is the same number under every strategy.
 
-Why not `accelerator.clip_grad_norm_`: it computes the norm in the gradients' dtype with torch's
-kernels, and on CPU torch 2.13's fp32 `vector_norm` accumulates serially: on the 4096x256
-embedding gradient of the debug model it is off from the exact norm by ~3e-5 (relative). A
-single process takes that norm over whole tensors, FSDP over half shards and DeepSpeed in fp64,
-so the same gradients got norms that differed by up to 2.6e-4 across strategies. Here every
-strategy sums squares in fp64 over what the rank holds, adds the shards up over the ranks
-where the gradients are sharded, and clips with torch's own `clip_grads_with_norm_`. DeepSpeed
-clips inside its engine (norm in fp64 already), so for it this only reads the norm back.
-
-On a GPU: no fp64 copy of a whole gradient (the fp64 sums run over slices), and no host sync:
-the norm and the clip factor stay on the device, and recipes read the norm on logging steps only.
+`accelerator.clip_grad_norm_` takes the norm in the gradients' dtype, over whatever each strategy
+holds (whole tensors, shards, DeepSpeed's fp64), and torch 2.13's CPU fp32 `vector_norm`
+accumulates serially (3e-5 off on the debug model's embedding): norms differed by up to 2.6e-4
+across strategies. Here each rank sums squares in fp64 over slices of what it holds, the shards
+are added over the ranks that shard them, and torch's `clip_grads_with_norm_` clips. DeepSpeed
+clips in its engine (in fp64): its norm is read back. No host sync: the norm stays on the device.
 """
 
 from __future__ import annotations
@@ -24,55 +19,28 @@ from common import checks
 from common.errors import Stop
 
 
-FP64_CHUNK_ELEMENTS = (
-    1 << 24
-)  # fp64 temporaries per gradient are at most this many elements (128 MB)
+FP64_CHUNK_ELEMENTS = 1 << 24  # the most fp64 temporaries per gradient: 128 MB
 
 
 def _sum_of_squares_fp64(grad: torch.Tensor) -> torch.Tensor:
-    """sum(grad.double() ** 2) without a full fp64 copy: `vector_norm` casts its input to fp64,
-    so it runs over slices of at most FP64_CHUNK_ELEMENTS (a 1B-parameter embedding would
-    otherwise need 4 GB of fp64 temporaries for its norm). 0-dim fp64 tensor on grad's device."""
-    flat = grad.reshape(-1)  # a view for contiguous gradients
-    if flat.numel() <= FP64_CHUNK_ELEMENTS:
-        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
-    return sum(
-        torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
-        for part in flat.split(FP64_CHUNK_ELEMENTS)
-    )
+    """sum(grad.double() ** 2), 0-dim on grad's device, over slices of `FP64_CHUNK_ELEMENTS`
+    (`vector_norm` casts its input: a 1B-element gradient would need 4 GB of fp64)."""
+    parts = grad.reshape(-1).split(FP64_CHUNK_ELEMENTS)  # views, for contiguous gradients
+    return sum(torch.linalg.vector_norm(part, dtype=torch.float64) ** 2 for part in parts)
 
 
 def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the gradients of `model` in place to a global L2 norm of at most `max_norm`.
+    """Clip `model`'s gradients in place to a global L2 norm of at most `max_norm`; return the norm.
 
-    Call it where `accelerator.clip_grad_norm_` would go: after the window's last backward, before
-    `optimizer.step()`. Under fp16 it unscales the gradients first (Accelerate's GradScaler), so
-    the norm and the threshold are in true gradient units. No host sync: the norm stays on the
-    device, so read it (`float(norm)`) only on logging steps.
-
-    Args:
-        accelerator: the `Accelerator` that prepared `model`.
-        model: the prepared model (DDP, FSDP1, FSDP2 or DeepSpeed engine, or a plain module).
-        max_norm: clip threshold, in the gradients' units; 0 or less (or None) only measures the
-            norm and clips nothing, as `max_grad_norm=0` in transformers' Trainer and
-            `gradient_clipping: 0` in DeepSpeed.
-
-    Returns:
-        The global L2 norm of all gradients before clipping: a 0-dim fp64 tensor on
-        `accelerator.device` (DeepSpeed: whatever its engine reports, as a 0-dim tensor), the
-        same value on every rank; inf or nan if a gradient overflowed. The norm is
-        sqrt(sum over ranks and tensors of sum(g.double() ** 2)), each tensor's sum taken in
-        slices of at most `FP64_CHUNK_ELEMENTS`; the clip factor is torch's,
-        min(1, max_norm / (norm + 1e-6)).
+    Call where `accelerator.clip_grad_norm_` would go (after the window's last backward); under fp16
+    it unscales first. `max_norm` 0 or None only measures, as in transformers' Trainer and
+    DeepSpeed. Returns the norm before clipping, sqrt(sum over ranks and tensors of g.double()**2):
+    a 0-dim fp64 tensor on `accelerator.device`, the same on every rank (inf/nan on overflow). Read
+    it (`float(norm)`) on logging steps only.
 
     Raises:
-        ValueError: under DeepSpeed, if `max_norm` differs from the JSON's `gradient_clipping`
-            (`checks.clipping_problem`, which the recipes also check at start-up).
-        NotImplementedError: for FSDP1 HYBRID_SHARD, where a sum over all ranks would count
-            replicated shards more than once. (FSDP1 NO_SHARD holds full gradients on every rank,
-            like DDP: no sum. FSDP2 on a 2-D mesh, HSDP and tensor parallel: each gradient's squares
-            are added up over the mesh dims it is sharded on, not over the replicas or the tp ranks
-            that hold copies, such as the RMSNorm weights.)
+        Stop: under DeepSpeed, `max_norm` unlike the JSON's `gradient_clipping`.
+        NotImplementedError: FSDP1 HYBRID_SHARD (a sum over all ranks would count replicas).
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
@@ -93,11 +61,8 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
             if not (mesh.ndim == 1 and mesh.size() == accelerator.num_processes):
                 # FSDP2 over tensor-parallel slices shards on dp with `_StridedShard`, which torch 2.13
                 # does not count as a Shard (`is_shard()` is False): a norm without it misses half the squares
-                dims = tuple(
-                    d
-                    for d, placement in enumerate(grad.placements)
-                    if isinstance(placement, (Shard, _StridedShard))
-                )
+                sharded = (Shard, _StridedShard)
+                dims = tuple(d for d, x in enumerate(grad.placements) if isinstance(x, sharded))
                 part = on_mesh.setdefault((mesh, dims), torch.zeros_like(sum_of_squares))
                 part += _sum_of_squares_fp64(grad.to_local()).to(part.device)
                 continue
@@ -109,11 +74,8 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
             f"clip_grad_norm_ supports FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, "
             f"got {strategy.name}"
         )
-    sharded = (
-        accelerator.distributed_type == DistributedType.FSDP
-        and getattr(strategy, "name", "") != "NO_SHARD"
-    )
-    if sharded and not on_mesh:  # each rank holds a disjoint shard: add them up
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and getattr(strategy, "name", "") != "NO_SHARD" and not on_mesh:  # disjoint shards
         sum_of_squares = accelerator.reduce(sum_of_squares, reduction="sum")
     for (mesh, dims), part in on_mesh.items():  # add up over the sharded mesh dims only: a
         for dim in dims:  # replicated dim (HSDP's dp_replicate) holds copies, counted once

@@ -1,19 +1,9 @@
-"""One live run per `--output_dir`, and `--overwrite_output_dir` that leaves nothing of the old run.
+"""One live run per `--output_dir` (`claim`), and which attempt of its job this is.
 
-`claim` runs on every rank right after the `Accelerator` exists, before the run writes anything:
-it creates the folder, locks it for this job, empties it under `--overwrite_output_dir` (the
-first attempt of a fresh run only), and checks that every rank sees the same folder.
-
-The lock is a POSIX record lock (`fcntl.lockf`) on `{output_dir}/.lock`, held by the main
-process for its lifetime. The kernel drops it when that process ends, however it ends (exit,
-crash, SIGKILL), so a restarted attempt of the same job (torchrun's `--max_restarts`, a SLURM
-requeue) finds it free, and a lock left by a crash is never stale: the file stays, naming the
-last holder, but nothing holds it. Unlike `flock`, a record lock is not inherited by forked
-children (DataLoader workers), which may outlive a killed parent by seconds. On NFS the lock is
-the server's (NFSv4, or NFSv3 with lockd): a crashed node's lock lasts until its lease expires
-(NFSv4: about 90 s) or, on NFSv3, until that node reboots; Lustre needs the `flock` mount option
-for locks seen by every node (`localflock` locks per node only). Where locking fails outright,
-`claim` warns and goes on.
+The lock is a POSIX record lock (`fcntl.lockf`) on `{output_dir}/.lock`, held by the main process
+while it lives: the kernel drops it however the process ends, so a restarted attempt finds it free,
+and forked DataLoader workers do not inherit it (unlike `flock`). On NFS a crashed node's lock lasts
+until its lease expires (NFSv4: about 90 s); Lustre needs the `flock` mount option.
 """
 
 from __future__ import annotations
@@ -26,53 +16,40 @@ import shutil
 import socket
 import sys
 import time
-import warnings
+import uuid
 from pathlib import Path
 
-from common.checkpoint import check_shared_dir
+from common import errors
 from common.errors import Stop
 
 LOCK = ".lock"
 _held: list[int] = []  # the lock's file descriptor, open for the life of the process
 
 
-def _holder() -> dict:
-    """Who is taking the lock: host, pid, the job (SLURM, torchrun) and when."""
-    job = {
-        k: os.environ[v]
-        for k, v in (("slurm_job", "SLURM_JOB_ID"), ("torchrun_run", "TORCHELASTIC_RUN_ID"))
-        if os.environ.get(v, "none") != "none"
+def restart_note() -> str:
+    """ "" on a job's first attempt, else e.g. "torchrun restart 1" or "SLURM requeue 2" (torchrun
+    sets `TORCHELASTIC_RESTART_COUNT` for every worker; a requeued SLURM job `SLURM_RESTART_COUNT`)."""
+    counts = {
+        "torchrun restart": "TORCHELASTIC_RESTART_COUNT",
+        "SLURM requeue": "SLURM_RESTART_COUNT",
     }
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        **job,
-        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(sys.argv),
-    }
-
-
-def _describe(info: dict) -> str:
-    job = "".join(
-        f", {name} {info[k]}"
-        for k, name in (("slurm_job", "SLURM job"), ("torchrun_run", "torchrun run"))
-        if k in info
+    return ", ".join(
+        f"{name} {n}"
+        for name, var in counts.items()
+        if (n := os.environ.get(var, "0")).isdigit() and int(n) > 0
     )
-    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}{job}, since {info.get('since', '?')}"
 
 
-def lock(output_dir: str) -> str | None:
-    """Take `{output_dir}/.lock` for this process (until it ends); on failure, a message naming the holder.
-
-    Returns:
-        None once held (also where the filesystem cannot lock: then with a warning), or one line
-        naming the live job that holds it.
-    """
+def lock(output_dir: str) -> None:
+    """Take `{output_dir}/.lock` for this process, writing who holds it; Stop naming the live job
+    that holds it already."""
     path = Path(output_dir) / LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        return f"--output_dir {output_dir}: cannot write its lock file {path} ({err.strerror})"
+        raise Stop(
+            f"--output_dir {output_dir}: cannot write its lock file {path} ({err.strerror})"
+        ) from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -82,95 +59,96 @@ def lock(output_dir: str) -> str | None:
             info = {}
         os.close(fd)  # (closing any descriptor of the file would drop a lock this process held)
         if err.errno not in (errno.EACCES, errno.EAGAIN):
-            warnings.warn(
-                f"cannot lock {path} ({err.strerror}): a second job started in --output_dir "
-                f"{output_dir} would not be stopped"
-            )
-            return None
-        return (
-            f"--output_dir {output_dir} is in use by a live job: {_describe(info)}, started as "
-            f"`{info.get('command', '?')}`. Wait for it to end or stop it, or give another --output_dir (if "
-            f"that job is gone, e.g. a crashed node whose lock the file server still holds, delete {path})"
-        )
+            errors.warn(f"cannot lock {path} ({err.strerror}): a second job would not be stopped")
+            return
+        job = "".join(f", {k} {info[k]}" for k in ("SLURM job", "torchrun run") if k in info)
+        raise Stop(
+            f"--output_dir {output_dir} is in use by a live job: pid {info.get('pid', '?')} on "
+            f"{info.get('host', '?')}{job}, since {info.get('since', '?')}, started as "
+            f"`{info.get('command', '?')}`. Wait for it to end or stop it, or give another "
+            f"--output_dir (if that job is gone, e.g. its node crashed, delete {path})"
+        ) from None
+    jobs = {"SLURM job": "SLURM_JOB_ID", "torchrun run": "TORCHELASTIC_RUN_ID"}
+    holder = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **{k: os.environ[v] for k, v in jobs.items() if os.environ.get(v, "none") != "none"},
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+    }
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
     os.fsync(fd)
     _held.append(fd)
-    return None
 
 
-def _entries_to_delete(output_dir: Path, resume_from_checkpoint: str | None) -> list[Path]:
-    """What `--overwrite_output_dir` deletes: everything but the lock (and a checkpoint being resumed)."""
+def clear(output_dir: str, resume_from_checkpoint: str | None) -> None:
+    """Delete everything in `output_dir` but the lock and a checkpoint being resumed
+    (`--overwrite_output_dir`); Stop for a folder that is not a run's. Main process only."""
+    out, here = Path(output_dir), Path(output_dir).resolve()
     if resume_from_checkpoint in ("latest", "auto"):  # it continues what is there
-        return []
-    keep = {output_dir / LOCK}
+        return
+    keep = {out / LOCK}
     if resume_from_checkpoint:  # an explicit checkpoint inside the folder
         resume = Path(resume_from_checkpoint).resolve()
-        keep |= {
-            p
-            for p in output_dir.iterdir()
-            if p.resolve() == resume or p.resolve() in resume.parents
-        }
-    return [p for p in sorted(output_dir.iterdir()) if p not in keep]
-
-
-def _not_a_run_folder(output_dir: Path) -> str | None:
-    """Why a folder must not be emptied wholesale (a repository, a home, the working folder); else None."""
-    here = output_dir.resolve()
-    if (
-        here == Path.home().resolve()
-        or here == Path.cwd().resolve()
-        or here in Path.cwd().resolve().parents
-    ):
-        return "is the home or working folder (or above it)"
-    if (here / ".git").exists():
-        return "holds a .git repository"
-    return None
-
-
-def clear(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
-    """Delete an earlier run's files from `output_dir` (`--overwrite_output_dir`); main process only.
-
-    Returns:
-        None, or one line refusing to empty a folder that is not a run's (see `_not_a_run_folder`).
-    """
-    out = Path(output_dir)
-    doomed = _entries_to_delete(out, resume_from_checkpoint)
-    if doomed and (why := _not_a_run_folder(out)):
-        return (
-            f"--overwrite_output_dir would delete everything in {output_dir}, which {why}: give the run a "
-            "folder of its own"
+        keep |= {p for p in out.iterdir() if p.resolve() in (resume, *resume.parents)}
+    doomed = [p for p in sorted(out.iterdir()) if p not in keep]
+    cwd = Path.cwd().resolve()
+    why = "holds a .git repository" if (here / ".git").exists() else None
+    if here in (Path.home().resolve(), cwd, *cwd.parents):
+        why = "is the home or working folder (or above it)"
+    if doomed and why:
+        raise Stop(
+            f"--overwrite_output_dir would delete everything in {output_dir}, which {why}: give "
+            "the run a folder of its own"
         )
     for p in doomed:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    return None
 
 
 def claim(accelerator, args) -> None:
-    """Make `args.output_dir` this run's. A collective: call on every rank before writing anything there.
-
-    Creates the folder; the main process locks it (`lock`) and, with `args.overwrite_output_dir`,
-    empties it (`clear`: `common.args.parse_args` has already turned the flag off on restarts,
-    so only a fresh run's first attempt deletes); then `check_shared_dir`.
-
-    Raises:
-        ValueError: on every rank (the main process's reason), naming the folder: it cannot be
-            created, another live job holds it, it must not be emptied, or it is not shared.
-    """
+    """Make `args.output_dir` this run's: create it, lock it and with `--overwrite_output_dir` empty
+    it (main process; `args.parse_args` turns that flag off on restarts), then check that every rank
+    sees the same folder. A collective: call on every rank before writing anything there; every
+    rank stops with the main process's reason."""
     error = None
     try:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as err:
         error = f"--output_dir {args.output_dir}: cannot create it ({err.strerror})"
     if accelerator.is_main_process and error is None:
-        error = lock(args.output_dir)
-        if error is None and args.overwrite_output_dir:
-            error = clear(args.output_dir, args.resume_from_checkpoint)
+        try:
+            lock(args.output_dir)
+            if args.overwrite_output_dir:
+                clear(args.output_dir, args.resume_from_checkpoint)
+        except Stop as err:
+            error = str(err)
+    token = None
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        main_error = broadcast_object_list([error if accelerator.is_main_process else None])[0]
+        main = [error, uuid.uuid4().hex] if accelerator.is_main_process else [None, None]
+        main_error, token = broadcast_object_list(main)
         error = main_error or error
     if error:
         raise Stop(error)
-    check_shared_dir(accelerator, args.output_dir)
+    if token is None:
+        return
+    # Checkpoints are written by every rank and renamed by rank 0: a node-local folder would split
+    # them between machines. Each rank writes one file named by rank 0's token and counts them.
+    import torch
+
+    mine = Path(args.output_dir) / f".shared-check-{token}-{accelerator.process_index}"
+    mine.touch()
+    accelerator.wait_for_everyone()
+    seen = len(list(Path(args.output_dir).glob(f".shared-check-{token}-*")))
+    fewest = accelerator.gather(torch.tensor([seen], device=accelerator.device)).min().item()
+    accelerator.wait_for_everyone()
+    mine.unlink()
+    if fewest != accelerator.num_processes:
+        raise Stop(
+            f"--output_dir {args.output_dir} is not one directory shared by every rank: rank "
+            f"{accelerator.process_index} on {socket.gethostname()} sees {seen} of the "
+            f"{accelerator.num_processes} ranks' files there (fewest seen by any rank: {fewest}). "
+            "Give every node the same shared filesystem path"
+        )

@@ -1,4 +1,4 @@
-"""Learning-rate helpers for large global batches."""
+"""The learning rate for a global batch."""
 
 from __future__ import annotations
 
@@ -6,23 +6,11 @@ from common.errors import Stop
 
 
 def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_batch: int) -> float:
-    """The linear scaling rule: multiply the LR by global_batch / reference_global_batch.
+    """base_lr x global_batch / reference_global_batch (sequences per optimizer step).
 
-    Source: Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
-    (arXiv 1706.02677), section 2.1, which pairs it with a gradual warmup (section 2.2): a large
-    scaled LR from step 0 diverges. For Adam-type optimizers a square-root rule is also used
-    (Malladi et al. 2022, arXiv 2205.10287), which scales less; linear is the classic rule.
-
-    Args:
-        base_lr: LR tuned at `reference_global_batch` (sequences per optimizer step).
-        global_batch: this run's sequences per optimizer step.
-        reference_global_batch: the batch `base_lr` was tuned for.
-
-    Returns:
-        The effective LR.
-
-    Raises:
-        ValueError: a non-positive LR or batch (names it).
+    The linear scaling rule of Goyal et al. 2017 (arXiv 1706.02677, section 2.1), which needs a
+    warmup (section 2.2); Adam is also scaled by the square root (Malladi et al. 2022, arXiv
+    2205.10287). Stops on a non-positive LR or batch.
     """
     if base_lr <= 0:
         raise Stop(f"--learning_rate must be positive, got {base_lr}")
@@ -35,12 +23,8 @@ def scaled_learning_rate(base_lr: float, global_batch: int, reference_global_bat
 
 
 def peak_learning_rate(args, global_batch: int) -> tuple[float, str]:
-    """The peak LR of a run and the line that says how it was chosen.
-
-    A bigger global batch averages away gradient noise, so it tolerates a bigger LR, but only
-    after a warmup: with --scale_lr, --learning_rate (tuned at --reference_global_batch) is
-    scaled by the linear rule (`scaled_learning_rate`); without, it is used as given.
-    """
+    """The peak LR and the line that says how it was chosen: with --scale_lr, --learning_rate
+    (tuned at --reference_global_batch) scaled by the linear rule, else as given."""
     peak = (
         scaled_learning_rate(args.learning_rate, global_batch, args.reference_global_batch)
         if args.scale_lr

@@ -39,7 +39,7 @@ from transformers import BertConfig, BertForSequenceClassification, get_linear_s
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common.args import flag
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch
-from common import errors, metrics, models, precision, workarounds
+from common import errors, metrics, models, precision, run_dir, workarounds
 from common.errors import Stop
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
@@ -135,9 +135,6 @@ class Args:
     num_attention_heads: int = flag(2, low=1)
     intermediate_size: int = flag(512, low=1)
     per_device_eval_batch_size: int = flag(64, low=1)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
     record_sample_ids: bool = field(
         default=False, metadata={"help": "each rank writes the sample ids it saw"}
     )
@@ -186,10 +183,11 @@ def main() -> int:
     # the shuffle a function of (seed, epoch) alone, so every rank draws the same permutation.
     # ---------------------------------------------------------------------------------------------
     startup = {}  # nothing known about the model before the data
+    handlers = []  # the Accelerator's kwargs_handlers besides the process group's
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # the launch against the flags and the hardware, before any work (common/checks.py)
-    guard = checks.Startup(args, **startup)
+    guard = checks.Startup(args, **startup)  # the flags and the hardware, before any work
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -203,11 +201,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -311,39 +310,43 @@ def main() -> int:
     # the sampler reseeds its own generator from (seed, epoch). A resume restores every stream.
     set_seed(args.seed, device_specific=True)
     # Decay on weight matrices and embeddings only: LayerNorm gains centre on 1, biases are offsets.
-    peak_lr = args.learning_rate
     optimizer = torch.optim.AdamW(
-        models.param_groups(model, args.weight_decay),
-        lr=peak_lr,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
+        models.param_groups(model, args.weight_decay), lr=args.learning_rate
     )
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    # Resume: a verified, complete checkpoint, refused before prepare unless the data position
-    # (recomputed from the step) and what the optimizer state brings back are the same; with
-    # dropout, the split of the global batch too (its masks follow it).
-    data_state = {  # what fixes which samples step k trains on
+    # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so
+    # the global batch, seed and passages must be those it was saved with; refused before prepare.
+    strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the layout
+    data_state = {
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.block_size,
         "train_passages": len(train_set),
+    }  # what fixes which samples step k trains on
+    # The optimizer's LR and decay come back from its state whatever the flags say, and with
+    # dropout, the masks depend on how a step's samples are split over ranks and micro batches.
+    same_run = {
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "warmup_steps": args.warmup_steps,
+        **checkpoint.precision_state(accelerator),
+        "max_grad_norm": args.max_grad_norm,
+        "model_config": models.config_state(model.config),
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "world_size": world_size,
     }
-    # >>> shared: run state
-    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
-    run_state, must_match = checkpoint.run_state(
-        accelerator, args, model, peak_lr, max_steps, **data_state
-    )
-    # <<< shared
+    run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, [*data_state, *same_run], lr_decays_after=args.warmup_steps
     )
-    step, strategy = saved["step"], run_state["distributed_type"]  # "FSDP2", "MULTI_CPU", ...
+    step = saved["step"]
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    workarounds.prepared(accelerator, model)  # autocast stays; no fp32 copy of every output
+    workarounds.patch_model(accelerator, model)  # autocast stays; no fp32 copy of every output
     if resume_path:  # model, optimizer, scheduler, grad scaler and every rank's RNG
         checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, optimizer_steps=step)
     accelerator.print(
@@ -351,7 +354,7 @@ def main() -> int:
         f" | {len(train_set)} train / {len(eval_set)} held-out passages"
         f" | global batch {global_batch} | {max_steps} steps ({steps_per_epoch} per epoch)"
         + (f" | resumed from {resume_path} at step {step}" if resume_path else "")
-        + (f" ({note})" if (note := checkpoint.restart_note()) else "")
+        + (f" ({note})" if (note := run_dir.restart_note()) else "")
     )
     # metrics.jsonl: a fresh log per run; a resume keeps the lines up to its step (no summaries)
     metrics_path = metrics.RunLog(

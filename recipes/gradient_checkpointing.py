@@ -78,7 +78,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checks, data, errors, grad_norm, launch, metrics, models
-from common import precision, workarounds
+from common import precision, run_dir, workarounds
 from common.errors import Stop
 from common.args import flag, make_output_dir, parse_args, unsupported
 from common.memory import PeakTensorBytes, SavedTensorBytes
@@ -141,7 +141,7 @@ def build(accelerator, args, tokenizer, num_layers: int, variant: str):
         models.param_groups(model, args.weight_decay), lr=args.learning_rate
     )
     model, optimizer = accelerator.prepare(model, optimizer)
-    workarounds.prepared(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
+    workarounds.patch_model(accelerator, model)  # autocast stays; no unread fp32 copy of the logits
     return model, optimizer
 
 
@@ -239,14 +239,14 @@ def main() -> int:
     startup = {
         "model_cls": LlamaForCausalLM,
         "model_config": models.llama_config(args.model_config, args.vocab_size),
-        "handlers": [
-            DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
-        ],
     }
+    handlers = [  # the Accelerator's kwargs_handlers besides the process group's
+        DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
+    ]
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # the launch against the flags and the hardware, before any work (common/checks.py)
-    guard = checks.Startup(args, **startup)
+    guard = checks.Startup(args, **startup)  # the flags and the hardware, before any work
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -260,11 +260,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size

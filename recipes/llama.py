@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, schedule, workarounds
 from common.args import choice, flag, make_output_dir, parse_args
 
@@ -127,12 +127,12 @@ def main() -> int:
     from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
     checks.llama_flags(args, from_scratch)
     startup = {"compiles": True, "tensor_parallel": True}  # compile: eager keys; tp.yaml: TP
+    handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 
-    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # the launch against the flags and the hardware, before any work (common/checks.py)
-    guard = checks.Startup(args, **startup)
+    guard = checks.Startup(args, **startup)  # the flags and the hardware, before any work
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -146,11 +146,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -163,7 +164,7 @@ def main() -> int:
         else:  # a preset; its vocabulary becomes the tokenizer's (set_token_ids)
             config = models.llama_config(args.model_config, vocab_size=args.vocab_size)
         if args.config_overrides:  # "key=value,key=value", as run_clm
-            config = models.apply_overrides(config, args.config_overrides)
+            config = causal_lm.apply_overrides(config, args.config_overrides)
         model_cls = models.causal_lm_class(config)
         raw = data.load_text_dataset(
             args.dataset_name,
@@ -176,13 +177,14 @@ def main() -> int:
         tokenizer = data.get_tokenizer(tokenizer_source, raw, args.vocab_size, args.cache_dir)
         if not (args.config_name or args.model_name_or_path):
             config.vocab_size = len(tokenizer)  # a preset's vocabulary is the tokenizer's
-        checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.block_size)
-        ids = models.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
+        checks.tokenizer_fits(
+            tokenizer, tokenizer_source, raw, config, args.block_size, pretrained=not from_scratch
+        )
+        ids = causal_lm.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
         lm_data = data.pack_dataset(
             raw, tokenizer, args.block_size, args.cache_dir, args.packing
         ).with_format("torch")
-    # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(accelerator, raw, tokenizer, args.block_size, args.packing)
+    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids and (args.config_name or args.model_name_or_path):  # (presets: nothing to report)
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
@@ -227,13 +229,13 @@ def main() -> int:
     # ADAPT: model. fp32 master weights; the launch config picks the compute precision.
     zero3_init = getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False)
     if args.model_name_or_path:  # missing or unexpected weights stop the run
-        model = models.load_pretrained_on_ranks(
+        model = causal_lm.load_pretrained_on_ranks(
             accelerator, args.model_name_or_path, config, args.allow_new_weights, tokenizer
         )
     elif zero3_init:  # built sharded (deepspeed.zero.Init): another random init than below
         model = AutoModelForCausalLM.from_config(config)
     else:
-        model = models.tensor_parallel(accelerator, model_cls(config))  # tp.yaml: sliced
+        model = causal_lm.tensor_parallel(accelerator, model_cls(config))  # tp.yaml: sliced
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
@@ -256,7 +258,7 @@ def main() -> int:
     )
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    data_state = {  # what fixes the data order; the step count gives the position in it
+    order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.block_size,
@@ -265,21 +267,17 @@ def main() -> int:
         "data_digest": data_digest,
     }
     # >>> shared: run state
-    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
-    run_state, must_match = checkpoint.run_state(
-        accelerator, args, model, peak_lr, max_steps, **data_state
-    )
+    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, to_match, lr_decays_after=args.warmup_steps
     )
     step = saved["step"]
 
-    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    applied += workarounds.patch_model(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
         accelerator,
@@ -300,7 +298,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "llama", step if resume_path else None, run_info, saved)
 
@@ -437,7 +435,9 @@ def main() -> int:
     # Proof that the export works: rank 0 reloads it with plain transformers and samples.
     sample_tokens = 40 if args.sample_tokens is None and n_params < 1e9 else args.sample_tokens or 0
     if accelerator.is_main_process and sample_tokens > 0:
-        print(models.sample_from_export(final_dir, eval_set[0], tokenizer, sample_tokens, device))
+        print(
+            causal_lm.sample_from_export(final_dir, eval_set[0], tokenizer, sample_tokens, device)
+        )
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
     accelerator.print(log.final_line(f"model in {final_dir}, metrics in {log.path}"))

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.memory import SavedTensorBytes
@@ -175,14 +175,14 @@ def main() -> int:
     device_type, capability = precision.detect_device()
     mode, reason = precision.choose_precision(args.precision, device_type, capability, n_params)
     scaler = GradScalerKwargs(init_scale=args.init_scale, growth_interval=args.growth_interval)
-    startup = {"precision_used": mode, "handlers": [scaler]}  # the model: in data_ready
+    startup = {"precision_used": mode}  # the model: in data_ready
+    handlers = [scaler]  # the Accelerator's kwargs_handlers besides the process group's
     config_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the config's; --precision wins
 
-    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # the launch against the flags and the hardware, before any work (common/checks.py)
-    guard = checks.Startup(args, **startup)
+    guard = checks.Startup(args, **startup)  # the flags and the hardware, before any work
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -196,11 +196,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -216,11 +217,11 @@ def main() -> int:
         raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
         config.vocab_size = len(tokenizer)  # the preset's vocabulary is the tokenizer's
-        models.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
+        causal_lm.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
         lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format(
             "torch"
         )
-    data_digest = checks.same_data(accelerator, raw, tokenizer, args.block_size, "stream")
+    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
         lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids
     )
@@ -284,7 +285,7 @@ def main() -> int:
     accelerator.print(f"AdamW weight decay: {', '.join(decay)}")
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    data_state = {  # what fixes the data order; the step count gives the position in it
+    order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.block_size,
@@ -292,21 +293,17 @@ def main() -> int:
         "data_digest": data_digest,
     }
     # >>> shared: run state
-    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
-    run_state, must_match = checkpoint.run_state(
-        accelerator, args, model, peak_lr, max_steps, **data_state
-    )
+    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, to_match, lr_decays_after=args.warmup_steps
     )
     step = saved["step"]
 
-    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    applied += workarounds.patch_model(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
         accelerator,
@@ -327,7 +324,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler (its scale), per-rank RNG; micro steps follow the step
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
         accelerator, args, "mixed_precision", step if resume_path else None, run_info, saved

@@ -35,7 +35,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, data, errors, grad_norm, launch
+from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, schedule, workarounds
 from common.args import choice, flag, make_output_dir, parse_args
 
@@ -115,6 +115,55 @@ def evaluate(model, eval_loader, accelerator) -> float:
 # <<< shared
 
 
+def chat_rows(tokenizer, template_file: str | None, assistant_only: bool):
+    """The data stage's `to_rows` (`data.pack_dataset`): each conversation through the chat template
+    (`template_file`'s, else the tokenizer's), its labels -100 but on the assistant's turns (all
+    tokens without `assistant_only`): what the template adds after the generation prompt."""
+    if template_file:
+        if not Path(template_file).is_file():
+            raise errors.Stop(f"--chat_template {template_file}: no such file")
+        tokenizer.chat_template = Path(template_file).read_text()
+    if not tokenizer.chat_template:
+        raise errors.Stop(
+            "the tokenizer has no chat template: pass --chat_template FILE (a Jinja "
+            "template; data/chat_template.jinja is a plain-text one)"
+        )
+
+    def render(messages, prompt=False) -> list[int]:
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def to_rows(batch: dict) -> dict:
+        rows = {"input_ids": [], "labels": []}
+        for messages in batch.get("messages") or [
+            [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+            for p, c in zip(batch["prompt"], batch["completion"])
+        ]:
+            ids = render(messages)
+            labels = [-100] * len(ids) if assistant_only else list(ids)
+            for k, turn in enumerate(messages if assistant_only else []):
+                if turn["role"] != "assistant":
+                    continue
+                which = f"the conversation that starts {messages[0]['content'][:40]!r}"
+                if k == 0:
+                    raise errors.Stop(f"{which} starts with an assistant turn: it answers nothing")
+                prompt, whole = render(messages[:k], prompt=True), render(messages[: k + 1])
+                if ids[: len(whole)] != whole or whole[: len(prompt)] != prompt:
+                    raise errors.Stop(
+                        f"the chat template is not prefix-stable: in {which}, "
+                        f"turn {k} changes the tokens before it"
+                    )
+                labels[len(prompt) : len(whole)] = whole[len(prompt) :]  # the reply and its eos
+            rows["input_ids"].append(ids)
+            rows["labels"].append(labels)
+        return rows
+
+    return to_rows
+
+
 def main() -> int:
     args = parse_args(
         Args,
@@ -131,12 +180,12 @@ def main() -> int:
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     checks.sft_flags(args)  # a model to fine-tune; LoRA flags only with --use_peft
     startup = {"compiles": True, "tensor_parallel": False}  # compile: eager keys
+    handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 
-    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # the launch against the flags and the hardware, before any work (common/checks.py)
-    guard = checks.Startup(args, **startup)
+    guard = checks.Startup(args, **startup)  # the flags and the hardware, before any work
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -150,11 +199,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -176,9 +226,11 @@ def main() -> int:
         )
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, 0, args.cache_dir)
-        to_rows, rows_key = data.chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
-        checks.tokenizer_fits(tokenizer, tokenizer_source, raw, config, args.max_length)
-        ids = models.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
+        to_rows = chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
+        checks.tokenizer_fits(
+            tokenizer, tokenizer_source, raw, config, args.max_length, pretrained=True
+        )
+        ids = causal_lm.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
         lm_data = data.pack_dataset(
             raw,
             tokenizer,
@@ -186,13 +238,9 @@ def main() -> int:
             args.cache_dir,
             args.packing,
             to_rows,
-            rows_key,
             "--max_length",
         ).with_format("torch")
-    # Each node reads --train_file from its own path: another copy there trains on other samples.
-    data_digest = checks.same_data(
-        accelerator, raw, tokenizer, args.max_length, args.packing, rows_key
-    )
+    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
@@ -236,7 +284,7 @@ def main() -> int:
 
     # ADAPT: model. fp32 master weights; the launch config picks the compute precision. With
     # --use_peft the pretrained weights are frozen and LoRA adapters train (peft).
-    model = models.load_pretrained_on_ranks(
+    model = causal_lm.load_pretrained_on_ranks(
         accelerator, args.model_name_or_path, config, False, tokenizer
     )  # missing or unexpected weights stop it
     if args.gradient_checkpointing:
@@ -275,7 +323,7 @@ def main() -> int:
     )
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    data_state = {  # what fixes the data order; the step count gives the position in it
+    order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.max_length,
@@ -285,21 +333,17 @@ def main() -> int:
         "data_digest": data_digest,
     }
     # >>> shared: run state
-    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
-    run_state, must_match = checkpoint.run_state(
-        accelerator, args, model, peak_lr, max_steps, **data_state
-    )
+    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, must_match, lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, to_match, lr_decays_after=args.warmup_steps
     )
     step = saved["step"]
 
-    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, loaders ----
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    applied += workarounds.patch_model(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
         accelerator,
@@ -321,7 +365,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(accelerator, args, "sft", step if resume_path else None, run_info, saved)
 
@@ -461,7 +505,9 @@ def main() -> int:
         first = eval_set[0]  # (a reply cut whole by --max_length: the conversation as it is)
         end = next(iter((first["labels"] != -100).nonzero().flatten().tolist()), None)
         prompt = {k: v[:end] for k, v in first.items() if k in ("input_ids", "attention_mask")}
-        print(models.sample_from_export(final_dir, prompt, tokenizer, sample_tokens, device, None))
+        print(
+            causal_lm.sample_from_export(final_dir, prompt, tokenizer, sample_tokens, device, None)
+        )
     del model, optimizer
     launch.teardown(accelerator)  # in order: the model before the process group
     accelerator.print(log.final_line(f"model in {final_dir}, metrics in {log.path}"))

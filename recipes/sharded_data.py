@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import checkpoint, checks, errors, grad_norm, launch
+from common import causal_lm, checkpoint, checks, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.errors import Stop
@@ -195,12 +195,12 @@ def main() -> int:
     if args.data_dir is None or args.loader not in ("parquet", "datasets"):
         raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     startup = {"steps": args.max_steps}  # known before the data: every rank streams that many
+    handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 
-    # ---- Accelerator: the config picks the strategy; we say how to accumulate and seed the data
     # >>> shared: accelerator
     applied = workarounds.die_with_launcher()  # a SIGKILLed launcher takes its workers with it
-    # the launch against the flags and the hardware, before any work (common/checks.py)
-    guard = checks.Startup(args, **startup)
+    guard = checks.Startup(args, **startup)  # the flags and the hardware, before any work
+    group, patched = launch.process_group(args.ddp_timeout)  # timeout; gloo ranks on CPU
     accelerator = Accelerator(
         mixed_precision=guard.precision["used"],
         # we fetch whole accumulation windows: sync on the step count, not the loader's end
@@ -214,11 +214,12 @@ def main() -> int:
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, on any world size
         log_with=None if args.report_to == "none" else args.report_to.split(","),
         project_dir=args.output_dir,
-        kwargs_handlers=guard.handlers,
+        kwargs_handlers=[group, *handlers],
     )
-    guard.accelerator_built(accelerator, args)  # really distributed; this job's output dir
-    # library workarounds applied: gloo on CPU, fp16's GradScaler on CPU, FSDP's fp32 reduction
-    applied += guard.workarounds + workarounds.accelerator_built(accelerator)
+    launch.check_distributed(accelerator)  # distributed for real, as the launcher asked
+    run_dir.claim(accelerator, args)  # this job's output dir: locked, one for every node
+    # a GradScaler for fp16 on CPU ranks, FSDP's gradient reduction in fp32
+    applied += patched + workarounds.patch_accelerator(accelerator)
     set_seed(args.seed)  # the same seed on every rank: identical initial weights, no broadcast
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -239,7 +240,7 @@ def main() -> int:
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
     model_cls = LlamaForCausalLM
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer))
-    models.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
+    causal_lm.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
     if block_size > config.max_position_embeddings:
         raise Stop(
             f"the shards' block size {block_size} exceeds --model_config {args.model_config}"
@@ -330,7 +331,7 @@ def main() -> int:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = batch
 
-    data_state = {  # what fixes each rank's data order: its shards (the world size), the reading
+    order = {  # what fixes each rank's data order: its shards (the world size), the reading
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": block_size,
@@ -342,20 +343,16 @@ def main() -> int:
         "manifest_sha256": manifest_sha256,
     }
     # >>> shared: run state
-    # Resume only into the same run: data position and optimizer settings (checkpoint.run_state)
-    run_state, must_match = checkpoint.run_state(
-        accelerator, args, model, peak_lr, max_steps, **data_state
-    )
+    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     # (the LR is constant after the warmup: another --max_steps continues exactly)
-    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, must_match)
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, to_match)
     step = saved["step"]
 
-    # ---- accelerator.prepare: wraps/shards the model (DDP, FSDP, ZeRO), optimizer, eval loader
     model, optimizer, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, eval_loader, lr_scheduler
     )
-    applied += workarounds.prepared(accelerator, model)  # logits copy; torch.compile key names
+    applied += workarounds.patch_model(accelerator, model)  # logits copy; torch.compile key names
     device = accelerator.device
     run_info = metrics.run_info(  # + strategy, ranks' parameter elements, torch.compile, flags
         accelerator,
@@ -375,7 +372,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(checkpoint.resumed_line(resume_path, step, saved, run_info))
+        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
         accelerator, args, "sharded_data", step if resume_path else None, run_info, saved

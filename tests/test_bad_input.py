@@ -406,8 +406,8 @@ def test_report_to_takes_what_training_arguments_takes(tmp_path, monkeypatch, ca
         monkeypatch.setattr(accelerate.utils, f"is_{name}_available", lambda: False)
     capsys.readouterr()
     assert resolved("all") == "none"
-    assert capsys.readouterr().out == (
-        "--report_to all: no tracker Accelerate supports is installed; metrics.jsonl only\n"
+    assert capsys.readouterr().err == (
+        "warning: --report_to all: no tracker Accelerate supports is installed; metrics.jsonl only\n"
     )
 
 
@@ -636,7 +636,7 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
     )
     info = json.loads((out / "run_info.json").read_text())
     # a global batch above the one --learning_rate was tuned at, without --scale_lr: said, LR unchanged
-    assert "warning: global batch 8 > 2 without --scale_lr" in proc.stdout
+    assert "warning: global batch 8 > 2 without --scale_lr" in proc.stderr
     assert info["args"]["learning_rate"] == 3e-3
     native = "bf16" in precision.cpu_native_dtypes()
     assert info["mixed_precision"] == info["precision"]["used"] == ("bf16" if native else "no")

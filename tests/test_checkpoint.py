@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 from common.checkpoint import (
     SETTING_SOURCES,
     atomic_export,
+    check_resume,
     complete_checkpoints,
     resolve_checkpoint,
-    resume_error,
     save_checkpoint,
     strategy_name,
     verify_checkpoint,
@@ -43,6 +43,15 @@ STEPS, SAVE = (
 # so 1e-6 is not a print precision: it is ~10 fp32 ulps (an ulp is 6e-8..1.2e-7 relative), far
 # under any resume fault.
 RESUME_RTOL = 1e-6
+
+
+def resume_refusal(*args, **kwargs) -> str | None:
+    """`check_resume`'s one-line refusal, or None where the run may resume."""
+    try:
+        check_resume(*args, **kwargs)
+    except Stop as err:
+        return str(err)
+    return None
 
 
 def args(out, corpus, *extra):
@@ -207,7 +216,9 @@ def rotated(tmp_path_factory, cache_dir, small_corpus):
     return out
 
 
-def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, small_corpus):
+def test_rotation_latest_and_damaged_checkpoints(
+    rotated, tmp_path, cache_dir, small_corpus, capsys
+):
     out = tmp_path / "run"
     shutil.copytree(rotated, out)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
@@ -230,10 +241,11 @@ def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, s
     # shard: tests/test_multinode.py).
     (out / "checkpoint-20.tmp").mkdir()
     (out / "checkpoint-24").mkdir()
-    with pytest.warns(
-        UserWarning, match=f"skipping damaged checkpoint: checkpoint file {re.escape(str(victim))}"
-    ):
-        path, marker = resolve_checkpoint(out, "latest")
+    capsys.readouterr()
+    path, marker = resolve_checkpoint(out, "latest")
+    assert capsys.readouterr().err.startswith(
+        f"warning: skipping damaged checkpoint: checkpoint file {victim} does not match"
+    )
     assert path == out / "checkpoint-12" and marker["step"] == 12
     # The launch: `latest` skips checkpoint-16 the same way, and checkpoint-12 is past the end of a
     # 6-step run: refused, nothing written (the end of a run: test_the_end_of_a_run_on_resume).
@@ -280,8 +292,8 @@ def test_rotation_latest_and_damaged_checkpoints(rotated, tmp_path, cache_dir, s
     )
     del marker["sha256"], marker["marker_sha256"]  # an older version's marker: neither
     (out / "checkpoint-16" / "COMPLETE.json").write_text(json.dumps(marker))
-    with pytest.warns(UserWarning, match="saved without checksums.*sizes checked only"):
-        assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
+    assert verify_checkpoint(out / "checkpoint-16")["step"] == 16
+    assert re.search("saved without checksums.*sizes checked only", capsys.readouterr().err)
 
 
 def test_overwrite_deletes_the_earlier_run(rotated):
@@ -317,7 +329,7 @@ def test_the_end_of_a_run_on_resume():
     ]:
         saved = {"step": step, **({"max_steps": saved_max} if saved_max else {})}
         run = {"distributed_type": "MULTI_CPU", "world_size": 2, "max_steps": max_steps}
-        error = resume_error(Path("ckpt"), saved, run, ["max_steps"])
+        error = resume_refusal(Path("ckpt"), saved, run, ["max_steps"])
         assert bool(error) == refused, (step, saved_max, max_steps, error)
         if refused:
             assert (
@@ -336,7 +348,7 @@ def test_a_refused_setting_names_its_flags():
         "world_size": 2,
         "distributed_type": "MULTI_CPU",
     }
-    error = resume_error(Path("ckpt"), saved, run, ["global_batch", "seed"])
+    error = resume_refusal(Path("ckpt"), saved, run, ["global_batch", "seed"])
     assert error.startswith(
         "cannot resume from ckpt: global_batch 4 -> 8 (--per_device_train_batch_size x "
         "--gradient_accumulation_steps x world size); seed 42 -> 7. Resume with"
@@ -373,7 +385,7 @@ def test_a_longer_run_resumes_only_within_the_warmup():
     def error(step, lr_decays_after, max_steps=20):
         saved = {"step": step, "max_steps": 12, "seed": 42}
         run = {"max_steps": max_steps, "seed": 42, "world_size": 2, "distributed_type": "MULTI_CPU"}
-        return resume_error(Path("ckpt"), saved, run, ["seed", "max_steps"], lr_decays_after)
+        return resume_refusal(Path("ckpt"), saved, run, ["seed", "max_steps"], lr_decays_after)
 
     assert error(6, lr_decays_after=6) is None and error(3, lr_decays_after=15) is None
     assert error(7, lr_decays_after=6).startswith(
@@ -426,7 +438,7 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
     ]
     for saved_as, run_as in [("FSDP1", "FSDP2"), ("DEEPSPEED_ZERO2", "DEEPSPEED_ZERO3")]:
         saved = {"step": 4, "distributed_type": saved_as, "world_size": 2}
-        error = resume_error(
+        error = resume_refusal(
             Path("ckpt"), saved, {"distributed_type": run_as, "world_size": 2, "max_steps": 8}, []
         )
         assert error and f"a {saved_as} state of 2 rank(s), this run is {run_as} with 2" in error
@@ -438,7 +450,7 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
     ):  # the same strategy, another world size
         saved = {"step": 4, "distributed_type": stage, "world_size": 2}
         for world in (1, 3, 4):
-            error = resume_error(
+            error = resume_refusal(
                 Path("ckpt"),
                 saved,
                 {"distributed_type": stage, "world_size": world, "max_steps": 8},
@@ -453,7 +465,7 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
                     in error
                 )
         assert (
-            resume_error(
+            resume_refusal(
                 Path("ckpt"),
                 saved,
                 {"distributed_type": stage, "world_size": 2, "max_steps": 8},
@@ -468,7 +480,7 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
                 **saved,
                 "files": {"pytorch_model_fsdp_0_rank0.bin": 1, "pytorch_model_fsdp_0_rank1.bin": 1},
             }
-            error = resume_error(
+            error = resume_refusal(
                 Path("ckpt"),
                 local,
                 {"distributed_type": stage, "world_size": 3, "max_steps": 8},
@@ -480,7 +492,7 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
                 in error
             )
         # and not where the world size must match for its own sake (dropout masks, per-rank data shards)
-        error = resume_error(
+        error = resume_refusal(
             Path("ckpt"),
             {**saved, "world_size": 2},
             {"distributed_type": stage, "world_size": 3, "max_steps": 8},
@@ -493,7 +505,7 @@ def test_a_sharded_state_resumes_only_on_its_own_fsdp_version_and_zero_stage():
         "world_size": 2,
     }  # a full state: any replicated world size
     assert (
-        resume_error(
+        resume_refusal(
             Path("ckpt"), saved, {"distributed_type": "NO", "world_size": 1, "max_steps": 8}, []
         )
         is None
@@ -504,23 +516,23 @@ def test_every_resumable_recipe_records_the_sharded_layout():
     """A recipe that checks a resume records `strategy_name` in the state the check compares, not
     Accelerate's `distributed_type` ("FSDP" for both FSDP versions)."""
     texts = {p.name: p.read_text() for p in sorted((REPO / "recipes").glob("*.py"))}
-    checks = ("resume_error(", "resume_or_start(")
+    checks = ("check_resume(", "resume_or_start(")
     resumable = [name for name, text in texts.items() if any(c in text for c in checks)]
     # all but gradient_checkpointing.py, which saves no checkpoint
     assert sorted(resumable) == sorted(set(texts) - {"gradient_checkpointing.py"}), resumable
-    # in the recipe's own run state, or through checkpoint.run_state (llama.py), which records it
+    # in the recipe's own run state, or through causal_lm.run_state (llama.py, sft.py), which records it
     run_state = (
-        (REPO / "common" / "checkpoint.py")
+        (REPO / "common" / "causal_lm.py")
         .read_text()
         .split("def run_state(", 1)[1]
         .split("\ndef ", 1)[0]
     )
-    assert '"distributed_type": strategy_name(accelerator)' in run_state
+    assert '"distributed_type": checkpoint.strategy_name(accelerator)' in run_state
     assert [
         name
         for name in resumable
         if "checkpoint.strategy_name(accelerator)" not in texts[name]
-        and "checkpoint.run_state(" not in texts[name]
+        and "causal_lm.run_state(" not in texts[name]
     ] == []
 
 
@@ -618,7 +630,9 @@ def test_a_clock_ahead_does_not_reorder_the_saves(accelerator, tmp_path, monkeyp
     assert path == tmp_path / "checkpoint-12" and (marker["step"], marker["save_order"]) == (12, 4)
 
 
-def test_checkpoints_of_an_older_version_come_first_by_step(accelerator, tmp_path, monkeypatch):
+def test_checkpoints_of_an_older_version_come_first_by_step(
+    accelerator, tmp_path, monkeypatch, capsys
+):
     """Markers without a save order (an older version) count as 0: before every new save, by step
     among themselves, whatever their save times (here 3's an hour ahead of 6's)."""
     real = clock(monkeypatch, 3600)
@@ -636,11 +650,12 @@ def test_checkpoints_of_an_older_version_come_first_by_step(accelerator, tmp_pat
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-6"]
     save_checkpoint(accelerator, tmp_path, 9, save_total_limit=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-6", "checkpoint-9"]
-    with pytest.warns(UserWarning, match="COMPLETE.json was saved without a checksum of its own"):
-        assert verify_checkpoint(tmp_path / "checkpoint-6")["step"] == 6
+    capsys.readouterr()
+    assert verify_checkpoint(tmp_path / "checkpoint-6")["step"] == 6
+    assert "COMPLETE.json was saved without a checksum of its own" in capsys.readouterr().err
 
 
-def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path):
+def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path, capsys):
     """The marker is covered by its own sha256: its step edited (every file still matching), it fails
     verification in one line and `latest` falls back past it; rewritten with the same contents in
     another layout (key order, spacing), it still verifies."""
@@ -651,12 +666,13 @@ def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path):
     path.write_text(json.dumps(marker, sort_keys=True))
     assert verify_checkpoint(tmp_path / "checkpoint-8")["step"] == 8
     path.write_text(json.dumps({**marker, "step": 12}, indent=1))
-    refusal = f"checkpoint marker {path} does not match the sha256 recorded in it when it was saved: damaged or altered"
+    message = f"checkpoint marker {path} does not match the sha256 recorded in it when it was saved: damaged or altered"
     with pytest.raises(Stop) as err:
         verify_checkpoint(tmp_path / "checkpoint-8")
-    assert str(err.value) == refusal
-    with pytest.warns(UserWarning, match=f"^skipping damaged checkpoint: {re.escape(refusal)}$"):
-        found, saved = resolve_checkpoint(str(tmp_path), "latest")
+    assert str(err.value) == message
+    capsys.readouterr()
+    found, saved = resolve_checkpoint(str(tmp_path), "latest")
+    assert capsys.readouterr().err == f"warning: skipping damaged checkpoint: {message}\n"
     assert found == tmp_path / "checkpoint-4" and saved["step"] == 4
     path.write_text("[]")  # not a marker at all
     with pytest.raises(

@@ -319,7 +319,7 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
 
 def test_a_cpu_capability_override_gets_its_own_kernel_cache(monkeypatch):
     """Kernels cached by a native run and read under ATEN_CPU_CAPABILITY=avx2 failed a compiled run
-    (common/launch.inductor_cache_per_cpu_capability): every recipe's process_group gives the
+    (common/workarounds.inductor_cache_per_cpu_capability): every recipe's process_group gives the
     override a cache directory of its own, and leaves a directory the user chose alone."""
     import os
 

@@ -442,7 +442,7 @@ def test_sigterm_saves_at_the_next_step_exits_143_and_the_same_command_resumes_e
 def refused(uninterrupted, cache_dir):
     """One launch that changes what a resume must keep, into the uninterrupted run's own folder from its
     checkpoint-3 (mid-epoch, past the 0 warmup steps): another seed, LR and split of the same global batch
-    32, and --max_steps 6 -> 8. `resume_error` checks each setting on its own and lists every change in
+    32, and --max_steps 6 -> 8. `check_resume` checks each setting on its own and lists every change in
     one line; the two tests below read their parts. Returns (the CompletedProcess, metrics.jsonl before)."""
     out = uninterrupted["out"]
     before = (out / "metrics.jsonl").read_text()

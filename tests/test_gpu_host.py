@@ -77,7 +77,7 @@ def test_no_gpu_when_nvidia_smi_is_absent_fails_or_hangs(body, tmp_path, monkeyp
 
 @pytest.fixture
 def gpu_host(tmp_path, monkeypatch):
-    """8 fake GPUs that torch cannot see, no opt-in, no launcher: `cpu_process_group_kwargs` runs in-process."""
+    """8 fake GPUs that torch cannot see, no opt-in, no launcher: `process_group` runs in-process."""
     eight_gpus(tmp_path, monkeypatch)
     monkeypatch.setattr(
         launch_mod,
@@ -107,11 +107,11 @@ def refusal(found="8 NVIDIA GPUs (nvidia-smi)", cuda=None):
 def test_gpu_host_without_visible_gpus_refuses(cuda, gpu_host, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", cuda)
     with pytest.raises(ValueError) as exc:
-        launch_mod.cpu_process_group_kwargs(60)
+        launch_mod.process_group(60)[0]
     assert str(exc.value) == refusal(cuda=cuda)
     monkeypatch.setenv("ACCELERATE_RECIPES_ALLOW_CPU", "0")  # not an opt-in
     with pytest.raises(ValueError):
-        launch_mod.cpu_process_group_kwargs(60)
+        launch_mod.process_group(60)[0]
 
 
 @pytest.mark.parametrize(
@@ -119,14 +119,12 @@ def test_gpu_host_without_visible_gpus_refuses(cuda, gpu_host, monkeypatch):
 )
 def test_opt_in_to_cpu(name, value, gpu_host, monkeypatch):
     monkeypatch.setenv(name, value)
-    assert launch_mod.cpu_process_group_kwargs(60).timeout.total_seconds() == 60
+    assert launch_mod.process_group(60)[0].timeout.total_seconds() == 60
 
 
 def test_gpus_that_torch_sees_are_fine(gpu_host, monkeypatch):
     monkeypatch.setattr(launch_mod, "_has_accelerator", lambda: True)
-    assert (
-        launch_mod.cpu_process_group_kwargs(60).backend == "nccl"
-    )  # the default: nothing CPU-specific
+    assert launch_mod.process_group(60)[0].backend == "nccl"  # the default: nothing CPU-specific
 
 
 def test_plain_python_refuses_too(gpu_host, monkeypatch, tmp_path):

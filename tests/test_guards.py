@@ -150,7 +150,7 @@ def test_fp16_skipped_steps_hold_the_lr_survive_resume_and_stop_a_collapse(
     assert [r["step"] for r in lines] == list(range(1, 19))  # stopped in step 18, after logging it
     assert proc.returncode != 0
     assert "error: step 18: the fp16 loss scale fell to 0.5, below its minimum 1" in proc.stderr
-    assert "warning: 10 fp16 steps in a row skipped" in proc.stdout
+    assert "warning: step 11: 10 fp16 steps in a row skipped" in proc.stderr
     assert [r["skipped_steps"] for r in lines] == list(range(0, 18))
     assert [r["loss_scale"] for r in lines] == [
         65536 / 2**k for k in range(0, 18)
@@ -234,7 +234,7 @@ def test_windows_without_target_tokens_are_skipped_and_logged(tmp_path, cache_di
         assert (lrs[k + 1] == lrs[k]) if k in empty else (lrs[k + 1] < lrs[k]), (k, empty, lrs)
     assert steps[-1]["empty_windows"] == lines[-1]["empty_windows"] == len(empty)
     assert (
-        f"warning: {len(empty)} of 6 windows had no target tokens and were skipped" in proc.stdout
+        f"warning: {len(empty)} of 6 windows had no target tokens and were skipped" in proc.stderr
     )
 
 

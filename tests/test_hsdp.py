@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.checkpoint import resume_error, strategy_name, verify_checkpoint
+from common.checkpoint import strategy_name, verify_checkpoint
 from conftest import SHORT, launch, read_metrics, strict_json
-from test_checkpoint import RESUME_RTOL
+from test_checkpoint import RESUME_RTOL, resume_refusal
 from test_multinode import launch_two_machines
 from test_parity import FP32_RTOL, KEYS, worst_gaps
 from tools.consolidate import consolidated_state_dict
@@ -95,12 +95,12 @@ def test_an_hsdp_state_resumes_only_on_its_own_mesh():
     )  # FSDP over all ranks: one name, with or without a mesh
     saved = {"step": 5, "distributed_type": hsdp, "world_size": 4}
     for other in (name(), name(dp_replicate_size=4, dp_shard_size=2)):
-        error = resume_error(
+        error = resume_refusal(
             Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, []
         )
         assert error and f"a {hsdp} state of 4 rank(s), this run is {other} with 4" in error, error
     assert (
-        resume_error(
+        resume_refusal(
             Path("ckpt"), saved, {"distributed_type": hsdp, "world_size": 4, "max_steps": 10}, []
         )
         is None

@@ -75,6 +75,8 @@ def test_every_config_trains_and_exports(config, short_run):
         and train["blocks"] * 64 + train["dropped_tokens"] == train["tokens"] > 1.5e6
     )
     assert all(split["dropped_tokens"] < 64 for split in info["data"].values())
+    # --packing stream: every position but a block's first is a target, as the loss counts them
+    assert all(split["targets"] == split["blocks"] * 63 for split in info["data"].values())
     # What DeepSpeed ran with (its filled-in config), as run_info.json and the start line report it.
     stage = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}.get(config)
     assert info["deepspeed"] == (

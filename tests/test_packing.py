@@ -33,12 +33,15 @@ def test_packing_carries_the_remainder_over(tmp_path):
     assert len(tok("x")["input_ids"]) == 1
     packed = data.pack_dataset(raw, tok, 1_024, str(tmp_path))
     assert len(packed["train"]) == 9
-    assert data.pack_stats(packed)["train"] == {
+    stats = data.pack_stats(packed)["train"]
+    assert len(stats.pop("digest")) == 16
+    assert stats == {
         "rows": 5_000,
         "tokens": 10_000,
         "blocks": 9,
         "dropped_tokens": 784,
         "special_text": {},
+        "targets": 9 * 1_023,  # every position but a block's first: the model shifts the labels
     }
 
     # The blocks are the rows' tokens in order, spanning rows and batches of rows.
@@ -71,9 +74,6 @@ def tokenizer(cache_dir):
 
 def one_block(tok, texts, tmp_path, packing="documents"):
     """`texts` packed as one train block (block_size = their tokens, eos included) under `packing`."""
-    from accelerate import PartialState
-
-    PartialState()  # Accelerate's logger needs the (here single-process) state
     n = sum(len(ids) for ids in data.document_ids(tok, texts)[0])
     raw = datasets.DatasetDict(
         {
@@ -150,7 +150,7 @@ def test_a_document_does_not_see_the_one_before(tokenizer, model, tmp_path):
     torch.testing.assert_close(logits_of_b(DOCS[0]), logits_of_b(OTHER), rtol=0, atol=1e-5)
 
 
-def test_special_token_text_stays_text_and_is_counted(tokenizer, tmp_path, caplog):
+def test_special_token_text_stays_text_and_is_counted(tokenizer, tmp_path, capsys):
     """`<|endoftext|>` written in a document is eos, bos and pad of the bundled BPE: it is encoded as
     the plain text it is (10 ordinary tokens), never as the control token, and rank 0 counts it."""
     text = "The end of one story <|endoftext|> is no end of the text."
@@ -161,10 +161,10 @@ def test_special_token_text_stays_text_and_is_counted(tokenizer, tmp_path, caplo
     assert (
         tokenizer.eos_token_id in tokenizer(text)["input_ids"][:-1]
     )  # what plain encoding would train on
-    caplog.clear()
+    capsys.readouterr()
     block = one_block(tokenizer, [text, text, DOCS[0]], tmp_path)
     assert (block["input_ids"][0] == tokenizer.eos_token_id).sum() == 3  # one per document
-    warnings = [r.getMessage() for r in caplog.records if "special-token strings" in r.getMessage()]
+    warnings = [w for w in capsys.readouterr().err.splitlines() if "special-token strings" in w]
     assert len(warnings) == 2 and "(<|endoftext|> x 2)" in warnings[0]  # train and validation
 
 
@@ -218,11 +218,12 @@ def test_a_model_without_position_ids_cannot_pack_documents():
     from transformers import BloomForCausalLM, GPT2LMHeadModel
 
     from common import checks
+    from common.errors import Stop
 
-    assert (
-        checks.documents_problem(LlamaForCausalLM) is None
-        and checks.documents_problem(GPT2LMHeadModel) is None
-    )
-    assert checks.documents_problem(BloomForCausalLM).startswith(
+    checks.documents_kept_apart(LlamaForCausalLM)
+    checks.documents_kept_apart(GPT2LMHeadModel)
+    with pytest.raises(Stop) as stop:
+        checks.documents_kept_apart(BloomForCausalLM)
+    assert str(stop.value).startswith(
         "--packing documents keeps documents apart through position_ids, which BloomForCausalLM's forward"
     )

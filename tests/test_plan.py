@@ -1,4 +1,4 @@
-"""common/plan.py (and its command line, tools/plan.py) against measurement: model states from live
+"""tools/planner.py (and its command line, tools/plan.py) against measurement: model states from live
 tensors (one launch per strategy, three model shapes each), activations from autograd's saved tensors
 (in process), and DeepSpeed's own estimators (offline)."""
 
@@ -12,7 +12,8 @@ import torch
 from conftest import REPO, launch
 
 sys.path.insert(0, str(REPO))
-from common import models, plan  # noqa: E402
+from common import causal_lm, models  # noqa: E402
+from tools import planner  # noqa: E402
 from tools import plan as plan_cli  # noqa: E402
 from common.memory import SavedTensorBytes  # noqa: E402
 
@@ -30,7 +31,7 @@ LORA_BOUND = 4e-3  # relative; LoRA measured worst 3.6e-4 (FSDP2 Adam moments: e
 
 def debug_config(overrides: str):
     config = models.llama_config("debug", 4096)
-    return models.apply_overrides(config, overrides) if overrides else config
+    return causal_lm.apply_overrides(config, overrides) if overrides else config
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"])
@@ -54,12 +55,12 @@ def test_model_states_equal_the_live_tensors(strategy, tmp_path, cache_dir):
     )
     measured = json.loads(out.read_text())
     assert [m["config_overrides"] for m in measured] == shapes
-    spec = plan.read_strategy(REPO / "accelerate_configs" / f"{strategy}.yaml")
+    spec = planner.read_strategy(REPO / "accelerate_configs" / f"{strategy}.yaml")
     for m in measured:
         overrides = m["config_overrides"].replace(",lora_r=8", "")
-        shape = plan.model_shape(debug_config(overrides), {"r": 8} if m["lora_r"] else None)
+        shape = planner.model_shape(debug_config(overrides), {"r": 8} if m["lora_r"] else None)
         assert (shape["n_params"], shape["trainable"]) == (m["n_params"], m["n_trainable"])
-        planned = plan.plan_strategy(
+        planned = planner.plan_strategy(
             spec,
             shape,
             ranks=2,
@@ -119,11 +120,11 @@ def test_activations_equal_the_saved_tensors(checkpointing, bf16_params, packing
     """The mask of --packing documents and none (padded) is counted: documents measured 360,448 bytes more
     than a stream at 64 tokens (fp32 params), none 327,680."""
     config = debug_config("num_key_value_heads=2,tie_word_embeddings=False")
-    shape = plan.model_shape(config)
+    shape = planner.model_shape(config)
     r = 2 if bf16_params else 4
     for seq in (64, 128):
         saved = saved_bytes(config, seq, checkpointing, bf16_params, packing)
-        act = plan.activation_bytes(
+        act = planner.activation_bytes(
             shape,
             2,
             seq,
@@ -140,9 +141,9 @@ def test_activations_equal_the_saved_tensors(checkpointing, bf16_params, packing
 
 
 def test_activations_grow_with_the_sequence_and_checkpointing_keeps_the_block_inputs():
-    shape = plan.model_shape(debug_config(""))
-    full = plan.activation_bytes(shape, 1, 2048, 2, 2, checkpointing=False, weight_copies=False)
-    ckpt = plan.activation_bytes(shape, 1, 2048, 2, 2, checkpointing=True, weight_copies=False)
+    shape = planner.model_shape(debug_config(""))
+    full = planner.activation_bytes(shape, 1, 2048, 2, 2, checkpointing=False, weight_copies=False)
+    ckpt = planner.activation_bytes(shape, 1, 2048, 2, 2, checkpointing=True, weight_copies=False)
     assert ckpt["blocks"] == 4 * 2048 * 256 * 2  # L x T x h x 2 bytes: each block's bf16 input
     assert ckpt["recompute"] * 4 == full["blocks"]  # one block rebuilt at a time
 
@@ -151,7 +152,7 @@ def ds_estimates(config, n):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    shape = plan.model_shape(config)
+    shape = planner.model_shape(config)
     psi, largest = shape["n_params"], shape["largest_module"]
     zero2 = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=n, cpu_offload=False)[1]
     one = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=1, cpu_offload=False)[1]
@@ -169,13 +170,13 @@ def ds_estimates(config, n):
 @pytest.mark.parametrize("preset", ["llama-3-8b", "llama-3.2-1b"])
 def test_model_states_agree_with_deepspeeds_estimator(preset):
     n = 8
-    shape, ds = ds_estimates(plan.load_model_config(preset, None), n)
+    shape, ds = ds_estimates(planner.load_model_config(preset, None), n)
     psi = shape["n_params"]
     assert psi == {"llama-3-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400}[preset]
 
     def states(name):
-        spec = plan.read_strategy(REPO / "accelerate_configs" / f"{name}.yaml")
-        p = plan.plan_strategy(spec, shape, n, 1, 2048, 1, False, "bf16")
+        spec = planner.read_strategy(REPO / "accelerate_configs" / f"{name}.yaml")
+        p = planner.plan_strategy(spec, shape, n, 1, 2048, 1, False, "bf16")
         return sum(p[c] for c in STATES), p
 
     # the differences by design, in the module docstring
@@ -258,8 +259,8 @@ def test_cli_table_json_and_bad_input(cli):
     assert (
         plans["ddp"]["total"] > 80e9 and plans["fsdp"]["total"] < 80e9
     )  # 16Ψ = 128 GB of DDP states alone
-    shape = plan.model_shape(plan.load_model_config("llama-3-8b", None))
-    assert plans["fsdp"]["params"] == 4 * plan.shard_elements(shape, 8)
+    shape = planner.model_shape(planner.load_model_config("llama-3-8b", None))
+    assert plans["fsdp"]["params"] == 4 * planner.shard_elements(shape, 8)
     assert (
         plans["deepspeed_zero3_offload"]["host"] > 0
         and plans["deepspeed_zero3_offload"]["adam_moments"] == 0
@@ -429,7 +430,10 @@ def test_hsdp_shards_within_a_machine_and_sends_less_across(tmp_path, capsys):
         assert plans["hsdp"][key] == one_machine["plans"]["fsdp8"][key], key
     assert (
         plans["hsdp"]["params"]
-        == 4 * plan.shard_elements(plan.model_shape(plan.load_model_config("llama-3-8b", None)), 8)
+        == 4
+        * planner.shard_elements(
+            planner.model_shape(planner.load_model_config("llama-3-8b", None)), 8
+        )
         > 1.9 * plans["fsdp"]["params"]
     )
     assert plans["hsdp"]["comm_inter_node"] == 2 * math.ceil(n / 8) * 4 // 2

@@ -1,4 +1,4 @@
-"""The planner's time model (common/plan.py: compute_work, time_strategy, calibrate, read_measurement) against
+"""The planner's time model (tools/planner.py: compute_work, time_strategy, calibrate, read_measurement) against
 published torchtitan runs and this project's own CPU measurements; all in process, on meta-device models.
 
 Published figures (each row's source named; copied here so that a fresh clone can run the test):
@@ -17,7 +17,7 @@ from conftest import REPO
 from transformers import LlamaConfig
 
 sys.path.insert(0, str(REPO))
-from common import plan  # noqa: E402
+from tools import planner  # noqa: E402
 from tools import plan as plan_cli  # noqa: E402
 
 FSDP2 = {
@@ -30,7 +30,7 @@ FSDP2 = {
 
 
 def shape(h, i, layers, heads, kv, vocab):
-    return plan.model_shape(
+    return planner.model_shape(
         LlamaConfig(
             hidden_size=h,
             intermediate_size=i,
@@ -86,7 +86,7 @@ A100_ERRORS = [0.0, 0.002, -0.056, -0.016, -0.045, -0.026, 0.080, -0.075]
 
 def predict(rows, device, shapes, efficiency):
     return [
-        plan.time_strategy(
+        planner.time_strategy(
             FSDP2, shapes[m], device, n, b, s, checkpointing=ck, compiled=c, efficiency=efficiency
         )["tokens_per_s"]
         for m, n, b, s, ck, c, _, _ in rows
@@ -98,9 +98,9 @@ def predict(rows, device, shapes, efficiency):
 )
 def test_one_calibration_row_predicts_the_other_published_rows(gpu, rows, errors, shapes):
     # torchtitan's H100s: HBM2e at 2.4 TB/s (the benchmark file), not the SXM datasheet's 3.35
-    device = plan.device_spec(gpu, memory_bandwidth=2.4e12 if gpu == "h100" else None)
+    device = planner.device_spec(gpu, memory_bandwidth=2.4e12 if gpu == "h100" else None)
     m, n, b, s, ck, c, measured, _ = rows[0]
-    efficiency = plan.calibrate(
+    efficiency = planner.calibrate(
         measured, FSDP2, shapes[m], device, n, b, s, checkpointing=ck, compiled=c
     )
     assert 0.40 < efficiency < 0.70  # fitted: H100 0.446 (500 W parts), A100 0.648
@@ -117,8 +117,8 @@ def test_one_calibration_row_predicts_the_other_published_rows(gpu, rows, errors
 def test_datasheet_figures_without_calibration(shapes):
     """Uncalibrated (datasheet peaks and bandwidths, efficiency 0.6): torchtitan's A100 rows within -14%
     to +1%; its H100 rows 36-45% optimistic (500 W parts, HBM2e; the benchmark says its MFU is low)."""
-    a100 = predict(A100, plan.device_spec("a100"), shapes, plan.DEFAULT_EFFICIENCY)
-    h100 = predict(H100, plan.device_spec("h100"), shapes, plan.DEFAULT_EFFICIENCY)
+    a100 = predict(A100, planner.device_spec("a100"), shapes, planner.DEFAULT_EFFICIENCY)
+    h100 = predict(H100, planner.device_spec("h100"), shapes, planner.DEFAULT_EFFICIENCY)
     a_err = [p / r[6] - 1 for p, r in zip(a100, A100)]
     h_err = [p / r[6] - 1 for p, r in zip(h100, H100)]
     assert -0.15 < min(a_err) and max(a_err) < 0.02, a_err  # measured -0.139 .. +0.006
@@ -139,7 +139,7 @@ def test_memory_against_published_rows(ranks, batch, seq, checkpointing, publish
     measured -7.0% and -0.5% (8 GPUs, eager and compiled), -6.5% and +1.0% (128), -3.9% (32K, full).
     The reserved estimate (+6%): -1.3% and +5.6%, -0.9% and +7.1%, +1.8%. torchtitan compiled the blocks,
     not the loss: 12 bytes per token and vocabulary entry (transformers 5's figure) in every row."""
-    p = plan.plan_strategy(
+    p = planner.plan_strategy(
         FSDP2, shapes["llama3-8b"], ranks, batch, seq, 1, checkpointing, "bf16", logits_bytes=12
     )
     gib, reserved = p["total"] / 2**30, p["reserved"] / 2**30
@@ -148,7 +148,7 @@ def test_memory_against_published_rows(ranks, batch, seq, checkpointing, publish
         assert -0.03 < reserved / figure - 1 < 0.10, (source, reserved, figure)
     # gradients set to None between steps (torchtitan's zero_grad): not at the activation peak, 4Ψ/N less;
     # reserved then -6.2% and +0.4% (8 GPUs), -1.3% and +6.7% (128), -2.8% (32K)
-    freed = plan.plan_strategy(
+    freed = planner.plan_strategy(
         FSDP2,
         shapes["llama3-8b"],
         ranks,
@@ -171,9 +171,9 @@ def test_memory_against_published_rows(ranks, batch, seq, checkpointing, publish
 
 def test_logits_by_transformers_version_and_compiled_loss(capsys):
     assert (
-        plan.logits_factor(False, "5.24.0"),
-        plan.logits_factor(False, "4.46.3"),
-        plan.logits_factor(True),
+        planner.logits_factor(False, "5.24.0"),
+        planner.logits_factor(False, "4.46.3"),
+        planner.logits_factor(True),
     ) == (12, 16, 4)
     args = [
         "--config",
@@ -198,7 +198,9 @@ def test_logits_by_transformers_version_and_compiled_loss(capsys):
     plan_cli.main([*args, "--dynamo_backend", "inductor"])
     compiled = json.loads(capsys.readouterr().out)["plans"]["fsdp"]
     tv = 2048 * 128256
-    assert compiled["logits_loss"] == 4 * tv and eager["logits_loss"] == plan.logits_factor() * tv
+    assert (
+        compiled["logits_loss"] == 4 * tv and eager["logits_loss"] == planner.logits_factor() * tv
+    )
     assert compiled["reserved"] == int(compiled["total"] * 1.06)
 
 
@@ -206,7 +208,7 @@ def test_flops_are_the_palm_count_with_causal_attention(shapes):
     """Without recomputation, forward + backward = 6N + 6·L·H·Q·T (PaLM's 12·L·H·Q·T halved by the causal
     mask), N = every Linear weight (the head included, the embedding lookup not)."""
     s = shapes["llama3-8b"]
-    work = plan.compute_work(s, 8192)
+    work = planner.compute_work(s, 8192)
     n = (
         8_030_261_248 - 128256 * 4096
     )  # parameters less the embedding table (norm weights are not Linears)
@@ -214,42 +216,45 @@ def test_flops_are_the_palm_count_with_causal_attention(shapes):
     assert work["flops_fwd"] + work["flops_bwd"] == pytest.approx(
         palm, rel=1e-4
     )  # the norms: 266,240 elements
-    full = plan.compute_work(s, 8192, "full")
+    full = planner.compute_work(s, 8192, "full")
     assert full["flops_bwd"] - work["flops_bwd"] == pytest.approx(
         work["flops_fwd"] - 2 * 128256 * 4096, rel=1e-9
     )
-    compiled = plan.compute_work(s, 8192, compiled=True)
+    compiled = planner.compute_work(s, 8192, compiled=True)
     assert compiled["bytes_fwd"] < 0.5 * work["bytes_fwd"]
 
 
 def test_ring_collectives_and_the_network():
-    h100 = plan.device_spec("h100")
+    h100 = planner.device_spec("h100")
     # within a node: 8 GB gathered over 8 ranks sends 7/8 of it at 360 GB/s, plus 7 hops x 5 us
-    assert plan.collective_seconds(h100, "all_gather", 8e9, 8) == pytest.approx(
+    assert planner.collective_seconds(h100, "all_gather", 8e9, 8) == pytest.approx(
         7 / 8 * 8e9 / 360e9 + 7 * 5e-6
     )
     # across nodes a ring's hops use all 8 NICs of a node: 8 x 40 GB/s, under NVLink's 360
-    assert plan.bus_bandwidth(h100, "all_gather", 16) == 320e9
-    assert plan.bus_bandwidth(plan.device_spec("h100", network=12.5e9), "all_reduce", 16) == 100e9
-    assert plan.collective_seconds(h100, "all_reduce", 1e9, 1) == 0
+    assert planner.bus_bandwidth(h100, "all_gather", 16) == 320e9
+    assert (
+        planner.bus_bandwidth(planner.device_spec("h100", network=12.5e9), "all_reduce", 16)
+        == 100e9
+    )
+    assert planner.collective_seconds(h100, "all_reduce", 1e9, 1) == 0
     with pytest.raises(ValueError, match="--gpu 'tpu'"):
-        plan.device_spec("tpu")
+        planner.device_spec("tpu")
 
 
 def cpu_predictions(efficiency=None):
     """{strategy: (predicted, measured tokens/s per rank)} for benchmarks/results/compare_strategies_cpu2.md,
     the efficiency calibrated on its DDP row unless given."""
-    rows = plan.read_measurement(REPO / "benchmarks" / "results" / "compare_strategies_cpu2.md")
-    s = plan.model_shape(plan.load_model_config(rows[0]["model_config"], None))
-    device = plan.device_spec("cpu")
+    rows = planner.read_measurement(REPO / "benchmarks" / "results" / "compare_strategies_cpu2.md")
+    s = planner.model_shape(planner.load_model_config(rows[0]["model_config"], None))
+    device = planner.device_spec("cpu")
     configs = {
-        r["strategy"]: plan.read_strategy(REPO / "accelerate_configs" / f"{r['strategy']}.yaml")
+        r["strategy"]: planner.read_strategy(REPO / "accelerate_configs" / f"{r['strategy']}.yaml")
         for r in rows
     }
     if efficiency is None:
         ddp = rows[0]
         assert ddp["strategy"] == "ddp"
-        efficiency = plan.calibrate(
+        efficiency = planner.calibrate(
             ddp["tokens_per_s"],
             configs["ddp"],
             s,
@@ -261,7 +266,7 @@ def cpu_predictions(efficiency=None):
         )
     return {
         r["strategy"]: (
-            plan.time_strategy(
+            planner.time_strategy(
                 configs[r["strategy"]],
                 s,
                 device,
@@ -330,7 +335,7 @@ def write_run(run, tokens_per_second, **info):
 def test_calibration_from_a_llama_run(tmp_path, capsys):
     # the warm-up steps (1, 2) are left out: the median of steps 3-7
     write_run(tmp_path / "run", [1400, 2000, 5600, 5500, 5650, 5700, 5580])
-    (m,) = plan.read_measurement(tmp_path / "run")
+    (m,) = planner.read_measurement(tmp_path / "run")
     assert (m["strategy"], m["tokens_per_s"], m["ranks"], m["batch"], m["seq"]) == (
         "ddp",
         5600,
@@ -367,14 +372,14 @@ def test_calibration_from_a_llama_run(tmp_path, capsys):
         distributed_type="DEEPSPEED",
         deepspeed={"zero_stage": 3, "offload_optimizer_device": "cpu"},
     )
-    assert plan.read_measurement(tmp_path / "zero3")[0]["strategy"] == "deepspeed_zero3_offload"
+    assert planner.read_measurement(tmp_path / "zero3")[0]["strategy"] == "deepspeed_zero3_offload"
     # a CPU measurement does not calibrate an H100 plan
     with pytest.raises(
         SystemExit, match=r"error: --calibrate .*: 5,600 tokens/s per rank is 0.0\d% of what h100"
     ):
         plan_cli.main(["--config", "ddp", "--gpu", "h100", "--calibrate", str(tmp_path / "run")])
     with pytest.raises(ValueError, match="--calibrate .*not a compare_strategies result"):
-        plan.read_measurement(tmp_path / "zero3" / "run_info.json")
+        planner.read_measurement(tmp_path / "zero3" / "run_info.json")
 
 
 def test_table_launcher_names_and_calibration_source(capsys):

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from common import data
 from conftest import REPO, launch, read_metrics
+from recipes.sft import chat_rows
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from compare_runs import worst_gaps  # noqa: E402
@@ -32,16 +33,17 @@ def chat(cache_dir):
 
 
 def test_the_targets_are_the_assistant_tokens(chat, tmp_path):
-    from accelerate import PartialState
-
-    PartialState()  # Accelerate's logger (pack_dataset's warnings) needs the (one-process) state
     raw, tokenizer = chat
-    to_rows, rows_key = data.chat_rows(tokenizer, None, True)
+    to_rows = chat_rows(tokenizer, None, True)
     for split in ("train", "validation"):
         conversations = raw[split][:]["messages"]
         rows = to_rows(raw[split][:])
-        assert len(rows["ids"]) == len(conversations) == {"train": 4000, "validation": 400}[split]
-        for messages, ids, labels in zip(conversations, rows["ids"], rows["labels"]):
+        assert (
+            len(rows["input_ids"])
+            == len(conversations)
+            == {"train": 4000, "validation": 400}[split]
+        )
+        for messages, ids, labels in zip(conversations, rows["input_ids"], rows["labels"]):
             # what the model must learn to say: each reply and the eos that ends it, nothing else
             replies = "".join(
                 m["content"] + tokenizer.eos_token for m in messages if m["role"] == "assistant"
@@ -52,29 +54,40 @@ def test_the_targets_are_the_assistant_tokens(chat, tmp_path):
                 tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
             )
     # --assistant_only_loss false: every token; prompt/completion rows: one exchange
-    every, key = data.chat_rows(tokenizer, None, False)
+    every = chat_rows(tokenizer, None, False)
     rows = every(raw["validation"][:3])
-    assert rows["labels"] == rows["ids"] and key != rows_key
+    assert rows["labels"] == rows["input_ids"]
     pair = to_rows({"prompt": ["Who is there?"], "completion": ["Nay, answer me."]})
-    targets = [t for t, y in zip(pair["ids"][0], pair["labels"][0]) if y != -100]
+    targets = [t for t, y in zip(pair["input_ids"][0], pair["labels"][0]) if y != -100]
     assert tokenizer.decode(targets) == "Nay, answer me." + tokenizer.eos_token
 
     # stream packing would attend across conversations, and llama.py counts every position a target
     with pytest.raises(ValueError, match="a recipe's own labels need --packing documents or none"):
-        data.pack_dataset(raw, tokenizer, 256, str(tmp_path), "stream", to_rows, rows_key)
+        data.pack_dataset(raw, tokenizer, 256, str(tmp_path), "stream", to_rows)
     # the labels go through the packing as they are: padded rows, and packed documents (whose
     # first token is no target either way: "###" of a header)
     small = raw.map(lambda b: b, batched=True).filter(lambda _, i: i < 40, with_indices=True)
     for packing in ("none", "documents"):
         packed = data.pack_dataset(
-            small, tokenizer, 256, str(tmp_path), packing, to_rows, rows_key, "--max_length"
+            small, tokenizer, 256, str(tmp_path), packing, to_rows, "--max_length"
         )
         rows = to_rows(small["train"][:])
         made = sum(sum(y != -100 for y in r) for r in rows["labels"])
         kept = sum(sum(y != -100 for y in b) for b in packed["train"]["labels"])
+        # the statistics count the targets as the loss does: past each block's first position
+        assert data.pack_stats(packed)["train"]["targets"] == sum(
+            sum(y != -100 for y in b[1:]) for b in packed["train"]["labels"]
+        )
         if packing == "none":  # rows under 256 tokens: each padded row's labels are its own
-            assert all(len(r) <= 256 for r in rows["ids"]) and kept == made
+            assert all(len(r) <= 256 for r in rows["input_ids"]) and kept == made
             assert packed["train"][0]["labels"][: len(rows["labels"][0])] == rows["labels"][0]
+            # the label rule keys the cache, and the blocks' digest (the resume's fingerprint)
+            every_token = data.pack_dataset(
+                small, tokenizer, 256, str(tmp_path), packing, every, "--max_length"
+            )
+            assert every_token["train"].cache_files != packed["train"].cache_files
+            digests = [data.pack_stats(d)["train"]["digest"] for d in (packed, every_token)]
+            assert digests[0] != digests[1]
         else:  # the last partial block dropped; a split row's next block restarts at a non-target
             stats = data.pack_stats(packed)["train"]
             assert 0 < made - kept <= stats["dropped_tokens"] + stats["split_documents"], (
@@ -92,7 +105,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused(chat):
         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
     )
-    to_rows, _ = data.chat_rows(tokenizer, None, True)
+    to_rows = chat_rows(tokenizer, None, True)
     with pytest.raises(
         ValueError, match="the chat template is not prefix-stable: in the conversation that starts"
     ):
@@ -101,9 +114,9 @@ def test_a_template_that_is_not_prefix_stable_is_refused(chat):
     with pytest.raises(
         ValueError, match="the tokenizer has no chat template: pass --chat_template FILE"
     ):
-        data.chat_rows(tokenizer, None, True)
+        chat_rows(tokenizer, None, True)
     with pytest.raises(ValueError, match="--chat_template nope.jinja: no such file"):
-        data.chat_rows(tokenizer, "nope.jinja", True)
+        chat_rows(tokenizer, "nope.jinja", True)
 
 
 # ---- Launched: every strategy against one process, LoRA and full, fp32 ---------------------------
@@ -325,17 +338,19 @@ def test_refusals_are_one_line(monkeypatch, base, tmp_path, cache_dir):
         "error: --lora_target_modules q_proj,attn_out: no module named attn_out in the model (adapted: q_proj)"
     ], proc.stderr[-3000:]
     # a resume under other LoRA settings would train another model: the checkpoint's are named
-    from common.checkpoint import resume_error
+    from common.checkpoint import check_resume
+    from common.errors import Stop
 
     lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
     saved = {"step": 2, "lora": lora, "distributed_type": "MULTI_CPU", "world_size": 2}
-    error = resume_error(
-        tmp_path / "checkpoint-2",
-        saved,
-        {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
-        ["lora"],
-    )
-    assert error == (
+    with pytest.raises(Stop) as error:
+        check_resume(
+            tmp_path / "checkpoint-2",
+            saved,
+            {**saved, "lora": {**lora, "r": 16}, "max_steps": 4},
+            ["lora"],
+        )
+    assert str(error.value) == (
         f"cannot resume from {tmp_path / 'checkpoint-2'}: lora.r 8 -> 16. Resume with the saved "
         "settings, or start a new run (into another --output_dir) from its weights"
     )
@@ -390,7 +405,7 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from common import checkpoint, models
+    from common import causal_lm, checkpoint
     from common.errors import Stop
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -440,23 +455,22 @@ def test_a_lora_load_that_misses_the_adapters_or_the_base_is_refused(base, tmp_p
     with torch.no_grad():
         changed.model.layers[1].mlp.down_proj.weight.mul_(1.01)
     changed.save_pretrained(other)
-    digest = models.weights_digest(str(base))
-    assert digest and models.weights_digest(str(moved)) == digest != models.weights_digest(
+    digest = causal_lm.weights_digest(str(base))
+    assert digest and causal_lm.weights_digest(str(moved)) == digest != causal_lm.weights_digest(
         str(other)
     )
     state = {
-        "frozen_base": models.weights_digest(str(other)),
+        "frozen_base": causal_lm.weights_digest(str(other)),
         "world_size": 1,
         "distributed_type": "NO",
         "max_steps": 4,
     }
-    error = checkpoint.resume_error(
-        path, {"step": 2, "frozen_base": digest}, state, ["frozen_base"]
-    )
-    assert error.startswith(
+    with pytest.raises(Stop) as error:
+        checkpoint.check_resume(path, {"step": 2, "frozen_base": digest}, state, ["frozen_base"])
+    assert str(error.value).startswith(
         f"cannot resume from {path}: frozen_base {digest} -> {state['frozen_base']} "
         "(the frozen base model's weights: --model_name_or_path)"
-    ), error
+    ), error.value
 
 
 def test_lora_with_gradient_checkpointing_and_packed_conversations(base, tmp_path, cache_dir):

@@ -290,9 +290,7 @@ def test_exactly_one_writer_per_file(run):
     for (
         path,
         ranks,
-    ) in (
-        writes.items()
-    ):  # each rank touches its own `.shared-check-{token}-{rank}` (check_shared_dir)
+    ) in writes.items():  # each rank touches its own `.shared-check-{token}-{rank}` (run_dir.claim)
         owner = (
             int(path[len("sample_ids/rank") : -len(".json")])
             if path.startswith("sample_ids/")

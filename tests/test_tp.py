@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.checkpoint import resume_error, strategy_name, verify_checkpoint
+from common.checkpoint import strategy_name, verify_checkpoint
 from conftest import SHORT, launch, read_metrics, strict_json
-from test_checkpoint import RESUME_RTOL
+from test_checkpoint import RESUME_RTOL, resume_refusal
 from test_parity import FP32_RTOL, KEYS, worst_gaps
 
 SAVE = 5  # mid-run; the resumed run logs steps 6, 8 and 10 (SHORT logs every 2nd)
@@ -143,12 +143,12 @@ def test_a_tp_state_resumes_only_on_its_own_mesh():
         name(dp_replicate_size=2, dp_shard_size=2),
         name(dp_shard_size=4, tp_size=2),
     ):
-        error = resume_error(
+        error = resume_refusal(
             Path("ckpt"), saved, {"distributed_type": other, "world_size": 4, "max_steps": 10}, []
         )
         assert error and f"a {tp} state of 4 rank(s), this run is {other} with 4" in error, error
     assert (
-        resume_error(
+        resume_refusal(
             Path("ckpt"), saved, {"distributed_type": tp, "world_size": 4, "max_steps": 10}, []
         )
         is None

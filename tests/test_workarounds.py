@@ -20,11 +20,11 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, To
 from common import launch, workarounds
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = {"accelerator_built", "prepared"}  # one call per point where workarounds apply
+STAGES = {"patch_accelerator", "patch_model"}  # one call per point where workarounds apply
 
 
 def upstream(name: str) -> str:
-    return f"upstream changed: review/delete workarounds.{name}"
+    return f"upstream changed: review/delete {name if '.' in name else 'workarounds.' + name}"
 
 
 @pytest.fixture
@@ -282,18 +282,9 @@ def _functions() -> dict:
     }
 
 
-def _table() -> list[str]:
-    """The workaround names of the module docstring's table (a name cut at `_` continues below)."""
-    names = []
-    for line in workarounds.__doc__.splitlines():
-        cell = line.split("|")[1].strip() if line.startswith("|") else ""
-        if not cell or cell == "workaround" or set(cell) == {"-"}:
-            continue
-        if names and names[-1].endswith("_"):
-            names[-1] += cell
-        else:
-            names.append(cell)
-    return names
+def _elsewhere() -> list[tuple[str, str]]:
+    """(file, function) of each patch the module docstring lists as living elsewhere."""
+    return re.findall(r"^- (common/\w+\.py), `(\w+)`", workarounds.__doc__, flags=re.M)
 
 
 def test_replicate_parallel_for_accelerate():
@@ -344,18 +335,20 @@ def test_no_deepspeed_import_on_unwrap():
     )
 
 
-def test_the_table_lists_every_workaround_once_with_its_canary():
-    table, functions = _table(), _functions()
-    assert len(table) == len(set(table))
-    assert set(table) == set(functions) - STAGES
-    here = inspect.getsource(
-        inspect.getmodule(test_the_table_lists_every_workaround_once_with_its_canary)
-    )
-    for name in table:
+def test_every_workaround_has_its_canary():
+    functions = _functions()
+    workarounds_ = set(functions) - STAGES
+    here = inspect.getsource(inspect.getmodule(test_every_workaround_has_its_canary))
+    for name in sorted(workarounds_):
         assert f"def test_{name}(" in here, f"no canary test_{name}"
         doc = functions[name].__doc__
         libraries = r"\b(accelerate|torch|deepspeed|glibc|torchrun|safetensors)\b"
         assert "Canary:" in doc and re.search(libraries, doc, re.I), name
+    elsewhere = _elsewhere()
+    assert len(elsewhere) >= 2
+    for path, name in elsewhere:
+        assert f"def {name}(" in (REPO / path).read_text(), (path, name)
+        assert f"def test_{name}(" in here and name not in functions, f"no canary test_{name}"
     for name in STAGES:  # a stage names the workarounds it calls, and calls them
         named = set(re.findall(r"`(\w+)`", functions[name].__doc__)) & set(functions)
         called = {
@@ -363,7 +356,7 @@ def test_the_table_lists_every_workaround_once_with_its_canary():
             for n in ast.walk(ast.parse(inspect.getsource(functions[name])))
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
-        assert named == called and named <= set(table), (name, named, called)
+        assert named == called and named <= workarounds_, (name, named, called)
 
 
 def test_each_workaround_returns_its_own_name():
@@ -392,15 +385,15 @@ def test_the_stages_return_what_applied(fresh_state, monkeypatch):
         other, "is_deepspeed_available", imports.is_deepspeed_available
     )  # unpatched, restored
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-    assert workarounds.accelerator_built(accelerator) == [
+    assert workarounds.patch_accelerator(accelerator) == [
         "install_cpu_grad_scaler",
         "no_deepspeed_import_on_unwrap",
     ]
     model = accelerator.prepare(torch.nn.Linear(2, 2))
-    assert workarounds.prepared(accelerator, model) == ["drop_fp32_output_copy"]
+    assert workarounds.patch_model(accelerator, model) == ["drop_fp32_output_copy"]
     AcceleratorState._reset_state(reset_partial_state=True)
     assert (
-        workarounds.accelerator_built(Accelerator(cpu=True)) == []
+        workarounds.patch_accelerator(Accelerator(cpu=True)) == []
     )  # fp32, unwrap patched already: nothing
 
 
@@ -444,3 +437,49 @@ def test_relink_offload_lr_scheduler():
     assert swapped.param_groups[0] is not adamw.param_groups[0], upstream(
         "relink_offload_lr_scheduler"
     )
+
+
+def test_inductor_cache_per_cpu_capability(monkeypatch):
+    """torch's inductor cache folder and its keys still ignore ATEN_CPU_CAPABILITY; the workaround
+    gives the override a folder of its own, and leaves a folder the user chose alone."""
+    import torch._inductor.codecache as codecache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    native = default_cache_dir()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert default_cache_dir() == native and "ATEN_CPU_CAPABILITY" not in inspect.getsource(
+        codecache
+    ), upstream("inductor_cache_per_cpu_capability")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", native)
+    assert workarounds.inductor_cache_per_cpu_capability() == ["inductor_cache_per_cpu_capability"]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{native}_avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "mine")
+    assert workarounds.inductor_cache_per_cpu_capability() == []
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "mine"
+
+
+def test_zero_universal():
+    """common/checkpoint.zero_universal: Accelerate's `load_state` still has no universal-checkpoint
+    option, and DeepSpeed's engine still reads it from its private config."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    name = "checkpoint.zero_universal"
+    assert "universal" not in inspect.getsource(Accelerator.load_state), upstream(name)
+    assert "return self._config.load_universal_checkpoint" in inspect.getsource(
+        DeepSpeedEngine.load_universal_checkpoint
+    ), upstream(name)
+
+
+def test_tensor_parallel():
+    """common/causal_lm.tensor_parallel: transformers' `apply_tensor_parallelism` still leaves the
+    model's `_tp_size` unset (`from_pretrained` sets it), which `tp_size` returns and Accelerate's
+    `prepare` reads (`get_model_tp_size`)."""
+    from accelerate.utils.other import get_model_tp_size
+    from transformers import PreTrainedModel
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    name = "causal_lm.tensor_parallel"
+    assert "_tp_size" not in inspect.getsource(apply_tensor_parallelism), upstream(name)
+    assert "return self._tp_size" in inspect.getsource(PreTrainedModel.tp_size.fget), upstream(name)
+    assert 'getattr(model, "tp_size"' in inspect.getsource(get_model_tp_size), upstream(name)

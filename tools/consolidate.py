@@ -25,7 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.checkpoint import verify_checkpoint  # noqa: E402
-from common.models import inference_ready, weights_mismatch  # noqa: E402
+from common.causal_lm import weights_mismatch  # noqa: E402
+from common.models import for_inference  # noqa: E402
 from common.workarounds import safetensors_mode_from_umask  # noqa: E402
 
 
@@ -74,7 +75,7 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> None:
         )
     ckpt = Path(checkpoint_dir)
     state_dict = consolidated_state_dict(ckpt)
-    config = inference_ready(AutoConfig.from_pretrained(ckpt / "hf"))  # the KV cache on
+    config = for_inference(AutoConfig.from_pretrained(ckpt / "hf"))  # the KV cache on
     model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]

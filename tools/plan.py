@@ -9,7 +9,7 @@ optimizer step, the step time (compute, exposed communication, optimizer) and to
 `--gpu`'s datasheet figures or calibrated on a measurement (`--calibrate`), a recommendation (the
 fastest that fits), and the problems the recipes' start-up checks would report (`common/checks.py`).
 `--format json` gives the same numbers in bytes and seconds. The models, their formulas and sources:
-`common/plan.py`.
+`tools/planner.py`.
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common import checks, models  # noqa: E402
-from common.plan import (  # noqa: E402
+from common.checks import detect_memory  # noqa: E402
+from tools.planner import (  # noqa: E402
     DEFAULT_EFFICIENCY,
     RESERVED_SLACK,
     calibrate,
-    checkpoint_mode,  # noqa: E402
-    detect_device,
-    detect_memory,
+    checkpoint_mode,
+    detect_gpu,
     device_spec,
     load_model_config,
     logits_factor,
@@ -188,7 +187,7 @@ def time_setup(args, gpus_per_node: int | None) -> tuple:
     """
     giga = lambda v: None if v is None else v * 1e9  # noqa: E731
     device = device_spec(
-        args.gpu or detect_device(),
+        args.gpu or detect_gpu(),
         peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
         memory_bandwidth=giga(args.memory_bandwidth),
         intra_node=giga(args.intra_node_bandwidth),
@@ -447,10 +446,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"--lora_target_modules {targets}: {' '.join(str(err).split())}"
             ) from None
         problems: list[str] = []
-        with torch.device("meta"):
-            model_classes = {
-                type(m).__name__ for m in models.causal_lm_class(config)(config).modules()
-            }
+        model_classes = checks.model_class_names(models.causal_lm_class(config), config)
         if config.model_type != "llama":
             problems.append(
                 f"warning: --model_config {args.model_config}: activations use the Llama block formula "
@@ -552,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
                     flags=flags,
                     model_classes=model_classes,
                     hardware=None if args.device_memory else checks.detect_hardware(),
-                    shape=shape,
+                    n_params=shape["n_params"],
                     device_memory=memory,
                     compiles=True,
                 )

@@ -18,7 +18,7 @@ from common import checkpoint, launch, models  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 out = Path(sys.argv[1])
-accelerator = Accelerator(kwargs_handlers=[launch.cpu_process_group_kwargs(60)])
+accelerator = Accelerator(kwargs_handlers=[launch.process_group(60)[0]])
 launch.check_distributed(accelerator)
 torch.manual_seed(0)
 model = LlamaForCausalLM(models.llama_config("debug", 512, num_hidden_layers=2))

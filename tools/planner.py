@@ -1,14 +1,7 @@
 """Will it fit, and how fast? Bytes per rank and step time for each strategy, before you launch: the
-memory and time models behind `tools/plan.py` (the command line; `python common/plan.py` runs it too)
-and the recipes' start-up checks (`common/checks.py`). The time model (step time split into compute,
-exposed communication and optimizer, tokens/s per rank) is at the end: `time_strategy`.
+memory and time models behind `tools/plan.py`, the command line. The time model (step time split
+into compute, exposed communication and optimizer, tokens/s per rank) is at the end: `time_strategy`.
 
-    python tools/plan.py --all --model_config llama-3-8b --block_size 2048 \
-        --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB
-
-Prints, per rank and for each accelerate config: model states, activations, logits and loss
-buffers, communication buffers, the total against the device memory, the communication per
-optimizer step, and a recommendation. `--format json` gives the same numbers in bytes.
 Ψ = parameters, N = ranks (num_processes x num_machines), T = tokens per micro batch (batch x
 block), h hidden, h_kv = kv heads x head dim, I intermediate, a heads, V vocabulary, L layers.
 
@@ -123,6 +116,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common import metrics, models  # noqa: E402
+from common.checks import DTYPE_BYTES  # noqa: E402
 
 PRESET_VOCAB = {
     "debug": 4096,
@@ -421,7 +415,6 @@ def read_strategy(config_path: Path) -> dict:
         raise ValueError(
             f"--config {config_path}: not an accelerate config (a YAML mapping of keys)"
         )
-    dtype_bytes = {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2, "float16": 2}
     out = {
         "name": config_path.stem,
         "mixed_precision": str(cfg.get("mixed_precision", "no")),
@@ -499,10 +492,10 @@ def read_strategy(config_path: Path) -> dict:
             "device", "none"
         ) != "none"
         out["offload_param"] = (zero.get("offload_param") or {}).get("device", "none") != "none"
-        out["grad_accum_bytes"] = dtype_bytes.get(
+        out["grad_accum_bytes"] = DTYPE_BYTES.get(
             str((ds.get("data_types") or {}).get("grad_accum_dtype"))
         )
-        out["comm_bytes"] = dtype_bytes.get(str(ds.get("communication_data_type")))
+        out["comm_bytes"] = DTYPE_BYTES.get(str(ds.get("communication_data_type")))
     else:
         raise ValueError(
             f"--config {config_path}: distributed_type {kind!r} is not one the planner knows"
@@ -755,18 +748,6 @@ def parse_memory(text: str) -> int:
     return size
 
 
-def detect_memory(ranks_per_machine: int) -> tuple[int, str]:
-    """(bytes per rank, where from): the first CUDA device's memory, else the host RAM shared by its ranks."""
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory, f"detected: {props.name}"
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (
-        ram // ranks_per_machine,
-        f"no GPU: host RAM {ram / 1e9:.1f} GB shared by {ranks_per_machine} CPU ranks",
-    )
-
-
 def load_model_config(name: str, vocab_size: int | None):
     """A preset name (vocabulary: PRESET_VOCAB unless `vocab_size`) or a local HF config/model directory or file.
 
@@ -892,7 +873,7 @@ def device_spec(name: str, **overrides) -> Device:
     return Device(name=name, **{**base, **changed})
 
 
-def detect_device() -> str:
+def detect_gpu() -> str:
     """The GPUS key of the first CUDA device by its name ("H100 NVL" -> h100-nvl, "A100" -> a100), "h100"
     for an unknown GPU, or "cpu" without one."""
     if not torch.cuda.is_available():
@@ -1347,9 +1328,3 @@ def _read_run(run: Path) -> dict:
         "model_config": args.get("model_config") or args.get("model_name_or_path"),
         "source": f"{run} ({name}, median of {len(rates)} steps)",
     }
-
-
-if __name__ == "__main__":  # `python common/plan.py ...` is `python tools/plan.py ...`
-    from tools.plan import main
-
-    main()

@@ -1,0 +1,373 @@
+"""What recipes/llama.py and recipes/sft.py need to train any Hugging Face causal LM: config
+overrides, token ids, pretrained weights that must fit the model, tensor parallel, the run state
+their checkpoints record, and a sample from the export."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from common import checkpoint, models
+from common.errors import Stop
+
+
+def apply_overrides(config, overrides: str):
+    """A new `config` with `--config_overrides` ("key=value,key=value", as in `run_clm.py`)
+    applied and validated now, not at model construction; Stop naming a bad key or value. A
+    per-layer list that the overrides do not name (`layer_types`) follows a new depth."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    before = config.to_dict()
+    try:
+        config.update_from_string(overrides)
+        values = config.to_dict()
+        if values.get("num_hidden_layers") != before.get("num_hidden_layers") and values.get(
+            "layer_types"
+        ) == before.get("layer_types"):
+            values.pop("layer_types", None)
+        return type(config).from_dict(values)
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        raise Stop(f"--config_overrides {overrides!r}: {' '.join(str(err).split())}") from None
+
+
+def set_token_ids(config, tokenizer, from_scratch: bool) -> list[str]:
+    """Put the tokenizer's bos/eos/pad ids into `config` before the model is built; returns one
+    "name: old -> new" per id changed.
+
+    From scratch the tokenizer's ids replace the config's (GPT2Config's 50256 lies outside a small
+    vocabulary). A pretrained model keeps its bos and pad; its eos becomes the tokenizer's, the
+    separator the data is packed with (or joins its list of eos ids), so the export stops where
+    training taught it to. A tokenizer's own pad (not its eos) replaces the model's. bos and pad
+    fall back to eos.
+    """
+    eos = tokenizer.eos_token_id
+    wanted = {
+        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+        "eos_token_id": eos,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+    }
+    changed = []
+    for name, value in wanted.items():
+        old = getattr(config, name, None)
+        if not from_scratch and old is not None:
+            value = _pretrained_id(name, old, tokenizer)
+        if old != value:
+            setattr(config, name, value)
+            changed.append(f"{name}: {old} -> {value}")
+    return changed
+
+
+def _pretrained_id(name: str, old, tokenizer):
+    """The id a pretrained model's `name` (now `old`) takes from `tokenizer` (`set_token_ids`)."""
+    eos = tokenizer.eos_token_id
+    if name == "eos_token_id" and eos is not None:
+        if isinstance(old, list):  # several stop tokens (chat models): add the trained one
+            return old if eos in old else [eos, *old]
+        return eos
+    # (not a pad that is the eos: the embedding's padding_idx would stop the eos row's training)
+    if name == "pad_token_id" and tokenizer.pad_token_id not in (None, eos):
+        return tokenizer.pad_token_id
+    return old
+
+
+def align_generation_ids(model, tokenizer) -> None:
+    """A pretrained model's generation config (what `generate()` and the export use) given the eos
+    and pad ids of `set_token_ids`, in place."""
+    generation = getattr(model, "generation_config", None)
+    for name in ("eos_token_id", "pad_token_id") if generation is not None else ():
+        old = getattr(generation, name, None)
+        new = getattr(model.config, name) if old is None else _pretrained_id(name, old, tokenizer)
+        setattr(generation, name, new)
+
+
+def weights_mismatch(missing, unexpected, fix: str) -> str | None:
+    """One line naming the model's weights a checkpoint lacks (they would start random) and the
+    checkpoint's weights the model has no place for (dropped), ending with `fix`; None if neither.
+    Keys differing only in a layer number are one entry: "model.layers.{4,5}.* (18 tensors)"."""
+
+    def summary(keys, limit=6) -> str:
+        groups: dict[str, list | None] = {}  # "model.layers" -> [layer numbers, tensors]
+        for key in sorted(keys):
+            if (match := re.match(r"^(.*?)\.(\d+)\.", key)) is None:
+                groups[key] = None
+                continue
+            entry = groups.setdefault(match[1], [set(), 0])
+            entry[0].add(int(match[2]))
+            entry[1] += 1
+        items = [
+            f"{name}.{{{','.join(map(str, sorted(e[0])))}}}.* ({e[1]} tensors)" if e else name
+            for name, e in groups.items()
+        ]
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return ", ".join(items[:limit]) + more
+
+    parts = []
+    if missing:
+        parts.append(
+            f"the checkpoint lacks {len(missing)} of the model's weights, which would start random: "
+            f"{summary(missing)}"
+        )
+    if unexpected:
+        parts.append(
+            f"{len(unexpected)} of the checkpoint's weights have no place in the model and would be "
+            f"dropped: {summary(unexpected)}"
+        )
+    return f"{'; '.join(parts)}; {fix}" if parts else None
+
+
+def _hub_file(name_or_path: str, filename: str) -> str | None:
+    """The local path of `filename` in a model folder or a hub model already downloaded."""
+    from transformers.utils import cached_file
+
+    return cached_file(
+        name_or_path,
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
+
+
+def load_pretrained(name_or_path: str, config, allow_new_weights: bool = False) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` in fp32; Stop if the checkpoint does not fit.
+
+    transformers starts the weights a checkpoint lacks at random and drops the ones the model has
+    no place for, and only logs it: a config with more layers, or one that unties the embeddings
+    (a random output head, loss ln V at the start), would train silently. `allow_new_weights`:
+    missing weights start from their init on purpose (new layers). Under ZeRO-3 transformers
+    reports no unexpected keys, so they come from the checkpoint's own key list.
+    """
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        name_or_path, config=config, dtype=torch.float32, output_loading_info=True
+    )
+    missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
+    if is_deepspeed_zero3_enabled():
+        if index := _hub_file(name_or_path, "model.safetensors.index.json"):
+            unexpected |= set(json.loads(Path(index).read_text())["weight_map"]) - set(
+                model.state_dict()
+            )
+        elif single := _hub_file(name_or_path, "model.safetensors"):
+            with safe_open(single, framework="pt") as f:
+                unexpected |= set(f.keys()) - set(model.state_dict())
+    fix = "pass a --config_name that matches the checkpoint (or none: its own config)"
+    if missing and not allow_new_weights:
+        fix += ", or --allow_new_weights to train new weights on purpose"
+    if error := weights_mismatch([] if allow_new_weights else missing, unexpected, fix):
+        raise Stop(error)
+    return model
+
+
+def load_pretrained_on_ranks(
+    accelerator, name_or_path: str, config, allow_new_weights: bool, tokenizer=None
+) -> torch.nn.Module:
+    """`load_pretrained` on every rank, or on rank 0 alone where `prepare` broadcasts its weights
+    (FSDP's `fsdp_cpu_ram_efficient_loading`: the others build the shapes in storage nothing
+    writes, instead of a full fp32 copy each); then `tensor_parallel`. With `tokenizer`, the
+    generation config takes the eos and pad ids of `set_token_ids`, and the embeddings grow to
+    hold tokens added to the vocabulary. Stop on every rank if any
+    rank failed, else the others would wait for rank 0's broadcast."""
+    from accelerate.utils import gather_object
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
+    model, error = None, None
+    shapes_only = plugin and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process
+    try:
+        if shapes_only:
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.tie_weights()
+        else:
+            model = load_pretrained(name_or_path, config, allow_new_weights)
+    except Stop as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001  (one line on every rank, whatever went wrong)
+        error = f"{type(err).__name__}: {err}".splitlines()[0]
+    if failures := [e for e in gather_object([error]) if e]:
+        raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
+    if tokenizer is not None:
+        align_generation_ids(model, tokenizer)
+    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        # tokens added to its vocabulary (checks.tokenizer_fits): new rows at the mean of the
+        # loaded ones (shapes only: prepare brings rank 0's)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=not shapes_only)
+    return tensor_parallel(accelerator, model)
+
+
+def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` sharded on the `tp` dimension of Accelerate's mesh (tp.yaml) with transformers' own
+    plan for it (`tp_plan`: attention and MLP projections colwise then rowwise, embedding and head
+    by vocabulary rows), as `from_pretrained(..., tp_plan="auto")` would; unchanged without
+    tensor parallel. Each rank keeps its slices, which `prepare` shards again over dp_shard."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled:
+        return model
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    where = f"parallelism_config_tp_size {config.tp_size}"
+    for key in ("num_attention_heads", "num_key_value_heads"):  # each tp rank computes whole heads
+        if (heads := getattr(model.config, key, None)) and heads % config.tp_size:
+            raise Stop(f"{where}: the model's {key} {heads} is not a multiple of it")
+    try:
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=config.tp_size))
+    except (AttributeError, ValueError) as err:
+        raise Stop(
+            f"{where}: {type(model).__name__} has no tensor-parallel plan in transformers "
+            f"({str(err).splitlines()[0]}); launch it with fsdp.yaml or hsdp.yaml"
+        ) from None
+    # A tied head shares the embedding's weight, which the plan shards once; tie_weights re-ties.
+    own, every = (
+        dict(model.named_parameters()),
+        dict(model.named_parameters(remove_duplicate=False)),
+    )
+    plan = {name: style for name, style in plan.items() if name in own or name not in every}
+    try:
+        apply_tensor_parallelism(model, accelerator.torch_device_mesh["tp"], plan)
+    except (RuntimeError, ValueError, AssertionError) as err:
+        raise Stop(
+            f"{where}: cannot slice {type(model).__name__} with its tensor-parallel plan: "
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
+    model.tie_weights()
+    model.to(accelerator.device)  # the slices are there already; norms and rotary buffers follow
+    model._tp_size = config.tp_size  # what Accelerate's prepare reads (get_model_tp_size)
+    return model
+
+
+def weights_digest(name_or_path: str | None, sample_bytes: int = 4096) -> str | None:
+    """16 hex digits of a sha256 over a pretrained model's weight files: names and sizes, a
+    safetensors file's header (names, shapes, dtypes, offsets) and the first `sample_bytes` of
+    each tensor, a `*.bin` file's start, middle and end. About a megabyte read for 300 tensors; a
+    moved copy digests the same, other weights of the same shapes (another fine-tune) do not.
+    None where there are no weight files (a model built from a config)."""
+    if not name_or_path:
+        return None
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        if not (config := _hub_file(name_or_path, "config.json")):
+            return None
+        folder = Path(config).parent
+    files = sorted(f for p in ("*.safetensors", "*.bin") for f in folder.glob(p) if f.is_file())
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as stream:
+            if f.suffix == ".safetensors" and size >= 8:
+                header_size = int.from_bytes(stream.read(8), "little")
+                header = stream.read(header_size)
+                digest.update(header)
+                offsets = sorted(
+                    8 + header_size + v["data_offsets"][0]
+                    for k, v in json.loads(header).items()
+                    if k != "__metadata__"
+                )
+            else:
+                offsets = sorted(
+                    {0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)}
+                )
+            for offset in offsets:
+                stream.seek(offset)
+                digest.update(stream.read(sample_bytes))
+    return digest.hexdigest()[:16]
+
+
+def run_state(
+    accelerator, args, model, learning_rate: float, max_steps: int, **data_position
+) -> tuple[dict, list[str]]:
+    """(what a causal-LM run records in its checkpoints, the keys a resume must match).
+
+    Must match: `data_position` (global batch, seed, blocks: the data order), and what a resume
+    restores whatever the flags say: the optimizer's LR (after any scaling), decay, betas and
+    warmup, --max_grad_norm, the precision and the model config. With dropout, also the split of
+    the global batch over micro batches and ranks (the masks depend on it); with frozen parameters
+    (LoRA), `frozen_base`: the base's `weights_digest`, as the checkpoint does not hold it.
+    Recorded besides: world size, strategy and `max_steps` (`checkpoint.check_resume`).
+    """
+    fields = model.config.to_dict()
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+        ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0
+        for k, v in fields.items()
+    )  # (some models apply dropout functionally, with no module)
+    frozen = not all(p.requires_grad for p in model.parameters())
+    base = frozen and weights_digest(args.model_name_or_path or model.config._name_or_path)
+    optimizer = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps")
+    split = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    same_run = {
+        "learning_rate": learning_rate,
+        "max_grad_norm": args.max_grad_norm,
+        **{k: getattr(args, k) for k in optimizer},
+        **checkpoint.precision_state(accelerator),
+        "model_config": models.config_state(model.config),
+        **({"frozen_base": base} if base else {}),
+        **({k: getattr(args, k) for k in split} if dropout else {}),
+        **({"world_size": accelerator.num_processes} if dropout else {}),
+    }
+    state = {
+        "world_size": accelerator.num_processes,
+        "max_steps": max_steps,
+        "distributed_type": checkpoint.strategy_name(accelerator),
+        **data_position,
+        **same_run,
+    }
+    return state, [*data_position, *same_run]
+
+
+def record_resume(run_info: dict, path: Path, step: int, saved: dict) -> str:
+    """Record the resume in `run_info["resumed"]` (checkpoint, step, saved_world_size, resharded:
+    how, or None for a full state or the same world size); returns the line to print, which on
+    another world size says how: ": resharded from 2 to 3 ranks through DCP"."""
+    n, m = saved.get("world_size"), run_info["world_size"]
+    how = checkpoint.RESHARDS.get(saved.get("distributed_type"))
+    moved = n is not None and n != m
+    run_info["resumed"] = {
+        "checkpoint": str(path),
+        "step": step,
+        "saved_world_size": n,
+        "resharded": how if moved else None,
+    }
+    line = checkpoint.resumed_line(path, step)
+    if not moved:
+        return line
+    if how:
+        return f"{line}: resharded from {n} to {m} ranks through {how}"
+    return f"{line}: written by {n} rank(s), loaded whole on each of {m}"
+
+
+def sample_from_export(
+    export_dir: str, first_block: dict, tokenizer, max_new_tokens: int, device, prompt_tokens=16
+) -> str:
+    """Lines to print: `export_dir` reloaded with plain transformers and sampled (top-k 50) after
+    the first `prompt_tokens` tokens (None: all) of a validation block, proof that it works."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # else from_pretrained would build a ZeRO-3-partitioned model
+    reloaded = AutoModelForCausalLM.from_pretrained(export_dir, device_map=device)
+    ids = first_block["input_ids"]
+    if "attention_mask" in first_block:
+        ids = ids[first_block["attention_mask"].bool()]
+    prompt = ids[:prompt_tokens].to(device)
+    sample = reloaded.generate(
+        prompt[None],
+        attention_mask=torch.ones_like(prompt[None]),
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        top_k=50,
+        pad_token_id=reloaded.config.pad_token_id,
+    )
+    return (
+        f"--- sample from {export_dir}, prompt from the validation data ---\n"
+        f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt) :])}\n---"
+    )
