@@ -1,6 +1,6 @@
 """What recipes/llama.py and recipes/sft.py need to train any Hugging Face causal LM: config
-overrides, token ids, pretrained weights that must fit the model, tensor parallel, the run state
-their checkpoints record, and a sample from the export."""
+overrides, token ids, pretrained weights that must fit the model, tensor parallel, a digest of
+the frozen base (LoRA), the resume record, and a sample from the export."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from common import checkpoint, models
+from common import checkpoint
 from common.errors import Stop
 
 
@@ -281,47 +281,6 @@ def weights_digest(name_or_path: str | None, sample_bytes: int = 4096) -> str | 
                 stream.seek(offset)
                 digest.update(stream.read(sample_bytes))
     return digest.hexdigest()[:16]
-
-
-def run_state(
-    accelerator, args, model, learning_rate: float, max_steps: int, **data_position
-) -> tuple[dict, list[str]]:
-    """(what a causal-LM run records in its checkpoints, the keys a resume must match).
-
-    Must match: `data_position` (global batch, seed, blocks: the data order), and what a resume
-    restores whatever the flags say: the optimizer's LR (after any scaling), decay, betas and
-    warmup, --max_grad_norm, the precision and the model config. With dropout, also the split of
-    the global batch over micro batches and ranks (the masks depend on it); with frozen parameters
-    (LoRA), `frozen_base`: the base's `weights_digest`, as the checkpoint does not hold it.
-    Recorded besides: world size, strategy and `max_steps` (`checkpoint.check_resume`).
-    """
-    fields = model.config.to_dict()
-    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0
-        for k, v in fields.items()
-    )  # (some models apply dropout functionally, with no module)
-    frozen = not all(p.requires_grad for p in model.parameters())
-    base = frozen and weights_digest(args.model_name_or_path or model.config._name_or_path)
-    optimizer = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps")
-    split = ("per_device_train_batch_size", "gradient_accumulation_steps")
-    same_run = {
-        "learning_rate": learning_rate,
-        "max_grad_norm": args.max_grad_norm,
-        **{k: getattr(args, k) for k in optimizer},
-        **checkpoint.precision_state(accelerator),
-        "model_config": models.config_state(model.config),
-        **({"frozen_base": base} if base else {}),
-        **({k: getattr(args, k) for k in split} if dropout else {}),
-        **({"world_size": accelerator.num_processes} if dropout else {}),
-    }
-    state = {
-        "world_size": accelerator.num_processes,
-        "max_steps": max_steps,
-        "distributed_type": checkpoint.strategy_name(accelerator),
-        **data_position,
-        **same_run,
-    }
-    return state, [*data_position, *same_run]
 
 
 def record_resume(run_info: dict, path: Path, step: int, saved: dict) -> str:

@@ -664,6 +664,46 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
     return os.path.join(output_dir, "final")
 
 
+def run_state(
+    accelerator, args, model, learning_rate: float, max_steps: int, **data_position
+) -> tuple[dict, list[str]]:
+    """(what a run records in its checkpoints, the keys a resume must match), for every recipe
+    that trains.
+
+    Must match: `data_position` (global batch, seed, blocks: the data order; a recipe adds what
+    else fixes its run, e.g. a frozen base's digest), and what a resume restores whatever the
+    flags say: the optimizer's LR (after any scaling), decay, betas and warmup, --max_grad_norm,
+    the precision and the model config. With dropout, also the split of the global batch over
+    micro batches and ranks (the masks depend on it). Recorded besides: world size, strategy
+    and `max_steps` (`check_resume`).
+    """
+    import torch
+
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+        ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0
+        for k, v in model.config.to_dict().items()
+    )  # (some models apply dropout functionally, with no module)
+    optimizer = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps")
+    split = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    same_run = {
+        "learning_rate": learning_rate,
+        "max_grad_norm": args.max_grad_norm,
+        **{k: getattr(args, k) for k in optimizer},
+        **precision_state(accelerator),
+        "model_config": models.config_state(model.config),
+        **({k: getattr(args, k) for k in split} if dropout else {}),
+        **({"world_size": accelerator.num_processes} if dropout else {}),
+    }
+    state = {
+        "world_size": accelerator.num_processes,
+        "max_steps": max_steps,
+        "distributed_type": strategy_name(accelerator),
+        **data_position,
+        **same_run,
+    }
+    return state, [*data_position, *same_run]
+
+
 def resume_or_start(
     accelerator,
     args,

@@ -135,6 +135,9 @@ class Args:
     num_attention_heads: int = flag(2, low=1)
     intermediate_size: int = flag(512, low=1)
     per_device_eval_batch_size: int = flag(64, low=1)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
     record_sample_ids: bool = field(
         default=False, metadata={"help": "each rank writes the sample ids it saw"}
     )
@@ -310,38 +313,31 @@ def main() -> int:
     # the sampler reseeds its own generator from (seed, epoch). A resume restores every stream.
     set_seed(args.seed, device_specific=True)
     # Decay on weight matrices and embeddings only: LayerNorm gains centre on 1, biases are offsets.
+    peak_lr = args.learning_rate
     optimizer = torch.optim.AdamW(
-        models.param_groups(model, args.weight_decay), lr=args.learning_rate
+        models.param_groups(model, args.weight_decay),
+        lr=peak_lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
     )
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
-    # Resume: a verified, complete checkpoint. The data position is recomputed from the step, so
-    # the global batch, seed and passages must be those it was saved with; refused before prepare.
-    strategy = checkpoint.strategy_name(accelerator)  # "FSDP2", "DEEPSPEED_ZERO3": the layout
-    data_state = {
+    # Resume: a verified, complete checkpoint, refused before prepare unless the data position
+    # (recomputed from the step) and what the optimizer state brings back are the same; with
+    # dropout, the split of the global batch too (its masks follow it).
+    order = {  # what fixes which samples step k trains on
         "global_batch": global_batch,
         "seed": args.seed,
         "block_size": args.block_size,
         "train_passages": len(train_set),
-    }  # what fixes which samples step k trains on
-    # The optimizer's LR and decay come back from its state whatever the flags say, and with
-    # dropout, the masks depend on how a step's samples are split over ranks and micro batches.
-    same_run = {
-        "learning_rate": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "warmup_steps": args.warmup_steps,
-        **checkpoint.precision_state(accelerator),
-        "max_grad_norm": args.max_grad_norm,
-        "model_config": models.config_state(model.config),
-        "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": accumulation,
-        "world_size": world_size,
     }
-    run_state = {"distributed_type": strategy, "max_steps": max_steps, **data_state, **same_run}
+    # >>> shared: run state
+    run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
+    # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, [*data_state, *same_run], lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
     )
-    step = saved["step"]
+    step, strategy = saved["step"], run_state["distributed_type"]  # "FSDP2", "MULTI_CPU", ...
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler

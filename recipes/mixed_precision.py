@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
+from common import checkpoint, checks, data, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.memory import SavedTensorBytes
@@ -217,7 +217,7 @@ def main() -> int:
         raw = data.load_text_dataset(validation_split_percentage=args.validation_split_percentage)
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
         config.vocab_size = len(tokenizer)  # the preset's vocabulary is the tokenizer's
-        causal_lm.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
         lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format(
             "torch"
         )
@@ -293,10 +293,10 @@ def main() -> int:
         "data_digest": data_digest,
     }
     # >>> shared: run state
-    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
+    run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, to_match, lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
     )
     step = saved["step"]
 
@@ -324,7 +324,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler (its scale), per-rank RNG; micro steps follow the step
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
+        accelerator.print(checkpoint.resumed_line(resume_path, step))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
         accelerator, args, "mixed_precision", step if resume_path else None, run_info, saved

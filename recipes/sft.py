@@ -332,11 +332,13 @@ def main() -> int:
         "train_blocks": len(train_set),
         "data_digest": data_digest,
     }
+    if lora:  # the frozen base, which the checkpoints do not hold: a resume needs the same one
+        order["frozen_base"] = causal_lm.weights_digest(args.model_name_or_path)
     # >>> shared: run state
-    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
+    run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, to_match, lr_decays_after=args.warmup_steps
+        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
     )
     step = saved["step"]
 

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, get_constant_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
-from common import causal_lm, checkpoint, checks, errors, grad_norm, launch, run_dir
+from common import checkpoint, checks, errors, grad_norm, launch, run_dir
 from common import metrics, models, precision, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.errors import Stop
@@ -240,7 +240,7 @@ def main() -> int:
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
     model_cls = LlamaForCausalLM
     config = models.llama_config(args.model_config, vocab_size=len(tokenizer))
-    causal_lm.set_token_ids(config, tokenizer, from_scratch=True)  # its one special token
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     if block_size > config.max_position_embeddings:
         raise Stop(
             f"the shards' block size {block_size} exceeds --model_config {args.model_config}"
@@ -343,10 +343,10 @@ def main() -> int:
         "manifest_sha256": manifest_sha256,
     }
     # >>> shared: run state
-    run_state, to_match = causal_lm.run_state(accelerator, args, model, peak_lr, max_steps, **order)
+    run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
     # (the LR is constant after the warmup: another --max_steps continues exactly)
-    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, to_match)
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 
     model, optimizer, eval_loader, lr_scheduler = accelerator.prepare(
@@ -372,7 +372,7 @@ def main() -> int:
     accelerator.print(metrics.start_line(run_info))
     if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
-        accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
+        accelerator.print(checkpoint.resumed_line(resume_path, step))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
         accelerator, args, "sharded_data", step if resume_path else None, run_info, saved

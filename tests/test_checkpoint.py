@@ -520,19 +520,19 @@ def test_every_resumable_recipe_records_the_sharded_layout():
     resumable = [name for name, text in texts.items() if any(c in text for c in checks)]
     # all but gradient_checkpointing.py, which saves no checkpoint
     assert sorted(resumable) == sorted(set(texts) - {"gradient_checkpointing.py"}), resumable
-    # in the recipe's own run state, or through causal_lm.run_state (llama.py, sft.py), which records it
+    # in the recipe's own run state, or through checkpoint.run_state, which records it
     run_state = (
-        (REPO / "common" / "causal_lm.py")
+        (REPO / "common" / "checkpoint.py")
         .read_text()
         .split("def run_state(", 1)[1]
         .split("\ndef ", 1)[0]
     )
-    assert '"distributed_type": checkpoint.strategy_name(accelerator)' in run_state
+    assert '"distributed_type": strategy_name(accelerator)' in run_state
     assert [
         name
         for name in resumable
         if "checkpoint.strategy_name(accelerator)" not in texts[name]
-        and "causal_lm.run_state(" not in texts[name]
+        and "checkpoint.run_state(" not in texts[name]
     ] == []
 
 
