@@ -484,3 +484,52 @@ def reference_run(tmp_path_factory, cache_dir):
         return done[key]
 
     return run
+
+
+# The contributor's quick check, `python -m pytest -m quick tests` (docs/testing.md). Every test
+# carries the marker; under `-m quick` a test is skipped the moment it would start a process (a
+# launch, a tool, a script), except QUICK_LAUNCHES: the main recipe for real on one process and on
+# 2 FSDP2 ranks, then their parity. Those run last, after the in-process tests.
+QUICK_LAUNCHES = {
+    "test_llama.py::test_every_config_trains_and_exports[single]",
+    "test_llama.py::test_every_config_trains_and_exports[fsdp]",
+    "test_parity.py::test_fp32_parity[fsdp]",
+}
+_in_quick_check = {"starts_no_process": False}  # True while a test outside QUICK_LAUNCHES runs
+
+
+def _quick_check(config) -> bool:
+    return "quick" in (config.getoption("markexpr", "") or "")
+
+
+def _popen_in_quick_check(popen_init):
+    def init(self, args, *rest, **kwargs):
+        if _in_quick_check["starts_no_process"]:
+            pytest.skip(f"starts a process (the full suite runs it): {str(args)[:120]}")
+        popen_init(self, args, *rest, **kwargs)
+
+    return init
+
+
+def pytest_configure(config):
+    if _quick_check(config):
+        subprocess.Popen.__init__ = _popen_in_quick_check(subprocess.Popen.__init__)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.quick)
+    if _quick_check(config):  # the launches last (a stable sort)
+        items.sort(key=lambda item: item.nodeid.rsplit("/", 1)[-1] in QUICK_LAUNCHES)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _in_quick_check["starts_no_process"] = (
+        _quick_check(item.config) and item.nodeid.rsplit("/", 1)[-1] not in QUICK_LAUNCHES
+    )
+    try:
+        yield
+    finally:
+        _in_quick_check["starts_no_process"] = False

@@ -129,3 +129,31 @@ def test_the_workarounds_page_lists_every_workaround_of_the_code():
         sorted(in_code - in_docs),
         sorted(in_docs - in_code),
     )
+
+
+def test_the_readme_installs_what_its_test_command_runs():
+    """The README's install lines give its test command its tools: the requirements (pytest) and the
+    ruff that `.ci/run` pins."""
+    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
+    ruff = re.search(r"ruff==[\d.]+", ci).group(0)
+    assert "python -m pytest" in readme and "ruff check ." in readme
+    assert "pip install -r requirements.txt" in readme and ruff in readme, ruff
+    assert re.search(r"^pytest==", (REPO / "requirements.txt").read_text(), flags=re.M)
+
+
+def test_the_readme_lists_every_config():
+    """The README's config table names every accelerate_configs/*.yaml, and nothing else."""
+    readme = (REPO / "README.md").read_text().split("## Configs")[1].split("\n## ")[0]
+    listed = set(re.findall(r"^\| `(\w+)\.yaml` \|", readme, flags=re.M))
+    assert listed == {p.stem for p in (REPO / "accelerate_configs").glob("*.yaml")}
+
+
+def test_the_quick_check_names_tests_that_exist():
+    """tests/conftest.py's QUICK_LAUNCHES (the real launches of `pytest -m quick`) name test functions
+    that exist, with parameters their files take."""
+    from conftest import CONFIGS, QUICK_LAUNCHES
+
+    for name in QUICK_LAUNCHES:
+        file, function, param = re.fullmatch(r"(\w+\.py)::(\w+)\[(\w+)\]", name).groups()
+        assert f"def {function}(" in (REPO / "tests" / file).read_text(), name
+        assert param in CONFIGS, name
