@@ -170,7 +170,7 @@ def parse_args(
         raise Stop("--max_steps must be positive, or -1 to train --num_train_epochs, got 0")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise Stop(f"--num_train_epochs must be positive, got {args.num_train_epochs}")
-    args.report_to = resolve_trackers(args.report_to)
+    args.report_to = _resolve_trackers(args.report_to)
     if args.output_dir is None:
         raise Stop("--output_dir is required")
     restarted = bool(restart_note())
@@ -181,13 +181,13 @@ def parse_args(
             args.overwrite_output_dir = False  # not this job's own checkpoints
         else:
             args.resume_from_checkpoint = None  # the first attempt writes over the directory
-    check_output_dir(
+    _check_output_dir(
         args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint, restarted
     )
     return args
 
 
-def resolve_trackers(text: str) -> str:
+def _resolve_trackers(text: str) -> str:
     """--report_to resolved: the comma list of trackers to start, or "none"; 'all' is every
     installed tracker Accelerate supports. Stop for an unknown name, or one whose package is not
     installed (Accelerate would skip it silently)."""
@@ -231,7 +231,7 @@ def make_output_dir(output_dir: str) -> None:
         raise Stop(f"--output_dir {output_dir}: cannot create it ({err.strerror})") from None
 
 
-def check_output_dir(
+def _check_output_dir(
     output_dir: str, overwrite: bool, resume_from_checkpoint: str | None, restarted: bool
 ) -> None:
     """Stop if `output_dir` is a file, or if a fresh run would write into a directory that holds

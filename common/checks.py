@@ -720,7 +720,7 @@ class Startup:
         if model_cls is not None:
             if self.facts["flags"].get("packing") == "documents":
                 documents_kept_apart(model_cls)
-            self.facts.update(model_facts(self.config, self.ds, model_cls, model_config))
+            self.facts.update(_model_facts(self.config, self.ds, model_cls, model_config))
         problems = config_problems(self.config, **self.facts)
         for p in problems:
             if p.severity == "warning" and p.text not in self._warned:
@@ -768,7 +768,7 @@ def model_class_names(model_cls, config) -> set[str]:
         return {type(m).__name__ for m in model_cls(config).modules()}
 
 
-def model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict:
+def _model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict:
     """The model's inputs of `config_problems`, where a check needs them: `model_classes` when the
     config names fsdp_transformer_layer_cls_to_wrap; under ZeRO-3, `n_params` (counted on the meta
     device) and `device_memory` (`detect_memory`)."""

@@ -157,3 +157,9 @@ def test_the_quick_check_names_tests_that_exist():
         file, function, param = re.fullmatch(r"(\w+\.py)::(\w+)\[(\w+)\]", name).groups()
         assert f"def {function}(" in (REPO / "tests" / file).read_text(), name
         assert param in CONFIGS, name
+
+
+def test_the_docs_are_short():
+    """docs/ at most 15,000 words: each page says what a user does and why."""
+    words = sum(len(p.read_text().split()) for p in (REPO / "docs").glob("*.md"))
+    assert 8000 < words <= 15000, words
