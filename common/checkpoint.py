@@ -464,7 +464,7 @@ _DATA = (
     "--model_name_or_path, --vocab_size), --block_size, --packing"
 )
 SETTING_SOURCES = {
-    "data_digest": f"the data: {_DATA}",
+    "data_digest": f"the data: {_DATA}, or the data stage's code",
     "train_blocks": f"the data: {_DATA}",
     "train_passages": "the data: --tokenizer_name_or_path, --block_size, "
     "--validation_split_percentage, --max_train_samples",

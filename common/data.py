@@ -232,10 +232,39 @@ def stop_unless_tokenizer_encodes(tokenizer, source: str, texts: list[str]) -> N
         )
 
 
+def _source_files(fn, seen: set) -> set[str]:
+    """The files of the user's code that `fn` reaches through its globals and closure (functions
+    and modules outside the Python installation, recursively): `datasets` hashes a function
+    imported from another module by its name alone, so an edit there must change the key."""
+    import inspect
+    import sysconfig
+    import types
+
+    installed = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+    if not isinstance(fn, types.FunctionType) or fn in seen:
+        return set()
+    seen.add(fn)
+    found, codes = set(), [fn.__code__]
+    while codes:  # names used by fn and by the functions defined inside it
+        code = codes.pop()
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        found |= {fn.__globals__.get(name) for name in code.co_names}
+    found |= {cell.cell_contents for cell in fn.__closure__ or () if cell.cell_contents}
+    files = set()
+    for obj in [fn, *found]:
+        if isinstance(obj, (types.FunctionType, types.ModuleType)):
+            path = getattr(inspect.getmodule(obj), "__file__", None)
+            if path and not path.startswith(installed):
+                files.add(path)
+            files |= _source_files(obj, seen)
+    return files
+
+
 def _cache_key(raw, tokenizer, block_size: int, packing: str, to_rows) -> str:
     """16 hex digits over what makes the blocks: the rows, `block_size`, `packing`, the tokenizer
     and `to_rows` (`datasets`' hash: code and closed-over values; not the tokenizer's directory,
-    which each node may have its own). "v5" changes with the packing code: no older cache is read."""
+    which each node may have its own; plus the user's files it calls into). "v5" changes with the
+    packing code: no older cache is read."""
     from datasets.fingerprint import Hasher
 
     where = tokenizer.name_or_path, tokenizer.init_kwargs
@@ -250,7 +279,10 @@ def _cache_key(raw, tokenizer, block_size: int, packing: str, to_rows) -> str:
         ) from None
     finally:
         tokenizer.name_or_path, tokenizer.init_kwargs = where
-    key = ["v5", _digest(raw["train"], raw["validation"]), made, block_size, packing]
+    code = sorted(
+        hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in _source_files(to_rows, set())
+    )
+    key = ["v5", _digest(raw["train"], raw["validation"]), made, code, block_size, packing]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 

@@ -499,7 +499,7 @@ _in_quick_check = {"starts_no_process": False}  # True while a test outside QUIC
 
 
 def _quick_check(config) -> bool:
-    return "quick" in (config.getoption("markexpr", "") or "")
+    return (config.getoption("markexpr", "") or "").strip() == "quick"
 
 
 def _popen_in_quick_check(popen_init):

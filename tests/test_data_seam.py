@@ -241,3 +241,32 @@ def test_rows_that_cannot_key_the_cache_stop_in_one_line(tmp_path, cache_dir):
     ):
         data.pack_dataset(raw, tokenizer, 64, str(tmp_path), "none", rows)
     assert tokenizer.name_or_path == where
+
+
+# The user's module's own `to_rows`, beside its rule.
+ROWS = """
+def rows(batch):
+    return {"input_ids": batch["text"], "labels": [labels(r) for r in batch["text"]]}
+"""
+
+
+def test_a_rule_in_another_module_keys_the_cache_by_its_code(tmp_path, cache_dir, monkeypatch):
+    """A `to_rows` (or the rule it calls) from the user's own module: `datasets` hashes a module's
+    function by its name, so the key reads that module's file too. An edit there is a new cache (and so a new
+    fingerprint), never the old blocks under a resume."""
+    import importlib
+    import sys
+
+    raw = data.load_text_dataset()
+    tokenizer = data.get_tokenizer(None, raw, 4096, cache_dir)
+    rule = tmp_path / "my_label_rule.py"
+    rule.write_text("def labels(ids):\n    return list(ids)\n" + ROWS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("my_label_rule")
+    keys = [data._cache_key(raw, tokenizer, 64, "none", f) for f in (module.rows, module.labels)]
+    assert data._cache_key(raw, tokenizer, 64, "none", module.rows) == keys[0]
+    rule.write_text("def labels(ids):\n    return [-100] * len(ids)\n" + ROWS)
+    importlib.reload(module)  # (the hash of a module's function: its name only, in datasets 5)
+    assert data._cache_key(raw, tokenizer, 64, "none", module.rows) != keys[0]
+    assert data._cache_key(raw, tokenizer, 64, "none", module.labels) != keys[1]
+    sys.modules.pop("my_label_rule")
