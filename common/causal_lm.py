@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from common import checkpoint
+from common import checkpoint, models
 from common.errors import Stop
 
 
@@ -330,3 +330,44 @@ def sample_from_export(
         f"--- sample from {export_dir}, prompt from the validation data ---\n"
         f"{tokenizer.decode(prompt)}|{tokenizer.decode(sample[0, len(prompt) :])}\n---"
     )
+
+
+def llama_flags(args, from_scratch: bool) -> None:
+    """recipes/llama.py's flag combinations that cannot mean what they say."""
+    if from_scratch and args.config_name is None and args.model_config not in models.PRESETS:
+        raise Stop(
+            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
+        )
+    if args.config_overrides and not from_scratch:
+        raise Stop(
+            "--config_overrides changes a model trained from scratch (--config_name or the preset); "
+            "pretrained weights (--model_name_or_path) keep their shapes"
+        )
+    if args.allow_new_weights and from_scratch:
+        raise Stop(
+            "--allow_new_weights concerns the weights loaded by --model_name_or_path, and there is none"
+        )
+
+
+def sft_flags(args) -> None:
+    """recipes/sft.py's flag combinations that cannot mean what they say."""
+    if not args.model_name_or_path:
+        raise Stop(
+            "sft.py fine-tunes a pretrained model: pass --model_name_or_path (e.g. runs/llama/final, "
+            "the export of recipes/llama.py)"
+        )
+    if not args.use_peft and (lora := sorted(f for f in args.given if f.startswith("lora_"))):
+        raise Stop(f"--{lora[0]} sets LoRA, which is off: add --use_peft, or drop the LoRA flags")
+
+
+def lora_targets_found(model, targets: str) -> None:
+    """Stop unless each name of --lora_target_modules (a comma list, or all-linear) adapted some
+    module of the peft `model`: peft stops only when no name matches, so a misspelt one would
+    leave its modules untrained, silently."""
+    adapted = model.targeted_module_names
+    names = [] if targets == "all-linear" else targets.split(",")
+    if missing := [t for t in names if not any(n == t or n.endswith(f".{t}") for n in adapted)]:
+        raise Stop(
+            f"--lora_target_modules {targets}: no module named {', '.join(missing)} in the model "
+            f"(adapted: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in adapted}))})"
+        )

@@ -125,7 +125,7 @@ def main() -> int:
     )
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
     from_scratch = args.model_name_or_path is None  # else fine-tuning pretrained weights
-    checks.llama_flags(args, from_scratch)
+    causal_lm.llama_flags(args, from_scratch)
     startup = {"compiles": True, "tensor_parallel": True}  # compile: eager keys; tp.yaml: TP
     handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 

@@ -178,7 +178,7 @@ def main() -> int:
         report_to="tensorboard",
     )
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
-    checks.sft_flags(args)  # a model to fine-tune; LoRA flags only with --use_peft
+    causal_lm.sft_flags(args)  # a model to fine-tune; LoRA flags only with --use_peft
     startup = {"compiles": True, "tensor_parallel": False}  # compile: eager keys
     handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 
@@ -304,7 +304,7 @@ def main() -> int:
             model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
         except ValueError as err:
             raise errors.Stop(f"--lora_target_modules {targets}: {err}") from None
-        checks.lora_targets_found(model, targets)  # peft adapts what it finds, names it does not
+        causal_lm.lora_targets_found(model, targets)  # peft adapts what it finds, names it does not
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
     n_trainable = sum(
         getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad
