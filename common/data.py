@@ -255,8 +255,7 @@ def _source_files(fn, seen: set) -> set[str]:
         if isinstance(obj, (types.FunctionType, types.ModuleType)):
             path = getattr(inspect.getmodule(obj), "__file__", None)
             if path and not path.startswith(installed):
-                files.add(path)
-            files |= _source_files(obj, seen)
+                files |= {path, *_source_files(obj, seen)}
     return files
 
 
