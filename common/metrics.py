@@ -394,3 +394,13 @@ OADER_KEYS = [
     "workers_uss_bytes",
     "workers",
 ]  # a row of recipes/sharded_data.py's summary
+
+
+def weight_decay_line(optimizer) -> str:
+    """The AdamW groups as one line: "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements),
+    0 on 9 tensors (2,304 elements)" (ZeRO-3's partitioned parameters counted whole: `ds_numel`)."""
+    return "AdamW weight decay: " + ", ".join(
+        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
+        f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)"
+        for g in optimizer.param_groups
+    )

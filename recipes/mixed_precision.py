@@ -277,12 +277,7 @@ def main() -> int:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
     )
-    decay = [
-        f"{g['weight_decay']:g} on {len(g['params'])} tensors "
-        f"({sum(p.numel() for p in g['params']):,} elements)"
-        for g in optimizer.param_groups
-    ]
-    accelerator.print(f"AdamW weight decay: {', '.join(decay)}")
+    accelerator.print(metrics.weight_decay_line(optimizer))
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
 
     order = {  # what fixes the data order; the step count gives the position in it

@@ -542,14 +542,8 @@ def test_help_of_gpu_sh():
     ],
 )
 def test_out_of_range_flags_are_refused(recipe, argv, message, tmp_path, monkeypatch):
-    sub = argv[:1] if argv[0] == "prepare" else []
     message_got = run_in_process(
-        monkeypatch,
-        f"recipes/{recipe}.py",
-        *sub,
-        "--output_dir",
-        tmp_path / "out",
-        *argv[len(sub) :],
+        monkeypatch, f"recipes/{recipe}.py", "--output_dir", tmp_path / "out", *argv
     )
     assert message_got == f"error: {message}"
     assert not (tmp_path / "out").exists()

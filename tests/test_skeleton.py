@@ -4,7 +4,6 @@ copies are compared after removing their common indentation."""
 
 import ast
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -83,7 +82,6 @@ DIFF_BUDGET = {
 }
 
 
-@pytest.mark.skipif(shutil.which("diff") is None, reason="needs diff")
 def test_two_training_recipes_differ_by_their_lesson():
     changed = {}
     for a, b in DIFF_BUDGET:
