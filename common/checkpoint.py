@@ -489,11 +489,12 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
             ]
             continue
         source = SETTING_SOURCES.get(k)  # its flags once; then "(the data)"
+        label = source and source.split(":")[0]
         changes.append(
             f"{k} {saved[k]} -> {v}"
-            + (f" ({source if source not in named else source.split(':')[0]})" if source else "")
+            + (f" ({source if label not in named else label})" if source else "")
         )
-        named.add(source)
+        named.add(label)
     return changes
 
 
