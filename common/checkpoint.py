@@ -244,7 +244,8 @@ def resolve_checkpoint(
 
     `latest` and `auto` take the newest complete checkpoint in `output_dir`, skipping damaged ones
     with a warning; finding none, `latest` stops (as transformers' Trainer) and `auto` starts
-    fresh (the first attempt of a job that may restart). A PATH must verify.
+    fresh (the first attempt of a job that may restart), unless every one found is damaged: a
+    fresh start would delete them. A PATH must verify.
     """
     if not resume_from_checkpoint:
         return None, {"step": 0}
@@ -253,11 +254,18 @@ def resolve_checkpoint(
         if not path.is_dir():
             raise Stop(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
         return path, verify_checkpoint(path, accelerator)
-    for path in reversed(complete_checkpoints(Path(output_dir))):
+    found = complete_checkpoints(Path(output_dir))
+    for path in reversed(found):
         try:
             return path, verify_checkpoint(path, accelerator)
         except (OSError, Stop) as err:
             errors.warn(f"skipping damaged checkpoint: {err}")
+    if found:
+        raise Stop(
+            f"--resume_from_checkpoint {resume_from_checkpoint}: every checkpoint in {output_dir} "
+            f"is damaged ({', '.join(p.name for p in found)}); pass --overwrite_output_dir "
+            "to delete them and start over"
+        )
     if resume_from_checkpoint == "auto":
         return None, {"step": 0}
     raise Stop(
