@@ -39,17 +39,20 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
     PaLM's 6·N + 12·L·H·Q·T (Chowdhery et al. 2022, appendix B; as torchtitan computes it): N the
     parameters but embedding lookups, the output head counted even when tied (it is a matmul);
     L layers, H heads, Q head dimension, T = `seq_len`. The attention term is left out when the
-    config lacks those fields. Call before `prepare` (ZeRO-3 parameters count by `ds_numel`).
+    config lacks those fields. Frozen weights count 4 (no weight gradient). Call before `prepare`
+    (ZeRO-3 parameters count by `ds_numel`).
     """
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
     lookups = {
         id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
     }
     params = {id(p): p for p in model.parameters()}
-    n = sum(numel(p) for i, p in params.items() if i not in lookups)
+    counted = [p for i, p in params.items() if i not in lookups]
     head = model.get_output_embeddings()
     if head is not None and id(head.weight) in lookups:  # tied: the head matmul is still done
-        n += numel(head.weight)
+        counted.append(head.weight)
+    n = sum(numel(p) for p in counted)
+    frozen = sum(numel(p) for p in counted if not p.requires_grad)
     config = model.config
     layers, heads, hidden = (
         getattr(config, k, None)
@@ -73,7 +76,9 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
         if attention is not None
         else ", attention term left out (the config names no layers/heads/hidden size)"
     )
-    return float(6 * n + (attention or 0)), f"PaLM 6N + 12LHQT: {how}"
+    if frozen:  # LoRA: a frozen weight's backward computes input gradients only, 4 not 6
+        how += f", {frozen:,} frozen weights at 4 FLOPs per token"
+    return float(6 * n - 2 * frozen + (attention or 0)), f"PaLM 6N + 12LHQT: {how}"
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
