@@ -244,8 +244,7 @@ def resolve_checkpoint(
 
     `latest` and `auto` take the newest complete checkpoint in `output_dir`, skipping damaged ones
     with a warning; finding none, `latest` stops (as transformers' Trainer) and `auto` starts
-    fresh (the first attempt of a job that may restart), unless every one found is damaged: a
-    fresh start would delete them. A PATH must verify.
+    fresh (the first attempt of a job that may restart), unless all are damaged. A PATH must verify.
     """
     if not resume_from_checkpoint:
         return None, {"step": 0}

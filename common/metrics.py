@@ -39,8 +39,7 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
     PaLM's 6·N + 12·L·H·Q·T (Chowdhery et al. 2022, appendix B; as torchtitan computes it): N the
     parameters but embedding lookups, the output head counted even when tied (it is a matmul);
     L layers, H heads, Q head dimension, T = `seq_len`. The attention term is left out when the
-    config lacks those fields. Frozen weights count 4 (no weight gradient). Call before `prepare`
-    (ZeRO-3 parameters count by `ds_numel`).
+    config lacks those fields. Call before `prepare` (ZeRO-3 parameters count by `ds_numel`).
     """
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
     lookups = {
