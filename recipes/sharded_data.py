@@ -258,6 +258,7 @@ def main() -> int:
     held_out = pq.read_table(data_dir / "validation.parquet")[: args.max_eval_samples]
     eval_ids = torch.tensor(held_out.column("input_ids").to_pylist())  # [blocks, block_size]
     eval_set = [{"input_ids": x, "labels": x} for x in eval_ids]  # the model shifts the labels
+    full_blocks = True  # prepared as full blocks: every position a target, no count
     guard.facts["flags"]["block_size"] = block_size  # (for the ZeRO-3 check)
     # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
     guard.data_ready(
@@ -402,12 +403,23 @@ def main() -> int:
             for epoch, done, batch in window:  # an epoch may end inside a window
                 seen.take(epoch, [batch])  # --record_sample_ids: pops the ids, kept on the device
             window = [batch for *_, batch in window]  # and [epoch, done]: this rank's position
+            # >>> shared: loss
             # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
             # window on all ranks, so the gradient is the full global batch's even with padding.
             # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
-            num_items, has_targets = global_batch * (block_size - 1), True  # full blocks
-            loss_total = torch.zeros((), device=device)
-            for batch in window:
+            if full_blocks:  # block length - 1 targets a block: no collective, no sync
+                num_items, has_targets = global_batch * (window[0]["labels"].shape[1] - 1), True
+            else:  # padding, masks, document starts: count on every rank (one sync a step)
+                local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
+                # a tensor: a changing int would recompile a compiled model each step
+                num_items = launch.data_parallel_sum(accelerator, local_items)  # (tp: once)
+                has_targets = num_items.item() > 0
+            # No targets: a loss of 0/0 would step AdamW on zero gradients (its moments and weight
+            # decay still move the weights). Skip the window whole; its loss is NaN.
+            loss_total = torch.full((), 0.0 if has_targets else float("nan"), device=device)
+            norm_before_clip = float("nan")
+            # <<< shared
+            for batch in window if has_targets else []:
                 with accelerator.accumulate(model):
                     loss = model(**batch, num_items_in_batch=num_items).loss  # sum / num_items
                     loss_total += loss.detach()
