@@ -387,16 +387,14 @@ def main() -> int:
             # a non-finite loss or norm stops before any checkpoint or export of its weights
             problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
+                hf_config = accelerator.unwrap_model(model, keep_torch_compile=False).config
                 saved_to = checkpoint.save_checkpoint(
                     accelerator,
                     args.output_dir,
                     step,
                     args.save_total_limit,
                     {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
-                    hf_files=(
-                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
-                        tokenizer,
-                    ),
+                    hf_files=(hf_config, tokenizer),
                 )
             if preempt and not problem:
                 accelerator.print(

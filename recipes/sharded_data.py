@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from accelerate.utils import gather_object
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
 from tqdm.auto import tqdm
@@ -190,10 +190,8 @@ def main() -> int:
         max_steps=30,
         logging_steps=5,
     )
-    checks.sharded_data_flags(args)  # --max_steps, not --num_train_epochs
+    checks.sharded_data_flags(args)  # --data_dir, --loader; --max_steps, not --num_train_epochs
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
-    if args.data_dir is None or args.loader not in ("parquet", "datasets"):
-        raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     startup = {"steps": args.max_steps}  # known before the data: every rank streams that many
     handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 
@@ -323,9 +321,8 @@ def main() -> int:
     )
     accelerator.print(metrics.weight_decay_line(optimizer))
     lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # then constant
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot see our loader
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = batch
+    if accelerator.deepspeed_plugin:  # DeepSpeed cannot see our loader: its micro batch
+        accelerator.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
 
     order = {  # what fixes each rank's data order: its shards (the world size), the reading
         "global_batch": global_batch,
@@ -389,7 +386,7 @@ def main() -> int:
     t_start = log.start_clock(device, flops_per_token)  # tokens/s, MFU
     epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]  # this rank's own
     health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
-    seen = metrics.SampleIds(args.record_sample_ids)  # ids stay tensors until the end
+    seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
     preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)  # SIGTERM, Ctrl-C, SIGHUP
     problem = preempt = None  # why the loop ends early: one error line, or a signal's name
     batches, start, wait_s, t_last = epochs(epoch, done), step, 0.0, t_start
@@ -468,16 +465,14 @@ def main() -> int:
             # a non-finite loss or norm stops before any checkpoint or export of its weights
             problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
+                hf_config = accelerator.unwrap_model(model, keep_torch_compile=False).config
                 saved_to = checkpoint.save_checkpoint(
                     accelerator,
                     args.output_dir,
                     step,
                     args.save_total_limit,
                     {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
-                    hf_files=(
-                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
-                        tokenizer,
-                    ),
+                    hf_files=(hf_config, tokenizer),
                 )
             if preempt and not problem:
                 accelerator.print(
