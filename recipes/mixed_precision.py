@@ -218,9 +218,9 @@ def main() -> int:
         tokenizer = data.get_tokenizer(None, raw, args.vocab_size, args.cache_dir)
         config.vocab_size = len(tokenizer)  # the preset's vocabulary is the tokenizer's
         config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-        lm_data = data.pack_dataset(raw, tokenizer, args.block_size, args.cache_dir).with_format(
-            "torch"
-        )
+        lm_data = data.pack_dataset(
+            raw, tokenizer, args.block_size, args.cache_dir, "stream"
+        ).with_format("torch")
     full_blocks = True  # one stream cut into blocks: every position a target, no count
     data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
@@ -315,12 +315,12 @@ def main() -> int:
         **guard.prepared(accelerator, model, model_cls, global_batch),
     )  # FSDP units, DeepSpeed
     accelerator.print(metrics.start_line(run_info))
-    if resume_path:  # + scheduler, scaler (its scale), per-rank RNG; micro steps follow the step
+    if resume_path:  # + scheduler, scaler, per-rank RNG; micro steps follow this accumulation
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
         accelerator.print(checkpoint.resumed_line(resume_path, step))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
-        accelerator, args, "mixed_precision", step if resume_path else None, run_info, saved
+        accelerator, args, Path(__file__).stem, step if resume_path else None, run_info, saved
     )
 
     # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------

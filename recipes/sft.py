@@ -367,7 +367,9 @@ def main() -> int:
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
         accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
-    log = metrics.RunLog(accelerator, args, "sft", step if resume_path else None, run_info, saved)
+    log = metrics.RunLog(
+        accelerator, args, Path(__file__).stem, step if resume_path else None, run_info, saved
+    )
 
     # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()

@@ -60,6 +60,7 @@ class Args:
     adam_epsilon: float = 1e-8
     eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
     save_total_limit: int = flag(None, "keep only the newest N complete checkpoints", low=1)
+    peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
     record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
     # DataLoader (transformers.TrainingArguments names)
@@ -368,7 +369,7 @@ def main() -> int:
         accelerator.print(checkpoint.resumed_line(resume_path, step))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
-        accelerator, args, "sharded_data", step if resume_path else None, run_info, saved
+        accelerator, args, Path(__file__).stem, step if resume_path else None, run_info, saved
     )
     # The loader alone: the tokens/s it delivers with nothing else running (start-up excluded).
     stream = iter(train_loader)
@@ -383,7 +384,7 @@ def main() -> int:
     progress = tqdm(
         total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process
     )
-    t_start = log.start_clock(device, flops_per_token)  # tokens/s, MFU
+    t_start = log.start_clock(device, flops_per_token, args.peak_tflops)  # tokens/s, MFU
     epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]  # this rank's own
     health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
     seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
