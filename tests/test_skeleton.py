@@ -52,7 +52,16 @@ def drift(texts: dict[str, str]) -> list[str]:
 
 # The causal-LM training recipes: llama.py and a lesson each. They share the whole skeleton.
 TRAINING = ["llama.py", "mixed_precision.py", "sharded_data.py", "sft.py"]
-SKELETON = {"accelerator", "run state", "step", "end of step", "save or stop", "evaluate", "export"}
+SKELETON = {
+    "accelerator",
+    "run state",
+    "loss",
+    "step",
+    "end of step",
+    "save or stop",
+    "evaluate",
+    "export",
+}
 
 
 def test_the_shared_blocks_are_the_same_text_in_every_recipe():
@@ -61,7 +70,7 @@ def test_the_shared_blocks_are_the_same_text_in_every_recipe():
     blocks = {name: set(shared_blocks(text, name)) for name, text in texts.items()}
     # the Accelerator, its checks and workarounds: the same block in every recipe
     assert all("accelerator" in found for found in blocks.values()), blocks
-    # the training skeleton: loaders, step, end of step, evaluation, export, resume
+    # the training skeleton: loaders, the loss normaliser, step, end of step, evaluation, export
     assert all(SKELETON <= blocks[name] for name in TRAINING), blocks
     loaders = {name for name, found in blocks.items() if "loaders" in found}
     assert loaders == {"llama.py", "mixed_precision.py", "sft.py", "ddp_classifier.py"}, loaders
