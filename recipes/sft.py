@@ -232,13 +232,7 @@ def main() -> int:
         )
         ids = causal_lm.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
         lm_data = data.pack_dataset(
-            raw,
-            tokenizer,
-            args.max_length,
-            args.cache_dir,
-            args.packing,
-            to_rows,
-            "--max_length",
+            raw, tokenizer, args.max_length, args.cache_dir, args.packing, to_rows, "--max_length"
         ).with_format("torch")
     full_blocks = False  # the labels say which tokens train (the assistant's): count them
     data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
