@@ -78,16 +78,18 @@ def test_the_shared_blocks_are_the_same_text_in_every_recipe():
 
 
 # `diff a b | grep -c '^[<>]'` between two training recipes: what one teaches beyond the other.
-# The goal is 350 for every pair. sharded_data.py's own reader, loader and per-rank table (about
-# 200 lines), and sft.py's chat rendering (`chat_rows`), keep their pairs above it: each bound
-# is the pair's measured count, rounded up, so that the skeleton cannot drift apart unseen.
+# The goal is 350 for every pair; llama.py's pairs with mixed_precision.py and sft.py meet it.
+# sharded_data.py's own reader, loader, resume position and per-rank table (about 240 lines),
+# mixed_precision.py's --compare launcher and summary row (about 90), and sft.py's chat rendering
+# and LoRA keep the other pairs above it: each bound is the pair's measured count, so that the
+# skeleton cannot drift apart unseen.
 DIFF_BUDGET = {
-    ("llama.py", "mixed_precision.py"): 350,
-    ("llama.py", "sft.py"): 350,
-    ("llama.py", "sharded_data.py"): 460,
-    ("mixed_precision.py", "sharded_data.py"): 500,
-    ("mixed_precision.py", "sft.py"): 410,
-    ("sharded_data.py", "sft.py"): 535,
+    ("llama.py", "mixed_precision.py"): 288,
+    ("llama.py", "sft.py"): 213,
+    ("llama.py", "sharded_data.py"): 412,
+    ("mixed_precision.py", "sharded_data.py"): 470,
+    ("mixed_precision.py", "sft.py"): 369,
+    ("sharded_data.py", "sft.py"): 483,
 }
 
 
