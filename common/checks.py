@@ -908,7 +908,7 @@ def same_data(accelerator, lm_data) -> str:
 
 
 def sharded_data_flags(args) -> None:
-    """recipes/sharded_data.py's refusals: it counts steps only, and reads a prepared folder."""
+    """recipes/sharded_data.py's refusals of core flags: it counts steps only."""
     from common.args import unsupported
 
     unsupported(
@@ -922,8 +922,6 @@ def sharded_data_flags(args) -> None:
             "sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs "
             "differ in length, so --num_train_epochs cannot fix one step count for every rank"
         )
-    if args.data_dir is None or args.loader not in ("parquet", "datasets"):
-        raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
 
 
 def stop_if_any_rank_fails(accelerator, check, *args, **kwargs):

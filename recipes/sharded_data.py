@@ -63,8 +63,7 @@ class Args:
     peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
     record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
-    # DataLoader (transformers.TrainingArguments names)
-    dataloader_num_workers: int = flag(2, low=0)
+    dataloader_num_workers: int = flag(2, low=0)  # DataLoader flags: TrainingArguments names
     dataloader_prefetch_factor: int = flag(4, "batches queued per worker", low=1)
     dataloader_persistent_workers: bool = True
     dataloader_pin_memory: bool = flag(True, "applies only where a GPU exists")
@@ -191,8 +190,10 @@ def main() -> int:
         max_steps=30,
         logging_steps=5,
     )
-    checks.sharded_data_flags(args)  # --data_dir, --loader; --max_steps, not --num_train_epochs
+    checks.sharded_data_flags(args)  # --max_steps, not --num_train_epochs
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
+    if args.data_dir is None or args.loader not in ("parquet", "datasets"):
+        raise Stop("training needs --data_dir (a prepared folder) and --loader parquet|datasets")
     startup = {"steps": args.max_steps}  # known before the data: every rank streams that many
     handlers = []  # the Accelerator's kwargs_handlers besides the process group's
 
@@ -237,8 +238,7 @@ def main() -> int:
     )
     tokenizer = AutoTokenizer.from_pretrained(data_dir / "tokenizer")
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
-    model_cls = LlamaForCausalLM
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer))
+    model_cls, config = LlamaForCausalLM, models.llama_config(args.model_config, len(tokenizer))
     config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     if block_size > config.max_position_embeddings:
         raise Stop(
