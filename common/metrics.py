@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import sys
 import time
+import traceback
 
 import torch
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import broadcast_object_list
 
 from common import launch, workarounds
+from common.errors import Stop
 
 # Peak dense bf16 FLOP/s per device, from torchtitan's `get_peak_flops`. "H100 NVL" before "H100".
 PEAK_BF16_FLOPS = [
@@ -189,7 +194,7 @@ class RunLog:
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         purge = {"tensorboard": {"purge_step": 0 if resumed_step is None else resumed_step + 1}}
         flags = {k: v for k, v in vars(args).items() if v is not None}
-        accelerator.init_trackers(project, config=flags, init_kwargs=purge)
+        start_trackers(accelerator, args.report_to, project, flags, purge)
         if not accelerator.is_main_process:
             return
         if run_info is not None:  # the trackers started (main process only), not just asked for
@@ -266,6 +271,30 @@ class RunLog:
 
     def final_line(self, outputs: str, **figures) -> str:
         return final_line(self.path, outputs, **figures)
+
+
+def start_trackers(accelerator, report_to: str, project: str, config: dict, init_kwargs: dict):
+    """`accelerator.init_trackers` (the main process), or a `Stop` on every rank naming the tracker
+    that failed to start (no login, no network, no store: a traceback would bury the reason), once
+    the trackers that started are ended (wandb's service process with them)."""
+    problem = None
+    try:
+        accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
+    except Exception as err:
+        frames = (frame.f_locals.get("self") for frame, _ in traceback.walk_tb(err.__traceback__))
+        failed = next((t.name for t in frames if isinstance(t, GeneralTracker)), report_to)
+        for tracker in accelerator.trackers:
+            with contextlib.suppress(Exception):  # one that never started has nothing to end
+                tracker.finish()
+        accelerator.trackers.clear()
+        reason = (str(err).strip().splitlines() or [""])[0]
+        problem = (
+            f"--report_to {report_to}: {failed} failed to start: {type(err).__name__}: {reason}"
+        )
+    if report_to != "none" and accelerator.num_processes > 1:  # no rank waits for one that left
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise Stop(problem)
 
 
 def start_line(run_info: dict) -> str:
