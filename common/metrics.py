@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -194,7 +193,18 @@ class RunLog:
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         purge = {"tensorboard": {"purge_step": 0 if resumed_step is None else resumed_step + 1}}
         flags = {k: v for k, v in vars(args).items() if v is not None}
-        start_trackers(accelerator, args.report_to, project, flags, purge)
+        problem = None
+        try:  # on the main process: no login, no network, no store would end in a traceback
+            accelerator.init_trackers(project, config=flags, init_kwargs=purge)
+        except Exception as err:  # (those that started end at exit, as their libraries do)
+            tb = (frame.f_locals.get("self") for frame, _ in traceback.walk_tb(err.__traceback__))
+            name = next((t.name for t in tb if isinstance(t, GeneralTracker)), args.report_to)
+            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            problem = f"--report_to {args.report_to}: {name} failed to start: {why}"
+        if args.report_to != "none" and accelerator.num_processes > 1:  # every rank stops
+            problem = broadcast_object_list([problem])[0]
+        if problem:
+            raise Stop(problem)
         if not accelerator.is_main_process:
             return
         if run_info is not None:  # the trackers started (main process only), not just asked for
@@ -271,30 +281,6 @@ class RunLog:
 
     def final_line(self, outputs: str, **figures) -> str:
         return final_line(self.path, outputs, **figures)
-
-
-def start_trackers(accelerator, report_to: str, project: str, config: dict, init_kwargs: dict):
-    """`accelerator.init_trackers` (the main process), or a `Stop` on every rank naming the tracker
-    that failed to start (no login, no network, no store: a traceback would bury the reason), once
-    the trackers that started are ended (wandb's service process with them)."""
-    problem = None
-    try:
-        accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
-    except Exception as err:
-        frames = (frame.f_locals.get("self") for frame, _ in traceback.walk_tb(err.__traceback__))
-        failed = next((t.name for t in frames if isinstance(t, GeneralTracker)), report_to)
-        for tracker in accelerator.trackers:
-            with contextlib.suppress(Exception):  # one that never started has nothing to end
-                tracker.finish()
-        accelerator.trackers.clear()
-        reason = (str(err).strip().splitlines() or [""])[0]
-        problem = (
-            f"--report_to {report_to}: {failed} failed to start: {type(err).__name__}: {reason}"
-        )
-    if report_to != "none" and accelerator.num_processes > 1:  # no rank waits for one that left
-        problem = broadcast_object_list([problem])[0]
-    if problem:
-        raise Stop(problem)
 
 
 def start_line(run_info: dict) -> str:
@@ -409,20 +395,6 @@ def end_figures(accelerator, model) -> dict:
         out["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     floats = [(n, b) for n, b in unwrapped.named_buffers() if b.is_floating_point()]
     return {**out, "buffer_dtypes": {n: str(b.dtype).removeprefix("torch.") for n, b in floats}}
-
-
-OADER_KEYS = [
-    "rank",
-    "shards",
-    "loader_tokens_per_second",
-    "step_tokens_per_second",
-    "loader_to_step_ratio",
-    "data_wait_share",
-    "rss_bytes",
-    "uss_bytes",
-    "workers_uss_bytes",
-    "workers",
-]  # a row of recipes/sharded_data.py's summary
 
 
 def weight_decay_line(optimizer) -> str:
