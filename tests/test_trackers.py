@@ -28,6 +28,7 @@ def offline(tmp_path):
     return {
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path / "wandb"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),  # (its service's logs)
         "WANDB_API_KEY": None,
         "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
         "MLFLOW_ALLOW_FILE_STORE": "true",  # (MLflow 3 prefers a database; skinny has none)
