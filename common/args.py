@@ -11,6 +11,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from transformers import HfArgumentParser
 from common import errors
 from common.errors import Stop
 from common.run_dir import restart_note
+from common import schedule
+from common.schedule import SCHEDULES
 
 SEED_MAX = 2**32 - 1  # numpy's seed range; set_seed seeds numpy too
 
@@ -82,11 +85,38 @@ class FlagParser(HfArgumentParser):
         HfArgumentParser._parse_dataclass_field(parser, field)
 
 
+# TrainingArguments' flags that belong to the launch line here: each stops with where it goes.
+PRECISION = (
+    "precision is set on the launch line: accelerate launch --mixed_precision {0} ... "
+    "(or mixed_precision: {0} in the config)"
+)
+LAUNCH_FLAGS = {
+    "bf16": PRECISION.format("bf16"),
+    "fp16": PRECISION.format("fp16"),
+    "half_precision_backend": PRECISION.format("fp16"),
+    "tf32": "TF32 is PyTorch's setting: the recipes keep its default (fp32 matmuls); in a copy, set "
+    "torch.backends.cuda.matmul.allow_tf32 = True",
+    "deepspeed": "DeepSpeed is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or --use_deepspeed "
+    "--deepspeed_config_file ds.json",
+    "fsdp": "FSDP is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/fsdp.yaml (fsdp_config: in that file)",
+}
+LAUNCH_FLAGS["fsdp_config"] = LAUNCH_FLAGS["fsdp"]
+
+
 def parse_flags(
     types: tuple, argv: list[str] | None = None, description: str | None = None, **defaults
 ) -> tuple[tuple, set[str]]:
     """(one instance per dataclass of flags, the names given on the command line); Stop for an
     unknown flag, a wrong type or a value out of range."""
+    own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
+    for word in map(str, sys.argv[1:] if argv is None else argv):
+        if (name := word.removeprefix("--").split("=")[0]) in LAUNCH_FLAGS and word[:2] == "--":
+            hint = LAUNCH_FLAGS[name]
+            if "precision" in own and hint.startswith("precision"):
+                hint = "this recipe sets the precision with --precision (auto, no, bf16, fp16)"
+            raise Stop(f"--{name}: {hint}")
     parser = FlagParser(types, description=description, formatter_class=FlagParser.Formatter)
     parser.set_defaults(**defaults)
     try:
@@ -124,7 +154,14 @@ class TrainingFlags:
     gradient_accumulation_steps: int = flag(1, low=1)
     learning_rate: float = flag(3e-3, "peak LR")
     weight_decay: float = flag(0.0, "AdamW decay; never on biases and norm weights", low=0)
-    warmup_steps: int = flag(0, low=0)
+    lr_scheduler_type: str = choice(
+        SCHEDULES, help="transformers.get_scheduler's; Trainer's: linear"
+    )
+    lr_scheduler_kwargs: str = flag(
+        None, """JSON, e.g. '{"min_lr_rate": 0.1}' (cosine_with_min_lr)"""
+    )
+    warmup_steps: float = flag(0, "steps; below 1, a share of the run (transformers 5)", low=0)
+    warmup_ratio: float = flag(0.0, "a share of the run, if --warmup_steps is 0", low=0, high=1)
     max_steps: int = flag(-1, "optimizer steps; -1: --num_train_epochs decides", low=-1)
     num_train_epochs: float = 1.0
     logging_steps: int = flag(10, low=1)
@@ -170,6 +207,20 @@ def parse_args(
         raise Stop("--max_steps must be positive, or -1 to train --num_train_epochs, got 0")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise Stop(f"--num_train_epochs must be positive, got {args.num_train_epochs}")
+    if "warmup_ratio" in given and "warmup_steps" not in given:
+        args.warmup_steps = 0  # a recipe's default step count yields to the user's ratio
+    elif "warmup_ratio" in given and args.warmup_steps and args.warmup_ratio:
+        errors.warn(
+            f"--warmup_steps {args.warmup_steps:g} and --warmup_ratio {args.warmup_ratio:g} both "
+            "given: --warmup_steps wins (as in transformers.TrainingArguments)"
+        )
+    if args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps):
+        raise Stop(
+            f"--warmup_steps must be whole steps, or a share of the run below 1, got {args.warmup_steps:g}"
+        )
+    import torch
+
+    schedule.lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), args, 10)  # kwargs
     args.report_to = _resolve_trackers(args.report_to)
     if args.output_dir is None:
         raise Stop("--output_dir is required")

@@ -44,7 +44,7 @@ costs about two forwards); the table states the measured figures next to it.
 Flags: the core `transformers.TrainingArguments` flags (common/args.py) where a measurement has a
 use for them; a step is --gradient_accumulation_steps micro batches (step 1's first is measured),
 --max_steps counts steps per variant, depth and round (the first untimed), and --weight_decay never
-applies to norm weights. It keeps no model and has no LR schedule: --warmup_steps, --save_steps,
+applies to norm weights. It keeps no model and has no LR schedule: the schedule's, --save_steps,
 --num_train_epochs, --logging_steps, --resume_from_checkpoint, --report_to are refused, not ignored.
 
 Outputs in --output_dir: results.json (every figure; standard JSON: a non-finite number is null,
@@ -201,7 +201,10 @@ def main() -> int:
     unsupported(
         args,
         "gradient_checkpointing.py",
-        warmup_steps="it trains at a constant --learning_rate (no schedule)",
+        **dict.fromkeys(
+            ("warmup_steps", "warmup_ratio", "lr_scheduler_type", "lr_scheduler_kwargs"),
+            "it trains at a constant --learning_rate (no schedule)",
+        ),
         num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
         logging_steps="it prints one line per variant and round, and the table",
         save_steps=f"it saves no checkpoints: {no_training_run}",

@@ -34,7 +34,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
@@ -119,6 +119,7 @@ def main() -> int:
         learning_rate=3e-3,
         weight_decay=0.1,
         warmup_steps=15,
+        lr_scheduler_type="cosine",
         max_steps=150,
         logging_steps=10,
         report_to="tensorboard",
@@ -256,7 +257,7 @@ def main() -> int:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
     )
-    lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
 
     order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
@@ -269,9 +270,7 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
-    )
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(

@@ -35,11 +35,11 @@ from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, LlamaForCausalLM, get_constant_schedule_with_warmup
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, errors, grad_norm, launch, run_dir
-from common import metrics, models, precision, workarounds
+from common import metrics, models, precision, schedule, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.errors import Stop
 
@@ -187,6 +187,7 @@ def main() -> int:
         per_device_train_batch_size=8,
         learning_rate=1e-3,
         weight_decay=0.1,
+        lr_scheduler_type="constant_with_warmup",
         max_steps=30,
         logging_steps=5,
     )
@@ -321,7 +322,7 @@ def main() -> int:
         eps=args.adam_epsilon,
     )
     accelerator.print(metrics.weight_decay_line(optimizer))
-    lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # then constant
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot see our loader
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = batch
@@ -340,7 +341,6 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    # (the LR is constant after the warmup: another --max_steps continues exactly)
     resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 
