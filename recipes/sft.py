@@ -313,7 +313,7 @@ def main() -> int:
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.max_length)
 
-    peak_lr, lr_line = schedule.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
+    peak_lr, lr_line = causal_lm.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
     accelerator.print(lr_line)
     # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
     optimizer = torch.optim.AdamW(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from common.schedule import scaled_learning_rate
+from common.causal_lm import scaled_learning_rate
 from conftest import FAST, launch, read_metrics
 
 # FAST's batch (the global batch the messages name), with small blocks, a small eval and no sample.
