@@ -470,7 +470,6 @@ SETTING_SOURCES = {
     "--validation_split_percentage, --max_train_samples",
     "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
     "frozen_base": "the frozen base model's weights: --model_name_or_path",
-    "warmup_steps": "--warmup_steps, or --warmup_ratio of the run's steps",
 }
 
 
