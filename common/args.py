@@ -167,6 +167,11 @@ class TrainingFlags:
     )
     max_grad_norm: float = flag(1.0, "clip to this global norm; 0 logs it, clips nothing", low=0)
     report_to: str = flag("none", "Accelerate tracker(s): a name, a comma list, 'all' or 'none'")
+    run_name: str = flag(None, "the run's name in wandb, mlflow, trackio, clearml, swanlab")
+    logging_dir: str = flag(
+        None, "the trackers' folder (TensorBoard: LOGGING_DIR/<recipe>/); default: --output_dir"
+    )
+    dataloader_num_workers: int = flag(0, "DataLoader worker processes per rank", low=0)
 
 
 class Flags(SimpleNamespace):

@@ -598,6 +598,13 @@ def check_resume(
         )
 
 
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM, SIGINT and SIGHUP (torchrun signals each rank's process
+    group, Ctrl-C the terminal's): the rank saves at the next step, then stops its workers."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stop_on_signal(accelerator, timeout_s: float):
     """Record SIGTERM, SIGINT and SIGHUP (what SLURM, Kubernetes, torchrun and Ctrl-C send about
     30 s before SIGKILL) instead of dying; returns `preempted()`: the signal's name on every rank

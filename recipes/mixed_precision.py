@@ -253,12 +253,16 @@ def main() -> int:
         drop_last=True,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,  # the sampler, in this process, sets the order
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # a signal: the rank saves first
     )
     eval_loader = torch.utils.data.DataLoader(
         eval_set,
         batch_size=args.per_device_eval_batch_size,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,
     )
     # <<< shared
 

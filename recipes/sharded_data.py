@@ -16,7 +16,6 @@ To adapt the code, find the `# ADAPT:` markers: data, model, loss, export.
 import gc
 import hashlib
 import json
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -63,7 +62,6 @@ class Args:
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
     record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
     # DataLoader (transformers.TrainingArguments names)
-    dataloader_num_workers: int = flag(2, low=0)
     dataloader_prefetch_factor: int = flag(4, "batches queued per worker", low=1)
     dataloader_persistent_workers: bool = True
     dataloader_pin_memory: bool = flag(True, "applies only where a GPU exists")
@@ -108,13 +106,6 @@ def own_shards(
                 )
         mine += [path] if i < n else []
     return manifest, mine
-
-
-def leave_signals_to_the_rank(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM, SIGINT and SIGHUP (torchrun signals each rank's process
-    group, Ctrl-C the terminal's): the rank saves at the next step, then stops its workers."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 class RankShards(torch.utils.data.IterableDataset):
@@ -188,6 +179,7 @@ def main() -> int:
         learning_rate=1e-3,
         weight_decay=0.1,
         lr_scheduler_type="constant_with_warmup",
+        dataloader_num_workers=2,
         max_steps=30,
         logging_steps=5,
     )
@@ -278,7 +270,7 @@ def main() -> int:
         num_workers=workers,
         prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-forks
-        worker_init_fn=leave_signals_to_the_rank,  # the rank saves first, then stops them
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # the rank saves, then stops them
         generator=torch.Generator(),  # iter() seeds from here, not the RNG a resume restores
         pin_memory=pin and args.dataloader_pin_memory,
     )
