@@ -60,9 +60,10 @@ class Args:
     train_file: str = flag(
         None,
         ".txt (one document; without --validation_file its start is held "
-        "out), or .json/.jsonl/.parquet with a 'text' column (a row each)",
+        "out), or .json/.jsonl/.parquet, a row each",
     )
     validation_file: str = None
+    dataset_text_field: str = flag("text", "the column of the rows that holds the text")
     validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
     block_size: int = flag(256, "tokens per sequence", low=2)
     packing: str = choice(data.PACKING, data.PACKING_ALIASES, "see docs/llama.md#packing")
@@ -173,6 +174,7 @@ def main() -> int:
             args.train_file,
             args.validation_file,
             args.validation_split_percentage,
+            text_field=args.dataset_text_field,
         )
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, args.vocab_size, args.cache_dir)

@@ -13,7 +13,7 @@ from common.args import LAUNCH_FLAGS, FlagParser, TrainingFlags, parse_args
 from common.causal_lm import scaled_learning_rate
 from common.errors import Stop
 from common.schedule import SCHEDULES, lr_decays_after, lr_scheduler, warmup_count
-from conftest import FAST, launch, read_metrics
+from conftest import FAST, REPO, launch, read_metrics
 
 # FAST's batch (the global batch the messages name), with small blocks, a small eval and no sample.
 SMALL = [*FAST, "--block_size", 64, "--max_eval_samples", 8, "--sample_tokens", 0]
@@ -256,3 +256,97 @@ def test_a_changed_schedule_is_refused_on_resume():
     now, must_match = state("--lr_scheduler_type", "cosine", "--warmup_steps", 2)
     checkpoint.check_resume(Path("ckpt"), saved, now, must_match, lr_decays_after(now))  # the same
     assert lr_decays_after({**now, "lr_scheduler_type": "constant_with_warmup"}) is None
+
+
+# The other TrainingArguments habits: --run_name, --logging_dir, --dataloader_num_workers, and
+# llama.py's --dataset_text_field (TRL's name).
+
+
+def test_the_run_name_and_logging_dir_reach_the_trackers(tmp_path):
+    from types import SimpleNamespace
+
+    from common import metrics
+
+    started = {}
+    accelerator = SimpleNamespace(
+        device=torch.device("cpu"),
+        project_configuration=SimpleNamespace(logging_dir=str(tmp_path)),
+        is_main_process=False,  # (writes nothing)
+        num_processes=1,
+        trackers=[],
+        init_trackers=lambda project, config, init_kwargs: started.update(init_kwargs),
+    )
+    argv = ["--run_name", "lr-sweep-3", "--logging_dir", tmp_path / "tb", "--report_to", "none"]
+    metrics.RunLog(accelerator, own_flags(tmp_path, *argv), "llama")
+    assert started["wandb"] == {"name": "lr-sweep-3"} and started["mlflow"] == {
+        "run_name": "lr-sweep-3"
+    }
+    assert started["tensorboard"] == {"purge_step": 0}  # its folder: LOGGING_DIR/llama
+    assert accelerator.project_configuration.logging_dir == str(tmp_path / "tb")
+
+
+@pytest.mark.parametrize("recipe", ["llama.py", "ddp_classifier.py"])
+def test_loader_workers_train_the_same_blocks(recipe):
+    """The recipes' shared loaders block, run as written with 0 and 2 workers under a one-process
+    Accelerator: the same blocks in the same order, epoch after epoch and after a mid-epoch resume
+    (the seedable sampler orders them in the rank's process; the workers only fetch)."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration
+
+    from common import checkpoint as common_checkpoint
+    from test_skeleton import shared_blocks
+
+    block = shared_blocks((REPO / "recipes" / recipe).read_text(), recipe)["loaders"]
+    data = [{"input_ids": torch.tensor([i])} for i in range(40)]
+
+    def order(workers):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        accelerator = Accelerator(
+            cpu=True,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=42),
+        )
+        args = SimpleNamespace(
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=4,
+            dataloader_num_workers=workers,
+        )
+        scope = dict(torch=torch, accelerator=accelerator, args=args, checkpoint=common_checkpoint)
+        exec(block, scope | dict(train_set=data, eval_set=data), scope)  # the loaders into scope
+        loader = accelerator.prepare(scope["train_loader"])
+        seen = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            seen += [b["input_ids"].flatten().tolist() for b in loader]
+        loader.set_epoch(1)  # a resume 3 batches into epoch 1
+        seen += [
+            b["input_ids"].flatten().tolist() for b in accelerator.skip_first_batches(loader, 3)
+        ]
+        assert scope["train_loader"].num_workers == workers
+        return seen
+
+    try:
+        inline, workers = order(0), order(2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert workers == inline and len(inline) == 10 + 10 + 7
+    assert inline[:10] != inline[10:20] and inline[13:20] == inline[20:]  # shuffled; resumed
+
+
+def test_the_text_column_is_the_data_stages(tmp_path):
+    from common import data
+
+    rows = tmp_path / "rows.jsonl"
+    texts = [f"document {i} " * 5 for i in range(20)]
+    rows.write_text("".join(f'{{"content": "{t}", "text": "x"}}\n' for t in texts))
+    raw = data.load_text_dataset(train_file=str(rows), text_field="content")
+    assert list(raw["validation"]["text"]) + list(raw["train"]["text"]) == texts  # 5% held out
+    assert "content" not in raw["train"].column_names
+    with pytest.raises(Stop, match=r"train split has no 'body' column \(--dataset_text_field"):
+        data.load_text_dataset(train_file=str(rows), text_field="body")
+    llama = (REPO / "recipes" / "llama.py").read_text()
+    assert "text_field=args.dataset_text_field" in llama and '"text"]' not in llama
