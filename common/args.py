@@ -167,7 +167,7 @@ class TrainingFlags:
     )
     max_grad_norm: float = flag(1.0, "clip to this global norm; 0 logs it, clips nothing", low=0)
     report_to: str = flag("none", "Accelerate tracker(s): a name, a comma list, 'all' or 'none'")
-    run_name: str = flag(None, "the run's name in wandb, mlflow, trackio, clearml, swanlab")
+    run_name: str = flag(None, "the run's name in wandb, mlflow, trackio, clearml")
     logging_dir: str = flag(
         None, "the trackers' folder (TensorBoard: LOGGING_DIR/<recipe>/); default: --output_dir"
     )

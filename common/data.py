@@ -124,8 +124,7 @@ def load_text_dataset(
                     f"{split} split has no '{text_field}' column (--dataset_text_field; columns: "
                     f"{raw[split].column_names})"
                 )
-            others = [c for c in raw[split].column_names if c == "text"]
-            raw[split] = raw[split].remove_columns(others).rename_column(text_field, "text")
+            raw[split] = raw[split].select_columns(text_field).rename_column(text_field, "text")
         if not any(set(names) <= set(raw[split].column_names) for names in columns):
             wanted = " or ".join("+".join(f"'{n}'" for n in names) for names in columns)
             raise Stop(f"{split} split has no {wanted} column (columns: {raw[split].column_names})")

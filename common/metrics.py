@@ -168,13 +168,7 @@ def _figure(value) -> str:
 
 
 # Each tracker's keyword for a run's name (--run_name; TensorBoard's folder is the recipe's name).
-RUN_NAME = {
-    "wandb": "name",
-    "trackio": "name",
-    "mlflow": "run_name",
-    "clearml": "task_name",
-    "swanlab": "experiment_name",
-}
+RUN_NAME = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "clearml": "task_name"}
 
 
 class RunLog:
