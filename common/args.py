@@ -108,7 +108,8 @@ def parse_flags(
     unknown flag, a wrong type or a value out of range."""
     own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
     for word in map(str, sys.argv[1:] if argv is None else argv):
-        if (name := word.removeprefix("--").split("=")[0]) in LAUNCH_FLAGS and word[:2] == "--":
+        name = word.removeprefix("--").split("=")[0]
+        if word[:2] == "--" and name in LAUNCH_FLAGS and name not in own:
             hint = LAUNCH_FLAGS[name]
             if "precision" in own and hint.startswith("precision"):
                 hint = "this recipe sets the precision with --precision (auto, no, bf16, fp16)"
@@ -151,7 +152,7 @@ class TrainingFlags:
     learning_rate: float = flag(3e-3, "peak LR")
     weight_decay: float = flag(0.0, "AdamW decay; never on biases and norm weights", low=0)
     lr_scheduler_type: str = choice(
-        schedule.SCHEDULES, help="transformers.get_scheduler's; Trainer's: linear"
+        schedule.SCHEDULES, help="a transformers.get_scheduler name; TrainingArguments': linear"
     )
     lr_scheduler_kwargs: str = flag(
         None, """JSON, e.g. '{"min_lr_rate": 0.1}' (cosine_with_min_lr)"""
@@ -213,7 +214,7 @@ def parse_args(
     elif "warmup_ratio" in given and args.warmup_steps and args.warmup_ratio:
         errors.warn(
             f"--warmup_steps {args.warmup_steps:g} and --warmup_ratio {args.warmup_ratio:g} both "
-            "given: --warmup_steps wins (as in transformers.TrainingArguments)"
+            "given: --warmup_steps wins (as in transformers 4's TrainingArguments)"
         )
     import torch  # a dry run: a keyword the schedule lacks or needs stops now, not after the data
 

@@ -128,7 +128,7 @@ def test_a_ratio_replaces_the_recipes_warmup_steps(tmp_path, capsys):
     assert warmup_count(args.warmup_steps, args.warmup_ratio, 150) == 4  # the steps win
     assert capsys.readouterr().err.strip() == (
         "warning: --warmup_steps 4 and --warmup_ratio 0.1 both given: --warmup_steps wins (as in "
-        "transformers.TrainingArguments)"
+        "transformers 4's TrainingArguments)"
     )
 
 
@@ -198,7 +198,9 @@ def test_help_shows_the_schedule_flags_not_the_launch_lines():
     parser.set_defaults(lr_scheduler_type="cosine")  # a recipe's default
     text = " ".join(parser.format_help().split())
     assert (
-        "--lr_scheduler_type" in text and "--warmup_ratio" in text and "Trainer's: linear" in text
+        "--lr_scheduler_type" in text
+        and "--warmup_ratio" in text
+        and "TrainingArguments': linear" in text
     )
     assert "(default: cosine)" in text
     assert not [f for f in LAUNCH_FLAGS if f"--{f} " in text or f"--{f}=" in text]
