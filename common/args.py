@@ -93,10 +93,11 @@ LAUNCH_FLAGS |= {
     "half_precision_backend": LAUNCH_FLAGS["fp16"],
     "tf32": "TF32 is PyTorch's: the recipes keep its default (off); in a copy, set "
     "torch.backends.cuda.matmul.allow_tf32 = True",
-    "deepspeed": "DeepSpeed is set on the launch line: --config_file accelerate_configs/"
-    "deepspeed_zero2.yaml (zero3, zero3_offload), or --use_deepspeed --deepspeed_config_file FILE",
-    "fsdp": "FSDP is set on the launch line: --config_file accelerate_configs/fsdp.yaml (its "
-    "fsdp_config: holds the FSDP settings)",
+    "deepspeed": "DeepSpeed is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or accelerate launch "
+    "--use_deepspeed --deepspeed_config_file FILE",
+    "fsdp": "FSDP is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/fsdp.yaml (its fsdp_config: holds the FSDP settings)",
 }
 LAUNCH_FLAGS["fsdp_config"] = LAUNCH_FLAGS["fsdp"]
 
@@ -108,7 +109,7 @@ def parse_flags(
     unknown flag, a wrong type or a value out of range."""
     own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
     for word in map(str, sys.argv[1:] if argv is None else argv):
-        name = word.removeprefix("--").split("=")[0]
+        name = word.removeprefix("--").split("=")[0].replace("-", "_")
         if word[:2] == "--" and name in LAUNCH_FLAGS and name not in own:
             hint = LAUNCH_FLAGS[name]
             if "precision" in own and hint.startswith("precision"):

@@ -170,22 +170,24 @@ def test_a_schedule_that_cannot_be_built_stops_at_parse_time(argv, error, tmp_pa
         (["--tf32=true"], "--tf32: TF32 is PyTorch's"),
         (
             ["--deepspeed", "ds.json"],
-            "--deepspeed: DeepSpeed is set on the launch line: --config_file "
-            "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or --use_deepspeed "
-            "--deepspeed_config_file FILE",
+            "--deepspeed: DeepSpeed is set on the launch line: accelerate launch --config_file "
+            "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or accelerate "
+            "launch --use_deepspeed --deepspeed_config_file FILE",
         ),
         (
             ["--fsdp", "full_shard"],
-            "--fsdp: FSDP is set on the launch line: --config_file accelerate_configs/fsdp.yaml",
+            "--fsdp: FSDP is set on the launch line: accelerate launch --config_file "
+            "accelerate_configs/fsdp.yaml",
         ),
-        (["--fsdp_config", "f.json"], "accelerate_configs/fsdp.yaml"),
+        (["--fsdp-config", "f.json"], "accelerate_configs/fsdp.yaml"),  # (either spelling)
     ],
 )
 def test_a_launch_line_flag_stops_naming_where_it_goes(argv, says, tmp_path):
     with pytest.raises(Stop) as stop:
         own_flags(tmp_path, "--max_steps", 3, *argv)
     text = str(stop.value)
-    assert text.startswith(argv[0].split("=")[0] + ": ") and says in text, text
+    name = "--" + argv[0][2:].split("=")[0].replace("-", "_")
+    assert text.startswith(name + ": ") and says in text, text
     assert "\n" not in text
 
 
