@@ -83,38 +83,12 @@ class FlagParser(HfArgumentParser):
         HfArgumentParser._parse_dataclass_field(parser, field)
 
 
-# TrainingArguments' flags that belong to the launch line here: each stops, saying where it goes.
-LAUNCH_FLAGS = {
-    p: f"precision is set on the launch line: accelerate launch --mixed_precision {p} ... "
-    f"(or mixed_precision: {p} in the config)"
-    for p in ("bf16", "fp16")
-}
-LAUNCH_FLAGS |= {
-    "half_precision_backend": LAUNCH_FLAGS["fp16"],
-    "tf32": "TF32 is PyTorch's: the recipes keep its default (off); in a copy, set "
-    "torch.backends.cuda.matmul.allow_tf32 = True",
-    "deepspeed": "DeepSpeed is set on the launch line: accelerate launch --config_file "
-    "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or accelerate launch "
-    "--use_deepspeed --deepspeed_config_file FILE",
-    "fsdp": "FSDP is set on the launch line: accelerate launch --config_file "
-    "accelerate_configs/fsdp.yaml (its fsdp_config: holds the FSDP settings)",
-}
-LAUNCH_FLAGS["fsdp_config"] = LAUNCH_FLAGS["fsdp"]
-
-
 def parse_flags(
     types: tuple, argv: list[str] | None = None, description: str | None = None, **defaults
 ) -> tuple[tuple, set[str]]:
     """(one instance per dataclass of flags, the names given on the command line); Stop for an
     unknown flag, a wrong type or a value out of range."""
-    own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
-    for word in map(str, sys.argv[1:] if argv is None else argv):
-        name = word.removeprefix("--").split("=")[0].replace("-", "_")
-        if word[:2] == "--" and name in LAUNCH_FLAGS and name not in own:
-            hint = LAUNCH_FLAGS[name]
-            if "precision" in own and hint.startswith("precision"):
-                hint = "this recipe sets the precision with --precision (auto, no, bf16, fp16)"
-            raise Stop(f"--{name}: {hint}")
+    _stop_launch_line_flags(types, argv)
     parser = FlagParser(types, description=description, formatter_class=FlagParser.Formatter)
     parser.set_defaults(**defaults)
     try:
@@ -174,6 +148,38 @@ class TrainingFlags:
         None, "the trackers' folder (TensorBoard: LOGGING_DIR/<recipe>/); default: --output_dir"
     )
     dataloader_num_workers: int = flag(0, "DataLoader worker processes per rank", low=0)
+
+
+# TrainingArguments' flags that belong to the launch line here: each stops, saying where it goes.
+LAUNCH_FLAGS = {
+    p: f"precision is set on the launch line: accelerate launch --mixed_precision {p} ... "
+    f"(or mixed_precision: {p} in the config)"
+    for p in ("bf16", "fp16")
+}
+LAUNCH_FLAGS |= {
+    "half_precision_backend": LAUNCH_FLAGS["fp16"],
+    "tf32": "TF32 is PyTorch's: the recipes keep its default (off); in a copy, set "
+    "torch.backends.cuda.matmul.allow_tf32 = True",
+    "deepspeed": "DeepSpeed is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or accelerate launch "
+    "--use_deepspeed --deepspeed_config_file FILE",
+    "fsdp": "FSDP is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/fsdp.yaml (its fsdp_config: holds the FSDP settings)",
+}
+LAUNCH_FLAGS["fsdp_config"] = LAUNCH_FLAGS["fsdp"]
+
+
+def _stop_launch_line_flags(types: tuple, argv: list[str] | None) -> None:
+    """Stop on a `TrainingArguments` flag that the launch line sets here (`LAUNCH_FLAGS`), naming
+    where it goes; a flag of that name in one of `types` is that recipe's own."""
+    own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
+    for word in map(str, sys.argv[1:] if argv is None else argv):
+        name = word.removeprefix("--").split("=")[0].replace("-", "_")
+        if word[:2] == "--" and name in LAUNCH_FLAGS and name not in own:
+            hint = LAUNCH_FLAGS[name]
+            if "precision" in own and hint.startswith("precision"):
+                hint = "this recipe sets the precision with --precision (auto, no, bf16, fp16)"
+            raise Stop(f"--{name}: {hint}")
 
 
 class Flags(SimpleNamespace):
