@@ -223,6 +223,11 @@ def parse_args(
             f"--warmup_steps {args.warmup_steps:g} and --warmup_ratio {args.warmup_ratio:g} both "
             "given: --warmup_steps wins (as in transformers 4's TrainingArguments)"
         )
+    if args.lr_scheduler_type == "constant" and (args.warmup_steps or args.warmup_ratio):
+        errors.warn(
+            "--lr_scheduler_type constant has no warmup (transformers.get_scheduler ignores "
+            "--warmup_steps and --warmup_ratio): constant_with_warmup has one"
+        )
     import torch  # a dry run: a keyword the schedule lacks or needs stops now, not after the data
 
     schedule.lr_scheduler(torch.optim.SGD([torch.zeros(1)]), args, max_steps=10)

@@ -121,6 +121,13 @@ def test_every_schedule_is_trainers(name, tmp_path):
     assert "warmup_stable_decay" in SCHEDULES and "reduce_lr_on_plateau" not in SCHEDULES
 
 
+def test_a_warmup_that_constant_ignores_is_said(tmp_path, capsys):
+    own_flags(tmp_path, "--lr_scheduler_type", "constant", warmup_steps=15)
+    assert capsys.readouterr().err.startswith("warning: --lr_scheduler_type constant has no warmup")
+    own_flags(tmp_path, "--lr_scheduler_type", "constant_with_warmup", warmup_steps=15)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_ratio_replaces_the_recipes_warmup_steps(tmp_path, capsys):
     args = own_flags(tmp_path, "--warmup_ratio", 0.1, warmup_steps=15)  # llama.py's default
     assert (args.warmup_steps, warmup_count(args.warmup_steps, args.warmup_ratio, 150)) == (0, 15)
