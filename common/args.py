@@ -129,9 +129,7 @@ class TrainingFlags:
     lr_scheduler_type: str = choice(
         schedule.SCHEDULES, help="a transformers.get_scheduler name; TrainingArguments': linear"
     )
-    lr_scheduler_kwargs: str = flag(
-        None, """JSON, e.g. '{"min_lr_rate": 0.1}' (cosine_with_min_lr)"""
-    )
+    lr_scheduler_kwargs: str = flag(None, """JSON, e.g. '{"min_lr_rate": 0.1}'""")
     warmup_steps: float = flag(0, "steps; below 1, a share of the run (transformers 5)", low=0)
     warmup_ratio: float = flag(0.0, "a share of the run, if --warmup_steps is 0", low=0, high=1)
     max_steps: int = flag(-1, "optimizer steps; -1: --num_train_epochs decides", low=-1)
@@ -144,9 +142,7 @@ class TrainingFlags:
     max_grad_norm: float = flag(1.0, "clip to this global norm; 0 logs it, clips nothing", low=0)
     report_to: str = flag("none", "Accelerate tracker(s): a name, a comma list, 'all' or 'none'")
     run_name: str = flag(None, "the run's name in wandb, mlflow, trackio, clearml")
-    logging_dir: str = flag(
-        None, "the trackers' folder (TensorBoard: LOGGING_DIR/<recipe>/); default: --output_dir"
-    )
+    logging_dir: str = flag(None, "tracker folder (TensorBoard: DIR/<recipe>), else --output_dir")
     dataloader_num_workers: int = flag(0, "DataLoader worker processes per rank", low=0)
 
 
@@ -170,8 +166,7 @@ LAUNCH_FLAGS["fsdp_config"] = LAUNCH_FLAGS["fsdp"]
 
 
 def _stop_launch_line_flags(types: tuple, argv: list[str] | None) -> None:
-    """Stop on a `TrainingArguments` flag that the launch line sets here (`LAUNCH_FLAGS`), naming
-    where it goes; a flag of that name in one of `types` is that recipe's own."""
+    """Stop on a flag of `LAUNCH_FLAGS` not in `types` (the recipe's own), naming where it goes."""
     own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
     for word in map(str, sys.argv[1:] if argv is None else argv):
         name = word.removeprefix("--").split("=")[0].replace("-", "_")
