@@ -11,6 +11,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 
 from transformers import HfArgumentParser
 
-from common import errors
+from common import errors, schedule
 from common.errors import Stop
 from common.run_dir import restart_note
 
@@ -87,6 +88,7 @@ def parse_flags(
 ) -> tuple[tuple, set[str]]:
     """(one instance per dataclass of flags, the names given on the command line); Stop for an
     unknown flag, a wrong type or a value out of range."""
+    _stop_launch_line_flags(types, argv)
     parser = FlagParser(types, description=description, formatter_class=FlagParser.Formatter)
     parser.set_defaults(**defaults)
     try:
@@ -124,7 +126,12 @@ class TrainingFlags:
     gradient_accumulation_steps: int = flag(1, low=1)
     learning_rate: float = flag(3e-3, "peak LR")
     weight_decay: float = flag(0.0, "AdamW decay; never on biases and norm weights", low=0)
-    warmup_steps: int = flag(0, low=0)
+    lr_scheduler_type: str = choice(
+        schedule.SCHEDULES, help="a transformers.get_scheduler name; TrainingArguments': linear"
+    )
+    lr_scheduler_kwargs: str = flag(None, """JSON, e.g. '{"min_lr_rate": 0.1}'""")
+    warmup_steps: float = flag(0, "steps; below 1, a share of the run (transformers 5)", low=0)
+    warmup_ratio: float = flag(0.0, "a share of the run, if --warmup_steps is 0", low=0, high=1)
     max_steps: int = flag(-1, "optimizer steps; -1: --num_train_epochs decides", low=-1)
     num_train_epochs: float = 1.0
     logging_steps: int = flag(10, low=1)
@@ -134,6 +141,40 @@ class TrainingFlags:
     )
     max_grad_norm: float = flag(1.0, "clip to this global norm; 0 logs it, clips nothing", low=0)
     report_to: str = flag("none", "Accelerate tracker(s): a name, a comma list, 'all' or 'none'")
+    run_name: str = flag(None, "the run's name in wandb, mlflow, trackio, clearml")
+    logging_dir: str = flag(None, "tracker folder (TensorBoard: DIR/<recipe>), else --output_dir")
+    dataloader_num_workers: int = flag(0, "DataLoader worker processes per rank", low=0)
+
+
+# TrainingArguments' flags that belong to the launch line here: each stops, saying where it goes.
+LAUNCH_FLAGS = {
+    p: f"precision is set on the launch line: accelerate launch --mixed_precision {p} ... "
+    f"(or mixed_precision: {p} in the config)"
+    for p in ("bf16", "fp16")
+}
+LAUNCH_FLAGS |= {
+    "half_precision_backend": LAUNCH_FLAGS["fp16"],
+    "tf32": "TF32 is PyTorch's: the recipes keep its default (off); in a copy, set "
+    "torch.backends.cuda.matmul.allow_tf32 = True",
+    "deepspeed": "DeepSpeed is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/deepspeed_zero2.yaml (zero3, zero3_offload), or accelerate launch "
+    "--use_deepspeed --deepspeed_config_file FILE",
+    "fsdp": "FSDP is set on the launch line: accelerate launch --config_file "
+    "accelerate_configs/fsdp.yaml (its fsdp_config: holds the FSDP settings)",
+}
+LAUNCH_FLAGS["fsdp_config"] = LAUNCH_FLAGS["fsdp"]
+
+
+def _stop_launch_line_flags(types: tuple, argv: list[str] | None) -> None:
+    """Stop on a flag of `LAUNCH_FLAGS` not in `types` (the recipe's own), naming where it goes."""
+    own = {f.name for t in types for f in dataclasses.fields(t)}  # mixed_precision's --precision
+    for word in map(str, sys.argv[1:] if argv is None else argv):
+        name = word.removeprefix("--").split("=")[0].replace("-", "_")
+        if word[:2] == "--" and name in LAUNCH_FLAGS and name not in own:
+            hint = LAUNCH_FLAGS[name]
+            if "precision" in own and hint.startswith("precision"):
+                hint = "this recipe sets the precision with --precision (auto, no, bf16, fp16)"
+            raise Stop(f"--{name}: {hint}")
 
 
 class Flags(SimpleNamespace):
@@ -170,6 +211,21 @@ def parse_args(
         raise Stop("--max_steps must be positive, or -1 to train --num_train_epochs, got 0")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise Stop(f"--num_train_epochs must be positive, got {args.num_train_epochs}")
+    if "warmup_ratio" in given and "warmup_steps" not in given:
+        args.warmup_steps = 0  # a recipe's default step count yields to the user's ratio
+    elif "warmup_ratio" in given and args.warmup_steps and args.warmup_ratio:
+        errors.warn(
+            f"--warmup_steps {args.warmup_steps:g} and --warmup_ratio {args.warmup_ratio:g} both "
+            "given: --warmup_steps wins (as in transformers 4's TrainingArguments)"
+        )
+    if args.lr_scheduler_type == "constant" and (args.warmup_steps or args.warmup_ratio):
+        errors.warn(
+            "--lr_scheduler_type constant has no warmup (transformers.get_scheduler ignores "
+            "--warmup_steps and --warmup_ratio): constant_with_warmup has one"
+        )
+    import torch  # a dry run: a keyword the schedule lacks or needs stops now, not after the data
+
+    schedule.lr_scheduler(torch.optim.SGD([torch.zeros(1)]), args, max_steps=10)
     args.report_to = _resolve_trackers(args.report_to)
     if args.output_dir is None:
         raise Stop("--output_dir is required")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
-from common import errors, launch, models, workarounds
+from common import errors, launch, models, schedule, workarounds
 from common.errors import Stop
 from common.run_dir import restart_note
 
@@ -605,6 +605,13 @@ def check_resume(
         )
 
 
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM, SIGINT and SIGHUP (torchrun signals each rank's process
+    group, Ctrl-C the terminal's): the rank saves at the next step, then stops its workers."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stop_on_signal(accelerator, timeout_s: float):
     """Record SIGTERM, SIGINT and SIGHUP (what SLURM, Kubernetes, torchrun and Ctrl-C send about
     30 s before SIGKILL) instead of dying; returns `preempted()`: the signal's name on every rank
@@ -680,7 +687,7 @@ def run_state(
 
     Must match: `data_position` (global batch, seed, blocks: the data order; a recipe adds what
     else fixes its run, e.g. a frozen base's digest), and what a resume restores whatever the
-    flags say: the optimizer's LR (after any scaling), decay, betas and warmup, --max_grad_norm,
+    flags say: the optimizer's LR (after any scaling), decay, betas, schedule and warmup (in steps), --max_grad_norm,
     the precision and the model config. With dropout, also the split of the global batch over
     micro batches and ranks (the masks depend on it). Recorded besides: world size, strategy
     and `max_steps` (`check_resume`).
@@ -691,12 +698,14 @@ def run_state(
         ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0
         for k, v in model.config.to_dict().items()
     )  # (some models apply dropout functionally, with no module)
-    optimizer = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps")
+    optimizer = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler_type")
     split = ("per_device_train_batch_size", "gradient_accumulation_steps")
     same_run = {
         "learning_rate": learning_rate,
         "max_grad_norm": args.max_grad_norm,
         **{k: getattr(args, k) for k in optimizer},
+        "lr_scheduler_kwargs": json.loads(args.lr_scheduler_kwargs or "{}"),
+        "warmup_steps": schedule.warmup_count(args.warmup_steps, args.warmup_ratio, max_steps),
         **precision_state(accelerator),
         "model_config": models.config_state(model.config),
         **({k: getattr(args, k) for k in split} if dropout else {}),
@@ -717,7 +726,6 @@ def resume_or_start(
     args,
     run_state: dict,
     must_match: list[str] | None = None,
-    lr_decays_after: int | None = None,
 ) -> tuple[Path | None, dict]:
     """(the checkpoint `--resume_from_checkpoint` names, its marker), after `check_resume`
     (`must_match` None: every key of `run_state`); (None, {"step": 0}) for a fresh start. Call on
@@ -735,6 +743,7 @@ def resume_or_start(
         accelerator.wait_for_everyone()
         return None, saved
     must_match = list(run_state) if must_match is None else must_match
+    lr_decays_after = schedule.lr_decays_after(run_state)  # another --max_steps: in its warmup only
     check_resume(path, saved, run_state, must_match, lr_decays_after)
     max_steps = run_state.get("max_steps")
     if lr_decays_after is not None and saved.get("max_steps", max_steps) != max_steps:

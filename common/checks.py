@@ -14,7 +14,7 @@ import math
 import os
 from typing import NamedTuple
 
-from common import errors, launch, models, precision
+from common import errors, launch, models, precision, schedule
 from common.errors import Stop
 
 # DeepSpeed settings that `accelerate launch` takes as flags (or a YAML's deepspeed_config keys),
@@ -553,7 +553,7 @@ def _batch_problems(config, flags, ranks, train_size, train_unit, steps):
                 f"batch of {global_batch} {split}"
             )
         reference = flags.get("reference_global_batch")
-        warmup = flags.get("warmup_steps")
+        warmup = flags.get("warmup_steps") or flags.get("warmup_ratio")
         if reference and global_batch > reference and (not flags.get("scale_lr") or not warmup):
             missing = "--scale_lr" if not flags.get("scale_lr") else "--warmup_steps"
             yield _warning(
@@ -562,9 +562,12 @@ def _batch_problems(config, flags, ranks, train_size, train_unit, steps):
                 f"tuned at, and this run's is {global_batch} {split}; expect slower or "
                 "unstable training"
             )
-    if steps and flags.get("warmup_steps") is not None and flags["warmup_steps"] >= steps:
+    warmup = steps and schedule.warmup_count(
+        flags.get("warmup_steps", 0), flags.get("warmup_ratio", 0), steps
+    )  # in steps
+    if steps and warmup >= steps:
         yield _warning(
-            f"--warmup_steps {flags['warmup_steps']} >= the run's {steps} steps: the LR "
+            f"--warmup_steps {warmup} >= the run's {steps} steps: the LR "
             "never reaches its peak (--learning_rate)"
         )
 
@@ -692,6 +695,7 @@ class Startup:
         "gradient_accumulation_steps",
         "max_grad_norm",
         "warmup_steps",
+        "warmup_ratio",
         "reference_global_batch",
         "scale_lr",
         "block_size",

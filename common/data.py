@@ -67,12 +67,14 @@ def load_text_dataset(
     validation_split_percentage: int = 5,
     columns: tuple[tuple[str, ...], ...] = (("text",),),
     bundled: tuple[str, str] | None = None,
+    text_field: str = "text",
 ) -> datasets.DatasetDict:
     """Splits `train` and `validation`, as `run_clm.py`, from (first match wins) a `datasets`
     name; `train_file` and `validation_file` (.txt: one document per file; .json/.jsonl/.parquet:
     one per row); the `bundled` (train, validation) files; the bundled corpus. Without a validation
     split, the first `validation_split_percentage`% of the rows are held out (a lone .txt: the
-    start of its text, `split_text`). Each split must hold one of the `columns` sets."""
+    start of its text, `split_text`). Each split must hold one of the `columns` sets; its
+    `text_field` column (--dataset_text_field) becomes `text`, which the data stage reads."""
     if dataset_name:
         raw = datasets.load_dataset(dataset_name, dataset_config_name)
     elif train_file or bundled:
@@ -116,6 +118,13 @@ def load_text_dataset(
             train=train.select(range(n_val, n)), validation=train.select(range(n_val))
         )
     for split in ("train", "validation"):
+        if text_field != "text":
+            if text_field not in raw[split].column_names:
+                raise Stop(
+                    f"{split} split has no '{text_field}' column (--dataset_text_field; columns: "
+                    f"{raw[split].column_names})"
+                )
+            raw[split] = raw[split].select_columns(text_field).rename_column(text_field, "text")
         if not any(set(names) <= set(raw[split].column_names) for names in columns):
             wanted = " or ".join("+".join(f"'{n}'" for n in names) for names in columns)
             raise Stop(f"{split} split has no {wanted} column (columns: {raw[split].column_names})")

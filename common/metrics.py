@@ -175,6 +175,10 @@ def _figure(value) -> str:
     return "nan" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+# Each tracker's keyword for a run's name (--run_name; TensorBoard's folder is the recipe's name).
+RUN_NAME = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "clearml": "task_name"}
+
+
 class RunLog:
     """metrics.jsonl, the trackers (--report_to), run_info.json and the run's last line.
 
@@ -196,6 +200,9 @@ class RunLog:
         self.share = 1 / config.non_data_parallel_size if config and config.tp_enabled else 1
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         purge = {"tensorboard": {"purge_step": 0 if resumed_step is None else resumed_step + 1}}
+        purge |= {t: {key: args.run_name} for t, key in RUN_NAME.items() if args.run_name}
+        if args.logging_dir:  # the trackers' folder (TensorBoard's events), else --output_dir
+            accelerator.project_configuration.logging_dir = args.logging_dir
         flags = {k: v for k, v in vars(args).items() if v is not None}
         problem = None
         try:  # on the main process: no login, no network, no store would end in a traceback

@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin
 from accelerate.utils import set_seed
-from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
+from transformers import BertConfig, BertForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common.args import flag
 from common import args as common_args, checkpoint, checks, data, grad_norm, launch
-from common import errors, metrics, models, precision, run_dir, workarounds
+from common import errors, metrics, models, precision, run_dir, schedule, workarounds
 from common.errors import Stop
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
@@ -282,12 +282,16 @@ def main() -> int:
         drop_last=True,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,  # the sampler, in this process, sets the order
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # a signal: the rank saves first
     )
     eval_loader = torch.utils.data.DataLoader(
         eval_set,
         batch_size=args.per_device_eval_batch_size,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,
     )
     # <<< shared
 
@@ -320,7 +324,7 @@ def main() -> int:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
     )
-    lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
 
     # Resume: a verified, complete checkpoint, refused before prepare unless the data position
     # (recomputed from the step) and what the optimizer state brings back are the same; with
@@ -334,9 +338,7 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
-    )
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step, strategy = saved["step"], run_state["distributed_type"]  # "FSDP2", "MULTI_CPU", ...
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(

@@ -44,8 +44,9 @@ costs about two forwards); the table states the measured figures next to it.
 Flags: the core `transformers.TrainingArguments` flags (common/args.py) where a measurement has a
 use for them; a step is --gradient_accumulation_steps micro batches (step 1's first is measured),
 --max_steps counts steps per variant, depth and round (the first untimed), and --weight_decay never
-applies to norm weights. It keeps no model and has no LR schedule: --warmup_steps, --save_steps,
---num_train_epochs, --logging_steps, --resume_from_checkpoint, --report_to are refused, not ignored.
+applies to norm weights. It keeps no model and has no LR schedule: the schedule's flags,
+--save_steps, --num_train_epochs, --logging_steps, --resume_from_checkpoint, the trackers' and
+--dataloader_num_workers are refused, not ignored.
 
 Outputs in --output_dir: results.json (every figure; standard JSON: a non-finite number is null,
 named in the row's "nonfinite" list) and table.md. `# ADAPT:` marks the data, model and loss.
@@ -201,13 +202,19 @@ def main() -> int:
     unsupported(
         args,
         "gradient_checkpointing.py",
-        warmup_steps="it trains at a constant --learning_rate (no schedule)",
+        **dict.fromkeys(
+            ("warmup_steps", "warmup_ratio", "lr_scheduler_type", "lr_scheduler_kwargs"),
+            "it trains at a constant --learning_rate (no schedule)",
+        ),
         num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
         logging_steps="it prints one line per variant and round, and the table",
         save_steps=f"it saves no checkpoints: {no_training_run}",
         resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
-        report_to="its figures go to results.json and table.md; "
-        "there is no training curve to track",
+        **dict.fromkeys(
+            ("report_to", "run_name", "logging_dir"),
+            "its figures go to results.json and table.md; there is no training curve to track",
+        ),
+        dataloader_num_workers="it reads its few batches once, before it measures",
     )
     try:
         depths = [int(n) for n in args.num_layers.split(",")]

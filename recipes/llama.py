@@ -34,7 +34,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
@@ -60,9 +60,10 @@ class Args:
     train_file: str = flag(
         None,
         ".txt (one document; without --validation_file its start is held "
-        "out), or .json/.jsonl/.parquet with a 'text' column (a row each)",
+        "out), or .json/.jsonl/.parquet, a row each",
     )
     validation_file: str = None
+    dataset_text_field: str = flag("text", "the column of the rows that holds the text")
     validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
     block_size: int = flag(256, "tokens per sequence", low=2)
     packing: str = choice(data.PACKING, data.PACKING_ALIASES, "see docs/llama.md#packing")
@@ -119,6 +120,7 @@ def main() -> int:
         learning_rate=3e-3,
         weight_decay=0.1,
         warmup_steps=15,
+        lr_scheduler_type="cosine",
         max_steps=150,
         logging_steps=10,
         report_to="tensorboard",
@@ -172,6 +174,7 @@ def main() -> int:
             args.train_file,
             args.validation_file,
             args.validation_split_percentage,
+            text_field=args.dataset_text_field,
         )
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, args.vocab_size, args.cache_dir)
@@ -215,12 +218,16 @@ def main() -> int:
         drop_last=True,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,  # the sampler, in this process, sets the order
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # a signal: the rank saves first
     )
     eval_loader = torch.utils.data.DataLoader(
         eval_set,
         batch_size=args.per_device_eval_batch_size,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,
     )
     # <<< shared
 
@@ -245,7 +252,7 @@ def main() -> int:
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.block_size)
 
-    peak_lr, lr_line = schedule.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
+    peak_lr, lr_line = causal_lm.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
     accelerator.print(lr_line)
     # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
     optimizer = torch.optim.AdamW(
@@ -254,7 +261,7 @@ def main() -> int:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
     )
-    lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
 
     order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
@@ -267,9 +274,7 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
-    )
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(

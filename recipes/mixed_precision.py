@@ -33,11 +33,11 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, GradScalerKwargs
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, data, errors, grad_norm, launch, run_dir
-from common import metrics, models, precision, workarounds
+from common import metrics, models, precision, schedule, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.memory import SavedTensorBytes
 
@@ -159,6 +159,7 @@ def main() -> int:
         learning_rate=3e-3,
         weight_decay=0.1,
         warmup_steps=5,
+        lr_scheduler_type="cosine",
         max_steps=30,
         logging_steps=5,
     )
@@ -250,12 +251,16 @@ def main() -> int:
         drop_last=True,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,  # the sampler, in this process, sets the order
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # a signal: the rank saves first
     )
     eval_loader = torch.utils.data.DataLoader(
         eval_set,
         batch_size=args.per_device_eval_batch_size,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,
     )
     # <<< shared
 
@@ -276,7 +281,7 @@ def main() -> int:
         eps=args.adam_epsilon,
     )
     accelerator.print(metrics.weight_decay_line(optimizer))
-    lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
 
     order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
@@ -288,9 +293,7 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
-    )
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(

@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, get_cosine_schedule_with_warmup
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import causal_lm, checkpoint, checks, data, errors, grad_norm, launch, run_dir
@@ -173,6 +173,7 @@ def main() -> int:
         learning_rate=1e-3,
         weight_decay=0.0,
         warmup_steps=6,
+        lr_scheduler_type="cosine",
         max_steps=60,
         logging_steps=10,
         report_to="tensorboard",
@@ -265,12 +266,16 @@ def main() -> int:
         drop_last=True,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,  # the sampler, in this process, sets the order
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # a signal: the rank saves first
     )
     eval_loader = torch.utils.data.DataLoader(
         eval_set,
         batch_size=args.per_device_eval_batch_size,
         generator=torch.Generator(),
         pin_memory=pin,
+        num_workers=args.dataloader_num_workers,
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,
     )
     # <<< shared
 
@@ -304,7 +309,7 @@ def main() -> int:
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.max_length)
 
-    peak_lr, lr_line = schedule.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
+    peak_lr, lr_line = causal_lm.peak_learning_rate(args, global_batch)  # --scale_lr: linear rule
     accelerator.print(lr_line)
     # AdamW without weight decay on norm weights and biases (1-D tensors), as most LLM recipes.
     optimizer = torch.optim.AdamW(
@@ -313,7 +318,7 @@ def main() -> int:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
     )
-    lr_scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, max_steps)
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
 
     order = {  # what fixes the data order; the step count gives the position in it
         "global_batch": global_batch,
@@ -329,9 +334,7 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    resume_path, saved = checkpoint.resume_or_start(  # another --max_steps: only within the warmup
-        accelerator, args, run_state, checked, lr_decays_after=args.warmup_steps
-    )
+    resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(

@@ -16,7 +16,6 @@ To adapt the code, find the `# ADAPT:` markers: data, model, loss, export.
 import gc
 import hashlib
 import json
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,11 +34,11 @@ from accelerate.utils import gather_object
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, LlamaForCausalLM, get_constant_schedule_with_warmup
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, no install
 from common import checkpoint, checks, errors, grad_norm, launch, run_dir
-from common import metrics, models, precision, workarounds
+from common import metrics, models, precision, schedule, workarounds
 from common.args import flag, make_output_dir, parse_args
 from common.errors import Stop
 
@@ -63,7 +62,7 @@ class Args:
     peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
     record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
-    dataloader_num_workers: int = flag(2, low=0)  # DataLoader flags: TrainingArguments names
+    # DataLoader (transformers.TrainingArguments names)
     dataloader_prefetch_factor: int = flag(4, "batches queued per worker", low=1)
     dataloader_persistent_workers: bool = True
     dataloader_pin_memory: bool = flag(True, "applies only where a GPU exists")
@@ -108,13 +107,6 @@ def own_shards(
                 )
         mine += [path] if i < n else []
     return manifest, mine
-
-
-def leave_signals_to_the_rank(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM, SIGINT and SIGHUP (torchrun signals each rank's process
-    group, Ctrl-C the terminal's): the rank saves at the next step, then stops its workers."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 class RankShards(torch.utils.data.IterableDataset):
@@ -187,6 +179,8 @@ def main() -> int:
         per_device_train_batch_size=8,
         learning_rate=1e-3,
         weight_decay=0.1,
+        lr_scheduler_type="constant_with_warmup",
+        dataloader_num_workers=2,
         max_steps=30,
         logging_steps=5,
     )
@@ -277,7 +271,7 @@ def main() -> int:
         num_workers=workers,
         prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         persistent_workers=args.dataloader_persistent_workers and workers > 0,  # no re-forks
-        worker_init_fn=leave_signals_to_the_rank,  # the rank saves first, then stops them
+        worker_init_fn=checkpoint.leave_signals_to_the_rank,  # the rank saves, then stops them
         generator=torch.Generator(),  # iter() seeds from here, not the RNG a resume restores
         pin_memory=pin and args.dataloader_pin_memory,
     )
@@ -321,7 +315,7 @@ def main() -> int:
         eps=args.adam_epsilon,
     )
     accelerator.print(metrics.weight_decay_line(optimizer))
-    lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # then constant
+    lr_scheduler = schedule.lr_scheduler(optimizer, args, max_steps)  # --lr_scheduler_type
     if accelerator.deepspeed_plugin:  # DeepSpeed cannot see our loader: its micro batch
         accelerator.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
 
@@ -339,7 +333,6 @@ def main() -> int:
     # >>> shared: run state
     run_state, checked = checkpoint.run_state(accelerator, args, model, peak_lr, max_steps, **order)
     # <<< shared
-    # (the LR is constant after the warmup: another --max_steps continues exactly)
     resume_path, saved = checkpoint.resume_or_start(accelerator, args, run_state, checked)
     step = saved["step"]
 

@@ -6,6 +6,7 @@ tests/test_recovery.py.)"""
 
 import io
 import json
+import math
 import re
 import shutil
 import struct
@@ -73,6 +74,10 @@ def args(out, corpus, *extra):
         SAVE,
         "--warmup_steps",
         4,
+        "--lr_scheduler_type",  # not llama.py's default: a schedule from its flags resumes exactly
+        "cosine_with_min_lr",
+        "--lr_scheduler_kwargs",
+        '{"min_lr_rate": 0.1}',
         "--logging_steps",
         1,
         "--eval_steps",
@@ -159,6 +164,9 @@ def test_exact_resume_mid_epoch(config, tmp_path, cache_dir, small_corpus, refer
                 key,
             )
     assert got[-1]["eval_loss"] == pytest.approx(want[STEPS]["eval_loss"], rel=RESUME_RTOL)
+    # cosine_with_min_lr: the cosine rides on a floor of 10% of the peak LR (plain cosine: near 0)
+    floor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (STEPS - 1 - 4) / (STEPS - 4)))
+    assert got[-1]["lr"] == pytest.approx(3e-3 * floor, rel=1e-9)
 
 
 def zero_tensor_bytes(path):
@@ -537,19 +545,21 @@ def test_every_resumable_recipe_records_the_sharded_layout():
 
 
 def test_every_recipe_whose_lr_decays_over_max_steps_says_so_on_resume():
-    """A recipe with a cosine or linear LR hands its warmup to the resume check (another --max_steps
-    past it is refused); one whose LR is constant after warmup does not (any --max_steps is exact)."""
+    """Every recipe that resumes builds its schedule with `schedule.lr_scheduler` and hands it to the
+    resume check through the run state (another --max_steps past the warmup of a decaying LR is
+    refused; a constant one resumes at any --max_steps: tests/test_schedule.py)."""
     texts = {p.name: p.read_text() for p in sorted((REPO / "recipes").glob("*.py"))}
     texts = {name: text for name, text in texts.items() if "resume_or_start(" in text}
-    decaying = {
-        name
-        for name, text in texts.items()
-        if "get_cosine_schedule_with_warmup(" in text or "get_linear_schedule_with_warmup(" in text
+    assert set(texts) == {
+        "llama.py",
+        "ddp_classifier.py",
+        "mixed_precision.py",
+        "sft.py",
+        "sharded_data.py",
     }
-    assert decaying == {"llama.py", "ddp_classifier.py", "mixed_precision.py", "sft.py"}
     for name, text in texts.items():
-        assert ("lr_decays_after=args.warmup_steps" in text) == (name in decaying), name
-    assert "get_constant_schedule_with_warmup(" in texts["sharded_data.py"]
+        assert "schedule.lr_scheduler(optimizer, args, max_steps)" in text, name
+        assert "lr_decays_after" not in text and "_schedule_with_warmup(" not in text, name
 
 
 class OneProcess:

@@ -85,11 +85,11 @@ def test_the_shared_blocks_are_the_same_text_in_every_recipe():
 # skeleton cannot drift apart unseen.
 DIFF_BUDGET = {
     ("llama.py", "mixed_precision.py"): 288,
-    ("llama.py", "sft.py"): 213,
-    ("llama.py", "sharded_data.py"): 412,
-    ("mixed_precision.py", "sharded_data.py"): 470,
-    ("mixed_precision.py", "sft.py"): 369,
-    ("sharded_data.py", "sft.py"): 483,
+    ("llama.py", "sft.py"): 215,
+    ("llama.py", "sharded_data.py"): 404,
+    ("mixed_precision.py", "sharded_data.py"): 462,
+    ("mixed_precision.py", "sft.py"): 367,
+    ("sharded_data.py", "sft.py"): 473,
 }
 
 
@@ -130,11 +130,11 @@ def test_the_main_recipe_fits_100_columns_and_marks_what_to_adapt():
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES))
 def test_every_recipe_keeps_its_budget_and_marks_what_to_adapt(recipe):
-    """At most 540 lines after `ruff format` (llama.py 450), 100 columns, one sys.exit; its docstring names the
+    """At most 540 lines after `ruff format` (llama.py 460), 100 columns, one sys.exit; its docstring names the
     `# ADAPT:` markers, and each of data, model and loss has exactly one."""
     text = (REPO / "recipes" / recipe).read_text()
     lines = text.splitlines()
-    assert len(lines) <= (450 if recipe == "llama.py" else 540)
+    assert len(lines) <= (460 if recipe == "llama.py" else 540)
     assert max(map(len, lines)) <= 100 and text.count("sys.exit") <= 1
     assert "`# ADAPT:`" in text.split('"""')[1]
     for part in ("data", "model", "loss"):
