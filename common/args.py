@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import os
+import shutil
+import sys
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,12 +48,83 @@ def range_text(low, high) -> str:
     return f"at least {low}" if low is not None else f"at most {high}" if high is not None else ""
 
 
-class FlagParser(HfArgumentParser):
-    """`HfArgumentParser` with flag ranges and choices, the docstring kept as written, and one
-    `error:` line (no usage block) for a bad flag."""
+# --help's groups, as users look for a flag. Unlisted: a core flag goes to "training", a recipe's
+# own flag to "this recipe" (the lesson's knobs).
+GROUPS = {
+    "model": "model_config model_name_or_path allow_new_weights config_name config_overrides "
+    "tokenizer_name_or_path vocab_size chat_template hidden_size num_hidden_layers "
+    "num_attention_heads intermediate_size use_peft lora_r lora_alpha lora_dropout "
+    "lora_target_modules gradient_checkpointing",
+    "data": "dataset_name dataset_config_name dataset_text_field train_file validation_file "
+    "validation_split_percentage block_size max_length packing assistant_only_loss "
+    "max_train_samples max_eval_samples cache_dir data_dir dataloader_num_workers "
+    "dataloader_prefetch_factor dataloader_persistent_workers dataloader_pin_memory",
+    "training": "",
+    "output and checkpoints": "output_dir overwrite_output_dir save_steps save_total_limit "
+    "resume_from_checkpoint",
+    "logging": "logging_steps report_to run_name logging_dir peak_tflops record_sample_ids",
+}
+# help for a flag several recipes declare without one
+SHARED_HELP = {
+    "cache_dir": "this project's tokenize/pack cache (default: $ACCELERATE_RECIPES_CACHE, else "
+    "~/.cache/accelerate-recipes); not the Hub download cache run_clm's --cache_dir sets (HF_HOME)",
+}
 
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
+
+class FlagParser(HfArgumentParser):
+    """`HfArgumentParser` with flag ranges and choices, `--help` grouped (with `TrainingFlags`)
+    and each default shown once, and one `error:` line (no usage block) for a bad flag.
+    `hidden`: flags to leave out of `--help` (a recipe's refused flags)."""
+
+    class Formatter(argparse.RawDescriptionHelpFormatter):
+        def __init__(self, prog):
+            super().__init__(
+                prog, max_help_position=36, width=min(shutil.get_terminal_size()[0], 100)
+            )
+
+        def _format_action_invocation(self, action):  # --output_dir, not also --output-dir
+            given = action.option_strings
+            names = [
+                n
+                for n in given
+                if n.replace("-", "_").replace("__", "--", 1) == n
+                or n.replace("-", "_").replace("__", "--", 1) not in given
+            ]
+            if not names or action.nargs == 0:
+                return ", ".join(names) or super()._format_action_invocation(action)
+            return f"{names[0]} {self._format_args(action, action.metavar)}"
+
+        def _format_action(self, action):
+            if action.option_strings and action.default is not argparse.SUPPRESS:
+                action = copy.copy(action)
+                action.help = _help_text(action)
+            return super()._format_action(action)
+
+    def __init__(self, types, hidden=(), **kwargs):
+        super().__init__(types, usage="%(prog)s [-h] [--FLAG VALUE ...]", **kwargs)
+        fields = {f.name: f for t in self.dataclass_types for f in dataclasses.fields(t)}
+        core = {f.name for f in dataclasses.fields(TrainingFlags)}
+        grouped = TrainingFlags in self.dataclass_types
+        groups = {title: self.add_argument_group(title) for title in GROUPS if grouped}
+        own = grouped and self.add_argument_group(f"this recipe ({self.prog})")
+        for action in list(self._optionals._group_actions):
+            f = fields.get(action.dest)
+            if f is None:
+                continue
+            action.range = f.metadata.get("range", (None, None))
+            action.help = action.help or SHARED_HELP.get(f.name, "")
+            if action.metavar is None and not action.choices and action.nargs != 0:
+                action.metavar = {int: "INT", float: "FLOAT"}.get(
+                    action.type, "BOOL" if action.nargs == "?" else "TEXT"
+                )
+            if f.name in hidden or action.option_strings[0].startswith("--no_"):  # `--x false`
+                action.help = argparse.SUPPRESS
+            if grouped:  # listed, else a core or TrainingArguments flag to training, else own
+                title = next((t for t, names in GROUPS.items() if f.name in names.split()), None)
+                core_flag = f.name in core or f.name in _trainer_defaults()
+                group = groups[title or "training"] if title or core_flag else own
+                self._optionals._group_actions.remove(action)
+                group._group_actions.append(action)
 
     def error(self, message):  # argparse would print the whole usage first
         raise Stop(message)
@@ -69,25 +143,52 @@ class FlagParser(HfArgumentParser):
                 help=(meta["help"] + (f" ({alias_text})" if aliases else "")).replace("%", "%%"),
             )
             return
-        low, high = meta.pop("range", (None, None))
+        meta.pop("range", None)
         if int in (field.type, *typing.get_args(field.type)) and "range" not in field.metadata:
             raise TypeError(
                 f"--{field.name}: an integer flag needs a range (common.args.flag(low=, high=))"
             )
         # argparse %-formats help texts ("%(default)s"): a literal % must be doubled
-        bounds = f" ({range_text(low, high)})" if range_text(low, high) else ""
-        meta["help"] = (meta.get("help", "") + bounds).strip().replace("%", "%%")
+        if meta.get("help") != argparse.SUPPRESS:
+            meta["help"] = meta.get("help", "").replace("%", "%%")
         field = copy.copy(field)
         field.metadata = meta
         HfArgumentParser._parse_dataclass_field(parser, field)
 
 
+@functools.cache
+def _trainer_defaults() -> dict:
+    from transformers import TrainingArguments
+
+    return {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+
+
+def _help_text(action) -> str:
+    """The flag's help, its range, and its default once (unless the help states it), marked where
+    `transformers.TrainingArguments` defaults otherwise."""
+    text = action.help or ""
+    notes = [range_text(*getattr(action, "range", (None, None)))]
+    if "default" not in text and "required" not in text:
+        notes.append(f"default: {action.default}".replace("%", "%%"))
+        other = _trainer_defaults().get(action.dest)
+        if other not in (None, dataclasses.MISSING, action.default):
+            notes.append(f"TrainingArguments: {other}")
+    notes = "; ".join(n for n in notes if n)
+    return f"{text} ({notes})".strip() if notes else text
+
+
 def parse_flags(
-    types: tuple, argv: list[str] | None = None, description: str | None = None, **defaults
+    types: tuple,
+    argv: list[str] | None = None,
+    description: str | None = None,
+    hidden: tuple = (),
+    **defaults,
 ) -> tuple[tuple, set[str]]:
     """(one instance per dataclass of flags, the names given on the command line); Stop for an
-    unknown flag, a wrong type or a value out of range."""
-    parser = FlagParser(types, description=description, formatter_class=FlagParser.Formatter)
+    unknown flag, a wrong type or a value out of range. `hidden`: flags left out of `--help`."""
+    parser = FlagParser(
+        types, hidden, description=description, formatter_class=FlagParser.Formatter
+    )
     parser.set_defaults(**defaults)
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv)
@@ -143,9 +244,16 @@ class Flags(SimpleNamespace):
 
 
 def parse_args(
-    recipe_args: type, argv: list[str] | None = None, description: str | None = None, **defaults
+    recipe_args: type,
+    argv: list[str] | None = None,
+    description: str | None = None,
+    refuse: dict[str, str] | None = None,
+    **defaults,
 ) -> Flags:
     """`TrainingFlags` and the recipe's own dataclass of flags, parsed into one namespace.
+
+    `refuse`: core flags this recipe cannot honour -> why; left out of `--help`, and `unsupported`
+    stops a run that sets one.
 
     `defaults`: the recipe's defaults for any flag (e.g. `learning_rate=1e-3`), which never
     override a flag the user gave: `--num_train_epochs` alone sets `max_steps` to -1 (the epochs
@@ -153,9 +261,13 @@ def parse_args(
     `--max_restarts`, a SLURM requeue) resumes as with `auto`, and `--overwrite_output_dir` applies
     to the first attempt only: it would delete the checkpoints the job restarts from.
     """
-    (core, own), given = parse_flags((TrainingFlags, recipe_args), argv, description, **defaults)
+    refuse = refuse or {}
+    (core, own), given = parse_flags(
+        (TrainingFlags, recipe_args), argv, description, tuple(refuse), **defaults
+    )
     args = Flags(**asdict(core), **asdict(own))
     args.given = given
+    unsupported(args, Path(sys.argv[0]).name, **refuse)
     if "num_train_epochs" in given and args.max_steps > 0:
         if "max_steps" in given:
             errors.warn(

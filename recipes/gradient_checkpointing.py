@@ -1,4 +1,4 @@
-"""Activation (gradient) checkpointing, measured: memory traded for compute on the debug Llama.
+r"""Activation (gradient) checkpointing, measured: memory traded for compute on the debug Llama.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/gradient_checkpointing.py
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/gradient_checkpointing.py
@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from common import checks, data, errors, grad_norm, launch, metrics, models
 from common import precision, run_dir, workarounds
 from common.errors import Stop
-from common.args import flag, make_output_dir, parse_args, unsupported
+from common.args import flag, make_output_dir, parse_args
 from common.memory import PeakTensorBytes, SavedTensorBytes
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
@@ -188,26 +188,24 @@ def forward_backward_peak(run: dict, on: bool, device: torch.device):
 
 def main() -> int:
     # weight_decay 0.01: what torch's AdamW applied here before the flag existed (now matrices only)
+    no_training_run = "it measures a few steps of each variant and keeps none of them"
     args = parse_args(
         Args,
         description=__doc__,
+        refuse=dict(
+            warmup_steps="it trains at a constant --learning_rate (no schedule)",
+            num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
+            logging_steps="it prints one line per variant and round, and the table",
+            save_steps=f"it saves no checkpoints: {no_training_run}",
+            resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
+            report_to="its figures go to results.json and table.md; "
+            "there is no training curve to track",
+        ),
         output_dir="runs/gradient_checkpointing",
         per_device_train_batch_size=2,
         learning_rate=1e-3,
         weight_decay=0.01,
         max_steps=4,
-    )
-    no_training_run = "it measures a few steps of each variant and keeps none of them"
-    unsupported(
-        args,
-        "gradient_checkpointing.py",
-        warmup_steps="it trains at a constant --learning_rate (no schedule)",
-        num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
-        logging_steps="it prints one line per variant and round, and the table",
-        save_steps=f"it saves no checkpoints: {no_training_run}",
-        resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
-        report_to="its figures go to results.json and table.md; "
-        "there is no training curve to track",
     )
     try:
         depths = [int(n) for n in args.num_layers.split(",")]

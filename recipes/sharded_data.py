@@ -1,4 +1,4 @@
-"""Data that never starves the ranks: tokenized parquet shards, each rank reads only its own.
+r"""Data that never starves the ranks: tokenized parquet shards, each rank reads only its own.
 
     python tools/prepare_shards.py --output_dir data_shards --num_shards 4
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sharded_data.py \
