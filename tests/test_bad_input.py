@@ -493,7 +493,7 @@ def test_help_of_every_entry_point(entry, monkeypatch, capsys):
     )
     assert " ".join(says.split()) in out, out[:2000]
     if script.startswith("recipes/") and not sub:  # every integer flag states its range
-        assert "micro batch per rank (at least 1)" in out
+        assert "micro batch per rank (at least 1;" in out
 
 
 def test_help_of_gpu_sh():
