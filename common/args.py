@@ -1,18 +1,13 @@
-"""The core `transformers.TrainingArguments` flags every recipe takes, and one parser for them.
-
-A recipe declares its own flags in a dataclass and calls `parse_args(RecipeArgs, **defaults)`.
-Every integer flag declares its range with `flag(..., low=, high=)`: the parser checks it and
-`--help` states it.
-"""
+"""The core `transformers.TrainingArguments` flags every recipe takes, and one parser for them:
+`parse_args(RecipeArgs, **defaults)`; an integer flag states its range (`flag(..., low=, high=)`)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
-import functools
 import os
-import shutil
+import re
 import sys
 import typing
 from dataclasses import asdict, dataclass, field
@@ -33,13 +28,11 @@ def flag(default=None, help: str = "", *, low: float | None = None, high: float 
     return field(default=default, metadata={"help": help, "range": (low, high)})
 
 
-def choice(choices: tuple[str, ...], aliases: dict[str, str] | None = None, help: str = ""):
+def choice(choices: tuple[str, ...], aliases: dict[str, str] = {}, help: str = ""):
     """A dataclass field for a flag that takes one of `choices` (the first by default), any case;
     `aliases` maps other words to a choice, e.g. {"true": "stream"}."""
-    return field(
-        default=choices[0],
-        metadata={"help": help, "choices": choices, "value_aliases": aliases or {}},
-    )
+    meta = {"help": help, "choices": choices, "value_aliases": aliases}
+    return field(default=choices[0], metadata=meta)
 
 
 def range_text(low, high) -> str:
@@ -48,160 +41,82 @@ def range_text(low, high) -> str:
     return f"at least {low}" if low is not None else f"at most {high}" if high is not None else ""
 
 
-# --help's groups, as users look for a flag. Unlisted: a core flag goes to "training", a recipe's
-# own flag to "this recipe" (the lesson's knobs).
+# --help's groups: the first its name matches, else training (core flags), else "this recipe"
 GROUPS = {
-    "model": "model_config model_name_or_path allow_new_weights config_name config_overrides "
-    "tokenizer_name_or_path vocab_size chat_template hidden_size num_hidden_layers "
-    "num_attention_heads intermediate_size use_peft lora_r lora_alpha lora_dropout "
-    "lora_target_modules gradient_checkpointing",
-    "data": "dataset_name dataset_config_name dataset_text_field train_file validation_file "
-    "validation_split_percentage block_size max_length packing assistant_only_loss "
-    "max_train_samples max_eval_samples cache_dir data_dir dataloader_num_workers "
-    "dataloader_prefetch_factor dataloader_persistent_workers dataloader_pin_memory",
-    "training": "",
-    "output and checkpoints": "output_dir overwrite_output_dir save_steps save_total_limit "
-    "resume_from_checkpoint",
-    "logging": "logging_steps report_to run_name logging_dir peak_tflops record_sample_ids",
+    "model": r"model_|config_[no]|tokenizer|vocab|hidden|attention|intermediate|peft|lora|chat_|new_w|gradient_c",
+    "data": r"data|_file$|split|block_size|max_length|packing|samples|cache_dir|assistant_only",
+    "training": "^$",
+    "output and checkpoints": r"output_dir|save_[st]|resume",
+    "logging": r"logging|report_to|run_name|peak_tflops|record_sample_ids",
 }
-# help for a flag several recipes declare without one
-SHARED_HELP = {
-    "cache_dir": "this project's tokenize/pack cache (default: $ACCELERATE_RECIPES_CACHE, else "
-    "~/.cache/accelerate-recipes); not the Hub download cache run_clm's --cache_dir sets (HF_HOME)",
-}
+CACHE_HELP = "this project's tokenize/pack cache, not run_clm's Hub download cache (HF_HOME)"
 
 
-class FlagParser(HfArgumentParser):
-    """`HfArgumentParser` with flag ranges and choices, `--help` grouped (with `TrainingFlags`)
-    and each default shown once, and one `error:` line (no usage block) for a bad flag.
-    `hidden`: flags to leave out of `--help` (a recipe's refused flags)."""
+class _FlagParser(HfArgumentParser):
+    """`HfArgumentParser` with flag ranges and choices, `--help` grouped (with `TrainingFlags`),
+    each default once, the `hidden` flags left out, and one `error:` line for a bad flag."""
 
-    class Formatter(argparse.RawDescriptionHelpFormatter):
-        def __init__(self, prog):
-            super().__init__(
-                prog, max_help_position=36, width=min(shutil.get_terminal_size()[0], 100)
-            )
-
-        def _format_action_invocation(self, action):  # --output_dir, not also --output-dir
-            given = action.option_strings
-            names = [
-                n
-                for n in given
-                if n.replace("-", "_").replace("__", "--", 1) == n
-                or n.replace("-", "_").replace("__", "--", 1) not in given
-            ]
-            if not names or action.nargs == 0:
-                return ", ".join(names) or super()._format_action_invocation(action)
-            return f"{names[0]} {self._format_args(action, action.metavar)}"
-
-        def _format_action(self, action):
-            if action.option_strings and action.default is not argparse.SUPPRESS:
-                action = copy.copy(action)
-                action.help = _help_text(action)
-            return super()._format_action(action)
-
-    def __init__(self, types, hidden=(), **kwargs):
+    def __init__(self, types, hidden=(), defaults={}, **kwargs):
         super().__init__(types, usage="%(prog)s [-h] [--FLAG VALUE ...]", **kwargs)
-        fields = {f.name: f for t in self.dataclass_types for f in dataclasses.fields(t)}
-        core = {f.name for f in dataclasses.fields(TrainingFlags)}
-        grouped = TrainingFlags in self.dataclass_types
-        groups = {title: self.add_argument_group(title) for title in GROUPS if grouped}
-        own = grouped and self.add_argument_group(f"this recipe ({self.prog})")
-        for action in list(self._optionals._group_actions):
-            f = fields.get(action.dest)
-            if f is None:
-                continue
-            action.range = f.metadata.get("range", (None, None))
-            action.help = action.help or SHARED_HELP.get(f.name, "")
-            if action.metavar is None and not action.choices and action.nargs != 0:
-                action.metavar = {int: "INT", float: "FLOAT"}.get(
-                    action.type, "BOOL" if action.nargs == "?" else "TEXT"
-                )
-            if f.name in hidden or action.option_strings[0].startswith("--no_"):  # `--x false`
+        from transformers import TrainingArguments
+
+        self.set_defaults(**defaults)
+        theirs = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+        groups = {
+            t: self.add_argument_group(t or f"this recipe ({self.prog})") for t in [*GROUPS, None]
+        }
+        for action in self._actions[1:]:  # -h aside, one per field
+            name, other = action.dest, theirs.get(action.dest)
+            action.option_strings = [n for n in action.option_strings if "-" not in n[2:]]
+            if not re.search("default|required", action.help):  # the default once, marked
+                other = "" if other in (None, dataclasses.MISSING, action.default) else other
+                other = f"; TrainingArguments: {other}" * (other != "")
+                action.help = f"{action.help} (default: {action.default}{other})".lstrip()
+            if name in hidden or action.option_strings[0].startswith("--no_"):  # `--x false`
                 action.help = argparse.SUPPRESS
-            if grouped:  # listed, else a core or TrainingArguments flag to training, else own
-                title = next((t for t, names in GROUPS.items() if f.name in names.split()), None)
-                core_flag = f.name in core or f.name in _trainer_defaults()
-                group = groups[title or "training"] if title or core_flag else own
+            core = name in theirs or name in TrainingFlags.__dataclass_fields__
+            title = next((t for t, r in GROUPS.items() if re.search(r, name)), core and "training")
+            if TrainingFlags in self.dataclass_types:  # a recipe's flags
                 self._optionals._group_actions.remove(action)
-                group._group_actions.append(action)
+                groups[title or None]._group_actions.append(action)
+
+    def _get_formatter(self):  # the docstring as written
+        return argparse.RawDescriptionHelpFormatter(self.prog, max_help_position=36)
 
     def error(self, message):  # argparse would print the whole usage first
         raise Stop(message)
 
     @staticmethod
     def _parse_dataclass_field(parser, field):
-        meta = dict(field.metadata)
-        if "choices" in meta:  # `choice`: one word of a list, aliases mapped to it before the check
-            aliases = meta["value_aliases"]
-            alias_text = ", ".join(f"{a} = {c}" for a, c in aliases.items())
-            parser.add_argument(
-                f"--{field.name}",
-                default=field.default,
-                choices=meta["choices"],
-                type=lambda word: aliases.get(word.lower(), word.lower()),
-                help=(meta["help"] + (f" ({alias_text})" if aliases else "")).replace("%", "%%"),
-            )
-            return
-        meta.pop("range", None)
+        meta, field = dict(field.metadata), copy.copy(field)
+        low, high = meta.pop("range", (None, None))
         if int in (field.type, *typing.get_args(field.type)) and "range" not in field.metadata:
-            raise TypeError(
-                f"--{field.name}: an integer flag needs a range (common.args.flag(low=, high=))"
-            )
+            raise TypeError(f"--{field.name}: an integer flag needs a range (flag(low=, high=))")
+        aliases = meta.pop("value_aliases", {})  # `choice`: any case, aliases mapped to a choice
+        if "choices" in meta:
+            field.type = lambda word: aliases.get(word.lower(), word.lower())
+        notes = ", ".join(f"{a} = {c}" for a, c in aliases.items()), range_text(low, high)
+        text = meta.get("help") or CACHE_HELP * (field.name == "cache_dir")
         # argparse %-formats help texts ("%(default)s"): a literal % must be doubled
-        if meta.get("help") != argparse.SUPPRESS:
-            meta["help"] = meta.get("help", "").replace("%", "%%")
-        field = copy.copy(field)
+        meta["help"] = " ".join([text, *(f"({n})" for n in notes if n)]).strip().replace("%", "%%")
         field.metadata = meta
         HfArgumentParser._parse_dataclass_field(parser, field)
 
 
-@functools.cache
-def _trainer_defaults() -> dict:
-    from transformers import TrainingArguments
-
-    return {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-
-
-def _help_text(action) -> str:
-    """The flag's help, its range, and its default once (unless the help states it), marked where
-    `transformers.TrainingArguments` defaults otherwise."""
-    text = action.help or ""
-    notes = [range_text(*getattr(action, "range", (None, None)))]
-    if "default" not in text and "required" not in text:
-        notes.append(f"default: {action.default}".replace("%", "%%"))
-        other = _trainer_defaults().get(action.dest)
-        if other not in (None, dataclasses.MISSING, action.default):
-            notes.append(f"TrainingArguments: {other}")
-    notes = "; ".join(n for n in notes if n)
-    return f"{text} ({notes})".strip() if notes else text
-
-
 def parse_flags(
-    types: tuple,
-    argv: list[str] | None = None,
-    description: str | None = None,
-    hidden: tuple = (),
-    **defaults,
+    types: tuple, argv: list | None = None, description: str | None = None, hidden=(), **defaults
 ) -> tuple[tuple, set[str]]:
     """(one instance per dataclass of flags, the names given on the command line); Stop for an
     unknown flag, a wrong type or a value out of range. `hidden`: flags left out of `--help`."""
-    parser = FlagParser(
-        types, hidden, description=description, formatter_class=FlagParser.Formatter
-    )
-    parser.set_defaults(**defaults)
+    parser = _FlagParser(types, hidden, defaults, description=description)
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as err:  # "Some specified arguments are not used by the HfArgumentParser"
         raise Stop(str(err)) from None
-    for instance in parsed:
-        for f in dataclasses.fields(instance):
-            low, high = f.metadata.get("range", (None, None))
-            value = getattr(instance, f.name)
-            if value is not None and (
-                low is not None and value < low or high is not None and value > high
-            ):
-                raise Stop(f"--{f.name} must be {range_text(low, high)}, got {value}")
+    for f, value in ((f, getattr(i, f.name)) for i in parsed for f in dataclasses.fields(i)):
+        lo, hi = f.metadata.get("range", (None, None))
+        if value is not None and (lo is not None and value < lo or hi is not None and value > hi):
+            raise Stop(f"--{f.name} must be {range_text(lo, hi)}, got {value}")
     # what the user typed: the same parser with every default suppressed
     parser._defaults.clear()  # set_defaults' copies would fill the namespace
     for action in parser._actions:
@@ -244,27 +159,15 @@ class Flags(SimpleNamespace):
 
 
 def parse_args(
-    recipe_args: type,
-    argv: list[str] | None = None,
-    description: str | None = None,
-    refuse: dict[str, str] | None = None,
-    **defaults,
+    recipe_args: type, argv: list | None = None, description=None, refuse: dict = {}, **defaults
 ) -> Flags:
-    """`TrainingFlags` and the recipe's own dataclass of flags, parsed into one namespace.
-
-    `refuse`: core flags this recipe cannot honour -> why; left out of `--help`, and `unsupported`
-    stops a run that sets one.
-
-    `defaults`: the recipe's defaults for any flag (e.g. `learning_rate=1e-3`), which never
-    override a flag the user gave: `--num_train_epochs` alone sets `max_steps` to -1 (the epochs
-    decide); with both, `--max_steps` wins, as in `TrainingArguments`. A restarted job (torchrun's
-    `--max_restarts`, a SLURM requeue) resumes as with `auto`, and `--overwrite_output_dir` applies
-    to the first attempt only: it would delete the checkpoints the job restarts from.
-    """
-    refuse = refuse or {}
-    (core, own), given = parse_flags(
-        (TrainingFlags, recipe_args), argv, description, tuple(refuse), **defaults
-    )
+    """`TrainingFlags` and the recipe's own flags in one namespace. `defaults`: the recipe's, never
+    over a flag the user gave (`--num_train_epochs` alone sets `max_steps` to -1; with both,
+    `--max_steps` wins, as in `TrainingArguments`). `refuse`: core flags it cannot honour -> why:
+    hidden from `--help`, refused if set. A restarted job (torchrun's `--max_restarts`, a SLURM
+    requeue) resumes as with `auto`; `--overwrite_output_dir` applies to its first attempt only."""
+    types = (TrainingFlags, recipe_args)
+    (core, own), given = parse_flags(types, argv, description, refuse, **defaults)
     args = Flags(**asdict(core), **asdict(own))
     args.given = given
     unsupported(args, Path(sys.argv[0]).name, **refuse)
@@ -335,8 +238,7 @@ def _resolve_trackers(text: str) -> str:
 
 
 def make_output_dir(output_dir: str) -> None:
-    """Create `output_dir` and its parents; Stop if that is impossible (a file in the way, a
-    read-only filesystem, no permission)."""
+    """Create `output_dir` and its parents, or Stop (a file in the way, read-only, no permission)."""
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as err:
@@ -346,10 +248,8 @@ def make_output_dir(output_dir: str) -> None:
 def _check_output_dir(
     output_dir: str, overwrite: bool, resume_from_checkpoint: str | None, restarted: bool
 ) -> None:
-    """Stop if `output_dir` is a file, or if a fresh run would write into a directory that holds
-    files (`run_clm.py`'s rule: that needs `--overwrite_output_dir` or a resume). `auto` resumes
-    when there is a complete checkpoint, or on a restart (the first attempt wrote the files and
-    died before its first checkpoint). Call on every rank before anything is written."""
+    """Stop if `output_dir` is a file, or if a fresh run would write over its files (`run_clm.py`'s
+    rule); `auto` resumes from a complete checkpoint, or on a restart. On every rank, first."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise Stop(f"--output_dir {output_dir} is a file, not a directory")
     held = sorted(set(os.listdir(output_dir)) - {".lock"}) if os.path.isdir(output_dir) else []

@@ -102,8 +102,10 @@ def test_a_default_that_differs_from_training_arguments_is_marked(monkeypatch, c
     assert helps["--adam_beta2"] == "(default: 0.95; TrainingArguments: 0.999)"
     assert helps["--learning_rate"] == "peak LR (default: 0.003; TrainingArguments: 5e-05)"
     assert helps["--adam_beta1"] == "(default: 0.9)"  # the same default: no mark
-    assert "not the Hub download cache" in helps["--cache_dir"]
-    assert "(at least 1; default: 8)" in helps["--per_device_train_batch_size"]
+    assert "not run_clm's Hub download cache" in helps["--cache_dir"]
+    assert (
+        helps["--per_device_train_batch_size"] == "micro batch per rank (at least 1) (default: 8)"
+    )
 
 
 def test_the_dashed_spelling_still_parses():
