@@ -62,18 +62,17 @@ class _FlagParser(HfArgumentParser):
 
         self.set_defaults(**defaults)
         theirs = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-        groups = {
-            t: self.add_argument_group(t or f"this recipe ({self.prog})") for t in [*GROUPS, None]
-        }
+        groups = {t: self.add_argument_group(t or "this recipe") for t in [*GROUPS, None]}
         for action in self._actions[1:]:  # -h aside, one per field
             name, other = action.dest, theirs.get(action.dest)
             action.option_strings = [n for n in action.option_strings if "-" not in n[2:]]
-            if not re.search("default|required", action.help):  # the default once, marked
+            hide = name in hidden or argparse.SUPPRESS in action.help  # refused, or help=SUPPRESS
+            if hide or action.option_strings[0].startswith("--no_"):  # or `--x false`'s twin
+                action.help = argparse.SUPPRESS
+            elif not re.search("default|required", action.help):  # the default once, marked
                 other = "" if other in (None, dataclasses.MISSING, action.default) else other
                 other = f"; TrainingArguments: {other}" * (other != "")
                 action.help = f"{action.help} (default: {action.default}{other})".lstrip()
-            if name in hidden or action.option_strings[0].startswith("--no_"):  # `--x false`
-                action.help = argparse.SUPPRESS
             core = name in theirs or name in TrainingFlags.__dataclass_fields__
             title = next((t for t, r in GROUPS.items() if re.search(r, name)), core and "training")
             if TrainingFlags in self.dataclass_types:  # a recipe's flags

@@ -115,3 +115,21 @@ def test_the_dashed_spelling_still_parses():
     )
     assert parsed[0].output_dir == "x" and parsed[0].max_steps == 3
     assert given == {"output_dir", "max_steps"}
+
+
+def test_a_field_whose_help_is_suppress_is_hidden():
+    """A core flag declared `flag(..., help=argparse.SUPPRESS)` (one every recipe refuses) stays
+    out of `--help`, its range and default too."""
+    import argparse
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Own:
+        shown: int = common.args.flag(3, "a flag", low=0)
+        refused: int = common.args.flag(0, argparse.SUPPRESS, low=0)
+
+    parser = common.args._FlagParser((common.args.TrainingFlags, Own), prog="x.py")
+    text = parser.format_help()
+    assert "this recipe:\n  --shown SHOWN" in text, text
+    assert "--refused" not in text and "SUPPRESS" not in text, text
+    assert "a flag (at least 0) (default: 3)" in " ".join(text.split())
