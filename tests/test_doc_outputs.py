@@ -31,8 +31,9 @@ def blocks(page: Path) -> list[dict]:
     for n, line in enumerate(lines):
         if not (m := MARKER.fullmatch(line.strip())):
             continue
-        mask = (k := MASK.fullmatch(lines[n + 1].strip())) and k.group("regex")
-        start = n + 2 if mask else n + 1
+        rest = [i for i in range(n + 1, len(lines)) if lines[i].strip()]  # blank lines aside
+        mask = (k := MASK.fullmatch(lines[rest[0]].strip())) and k.group("regex")
+        start = rest[1] if mask else rest[0]
         assert lines[start].startswith("```"), f"{page.name}:{n + 1}: a fenced block must follow"
         end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
         text = "\n".join(lines[start + 1 : end])
@@ -89,7 +90,8 @@ def test_a_shown_output_is_what_the_command_prints(page, block):
 def test_a_run_output_names_a_test_that_exists():
     for page, block in MARKED:
         if block["test"]:
-            assert (REPO / block["test"]).is_file() and block["text"].strip(), (page, block)
+            test_file = REPO / block["test"].split("::")[0]
+            assert test_file.is_file() and block["text"].strip(), (page, block)
 
 
 def test_the_blocks_are_found():
