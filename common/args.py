@@ -169,7 +169,9 @@ def parse_args(
     (core, own), given = parse_flags(types, argv, description, refuse, **defaults)
     args = Flags(**asdict(core), **asdict(own))
     args.given = given
-    unsupported(args, Path(sys.argv[0]).name, **refuse)
+    for flag, why in refuse.items():  # given, or a recipe default other than TrainingFlags'
+        if flag in given or getattr(args, flag) != getattr(TrainingFlags(), flag):
+            raise Stop(f"{Path(sys.argv[0]).name} does not take --{flag}: {why}")
     if "num_train_epochs" in given and args.max_steps > 0:
         if "max_steps" in given:
             errors.warn(
@@ -264,12 +266,3 @@ def _check_output_dir(
         + ("--resume_from_checkpoint latest to continue that run, " if resumable else "")
         + "--overwrite_output_dir to delete them and start over, or another --output_dir"
     )
-
-
-def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
-    """Stop if a core flag this recipe cannot honour was given or differs from `TrainingFlags`'
-    default; `why`: flag name -> the reason, e.g. `save_steps="it saves no checkpoints"`."""
-    defaults = TrainingFlags()
-    for flag, reason in why.items():
-        if flag in getattr(args, "given", ()) or getattr(args, flag) != getattr(defaults, flag):
-            raise Stop(f"{recipe} does not take --{flag}: {reason}")

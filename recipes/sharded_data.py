@@ -183,6 +183,7 @@ def main() -> int:
     args = parse_args(
         Args,
         description=__doc__,
+        refuse=dict(num_train_epochs="each rank streams its own shards: give --max_steps"),
         output_dir="runs/sharded_data",
         per_device_train_batch_size=8,
         learning_rate=1e-3,
