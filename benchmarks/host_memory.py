@@ -1,4 +1,4 @@
-"""Host memory per rank while loading pretrained weights under FSDP, and what each rank got.
+r"""Host memory per rank while loading pretrained weights under FSDP, and what each rank got.
 
 Launched under an FSDP accelerate config with a Llama directory saved by `save_pretrained`:
 

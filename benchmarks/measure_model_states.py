@@ -1,4 +1,4 @@
-"""Per-rank bytes of parameters, gradients and optimizer state, measured from the live tensors.
+r"""Per-rank bytes of parameters, gradients and optimizer state, measured from the live tensors.
 
 A companion of `benchmarks/compare_strategies.py`, launched under the same accelerate config as
 `recipes/llama.py`:

@@ -1,9 +1,5 @@
-"""The core `transformers.TrainingArguments` flags every recipe takes, and one parser for them.
-
-A recipe declares its own flags in a dataclass and calls `parse_args(RecipeArgs, **defaults)`.
-Every integer flag declares its range with `flag(..., low=, high=)`: the parser checks it and
-`--help` states it.
-"""
+"""The core `transformers.TrainingArguments` flags every recipe takes, and one parser for them:
+`parse_args(RecipeArgs, **defaults)`; an integer flag states its range (`flag(..., low=, high=)`)."""
 
 from __future__ import annotations
 
@@ -11,6 +7,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import re
 import sys
 import typing
 from dataclasses import asdict, dataclass, field
@@ -31,13 +28,11 @@ def flag(default=None, help: str = "", *, low: float | None = None, high: float 
     return field(default=default, metadata={"help": help, "range": (low, high)})
 
 
-def choice(choices: tuple[str, ...], aliases: dict[str, str] | None = None, help: str = ""):
+def choice(choices: tuple[str, ...], aliases: dict[str, str] = {}, help: str = ""):
     """A dataclass field for a flag that takes one of `choices` (the first by default), any case;
     `aliases` maps other words to a choice, e.g. {"true": "stream"}."""
-    return field(
-        default=choices[0],
-        metadata={"help": help, "choices": choices, "value_aliases": aliases or {}},
-    )
+    meta = {"help": help, "choices": choices, "value_aliases": aliases}
+    return field(default=choices[0], metadata=meta)
 
 
 def range_text(low, high) -> str:
@@ -46,63 +41,82 @@ def range_text(low, high) -> str:
     return f"at least {low}" if low is not None else f"at most {high}" if high is not None else ""
 
 
-class FlagParser(HfArgumentParser):
-    """`HfArgumentParser` with flag ranges and choices, the docstring kept as written, and one
-    `error:` line (no usage block) for a bad flag."""
+# --help's groups: the first its name matches, else training (core flags), else "this recipe"
+GROUPS = {
+    "model": r"model_|config_[no]|tokenizer|vocab|hidden|attention|intermediate|peft|lora|chat_|new_w|gradient_c",
+    "data": r"data|_file$|split|block_size|max_length|packing|samples|cache_dir|assistant_only",
+    "training": "^$",
+    "output and checkpoints": r"output_dir|save_[st]|resume",
+    "logging": r"logging|report_to|run_name|peak_tflops|record_sample_ids",
+}
+CACHE_HELP = "this project's tokenize/pack cache, not run_clm's Hub download cache (HF_HOME)"
 
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
+
+class _FlagParser(HfArgumentParser):
+    """`HfArgumentParser` with flag ranges and choices, `--help` grouped (with `TrainingFlags`),
+    each default once, the `hidden` flags left out, and one `error:` line for a bad flag."""
+
+    def __init__(self, types, hidden=(), defaults={}, **kwargs):
+        super().__init__(types, usage="%(prog)s [-h] [--FLAG VALUE ...]", **kwargs)
+        from transformers import TrainingArguments
+
+        self.set_defaults(**defaults)
+        theirs = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+        groups = {t: self.add_argument_group(t or "this recipe") for t in [*GROUPS, None]}
+        for action in self._actions[1:]:  # -h aside, one per field
+            name, other = action.dest, theirs.get(action.dest)
+            action.option_strings = [n for n in action.option_strings if "-" not in n[2:]]
+            hide = name in hidden or argparse.SUPPRESS in action.help  # refused, or help=SUPPRESS
+            if hide or action.option_strings[0].startswith("--no_"):  # or `--x false`'s twin
+                action.help = argparse.SUPPRESS
+            elif not re.search("default|required", action.help):  # the default once, marked
+                other = "" if other in (None, dataclasses.MISSING, action.default) else other
+                other = f"; TrainingArguments: {other}" * (other != "")
+                action.help = f"{action.help} (default: {action.default}{other})".lstrip()
+            core = name in theirs or name in TrainingFlags.__dataclass_fields__
+            title = next((t for t, r in GROUPS.items() if re.search(r, name)), core and "training")
+            if TrainingFlags in self.dataclass_types:  # a recipe's flags
+                self._optionals._group_actions.remove(action)
+                groups[title or None]._group_actions.append(action)
+
+    def _get_formatter(self):  # the docstring as written
+        return argparse.RawDescriptionHelpFormatter(self.prog, max_help_position=36)
 
     def error(self, message):  # argparse would print the whole usage first
         raise Stop(message)
 
     @staticmethod
     def _parse_dataclass_field(parser, field):
-        meta = dict(field.metadata)
-        if "choices" in meta:  # `choice`: one word of a list, aliases mapped to it before the check
-            aliases = meta["value_aliases"]
-            alias_text = ", ".join(f"{a} = {c}" for a, c in aliases.items())
-            parser.add_argument(
-                f"--{field.name}",
-                default=field.default,
-                choices=meta["choices"],
-                type=lambda word: aliases.get(word.lower(), word.lower()),
-                help=(meta["help"] + (f" ({alias_text})" if aliases else "")).replace("%", "%%"),
-            )
-            return
+        meta, field = dict(field.metadata), copy.copy(field)
         low, high = meta.pop("range", (None, None))
         if int in (field.type, *typing.get_args(field.type)) and "range" not in field.metadata:
-            raise TypeError(
-                f"--{field.name}: an integer flag needs a range (common.args.flag(low=, high=))"
-            )
+            raise TypeError(f"--{field.name}: an integer flag needs a range (flag(low=, high=))")
+        aliases = meta.pop("value_aliases", {})  # `choice`: any case, aliases mapped to a choice
+        if "choices" in meta:
+            field.type = lambda word: aliases.get(word.lower(), word.lower())
+        notes = ", ".join(f"{a} = {c}" for a, c in aliases.items()), range_text(low, high)
+        text = meta.get("help") or CACHE_HELP * (field.name == "cache_dir")
         # argparse %-formats help texts ("%(default)s"): a literal % must be doubled
-        bounds = f" ({range_text(low, high)})" if range_text(low, high) else ""
-        meta["help"] = (meta.get("help", "") + bounds).strip().replace("%", "%%")
-        field = copy.copy(field)
+        meta["help"] = " ".join([text, *(f"({n})" for n in notes if n)]).strip().replace("%", "%%")
         field.metadata = meta
         HfArgumentParser._parse_dataclass_field(parser, field)
 
 
 def parse_flags(
-    types: tuple, argv: list[str] | None = None, description: str | None = None, **defaults
+    types: tuple, argv: list | None = None, description: str | None = None, hidden=(), **defaults
 ) -> tuple[tuple, set[str]]:
     """(one instance per dataclass of flags, the names given on the command line); Stop for an
-    unknown flag, a wrong type or a value out of range."""
+    unknown flag, a wrong type or a value out of range. `hidden`: flags left out of `--help`."""
     _stop_launch_line_flags(types, argv)
-    parser = FlagParser(types, description=description, formatter_class=FlagParser.Formatter)
-    parser.set_defaults(**defaults)
+    parser = _FlagParser(types, hidden, defaults, description=description)
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as err:  # "Some specified arguments are not used by the HfArgumentParser"
         raise Stop(str(err)) from None
-    for instance in parsed:
-        for f in dataclasses.fields(instance):
-            low, high = f.metadata.get("range", (None, None))
-            value = getattr(instance, f.name)
-            if value is not None and (
-                low is not None and value < low or high is not None and value > high
-            ):
-                raise Stop(f"--{f.name} must be {range_text(low, high)}, got {value}")
+    for f, value in ((f, getattr(i, f.name)) for i in parsed for f in dataclasses.fields(i)):
+        lo, hi = f.metadata.get("range", (None, None))
+        if value is not None and (lo is not None and value < lo or hi is not None and value > hi):
+            raise Stop(f"--{f.name} must be {range_text(lo, hi)}, got {value}")
     # what the user typed: the same parser with every default suppressed
     parser._defaults.clear()  # set_defaults' copies would fill the namespace
     for action in parser._actions:
@@ -126,9 +140,7 @@ class TrainingFlags:
     gradient_accumulation_steps: int = flag(1, low=1)
     learning_rate: float = flag(3e-3, "peak LR")
     weight_decay: float = flag(0.0, "AdamW decay; never on biases and norm weights", low=0)
-    lr_scheduler_type: str = choice(
-        schedule.SCHEDULES, help="a transformers.get_scheduler name; TrainingArguments': linear"
-    )
+    lr_scheduler_type: str = choice(schedule.SCHEDULES, help="a transformers.get_scheduler name")
     lr_scheduler_kwargs: str = flag(None, """JSON, e.g. '{"min_lr_rate": 0.1}'""")
     warmup_steps: float = flag(0, "steps; below 1, a share of the run (transformers 5)", low=0)
     warmup_ratio: float = flag(0.0, "a share of the run, if --warmup_steps is 0", low=0, high=1)
@@ -184,19 +196,20 @@ class Flags(SimpleNamespace):
 
 
 def parse_args(
-    recipe_args: type, argv: list[str] | None = None, description: str | None = None, **defaults
+    recipe_args: type, argv: list | None = None, description=None, refuse: dict = {}, **defaults
 ) -> Flags:
-    """`TrainingFlags` and the recipe's own dataclass of flags, parsed into one namespace.
-
-    `defaults`: the recipe's defaults for any flag (e.g. `learning_rate=1e-3`), which never
-    override a flag the user gave: `--num_train_epochs` alone sets `max_steps` to -1 (the epochs
-    decide); with both, `--max_steps` wins, as in `TrainingArguments`. A restarted job (torchrun's
-    `--max_restarts`, a SLURM requeue) resumes as with `auto`, and `--overwrite_output_dir` applies
-    to the first attempt only: it would delete the checkpoints the job restarts from.
-    """
-    (core, own), given = parse_flags((TrainingFlags, recipe_args), argv, description, **defaults)
+    """`TrainingFlags` and the recipe's own flags in one namespace. `defaults`: the recipe's, never
+    over a flag the user gave (`--num_train_epochs` alone sets `max_steps` to -1; with both,
+    `--max_steps` wins, as in `TrainingArguments`). `refuse`: core flags it cannot honour -> why:
+    hidden from `--help`, refused if set. A restarted job (torchrun's `--max_restarts`, a SLURM
+    requeue) resumes as with `auto`; `--overwrite_output_dir` applies to its first attempt only."""
+    types = (TrainingFlags, recipe_args)
+    (core, own), given = parse_flags(types, argv, description, refuse, **defaults)
     args = Flags(**asdict(core), **asdict(own))
     args.given = given
+    for flag, why in refuse.items():  # given, or a recipe default other than TrainingFlags'
+        if flag in given or getattr(args, flag) != getattr(TrainingFlags(), flag):
+            raise Stop(f"{Path(sys.argv[0]).name} does not take --{flag}: {why}")
     if "num_train_epochs" in given and args.max_steps > 0:
         if "max_steps" in given:
             errors.warn(
@@ -279,8 +292,7 @@ def _resolve_trackers(text: str) -> str:
 
 
 def make_output_dir(output_dir: str) -> None:
-    """Create `output_dir` and its parents; Stop if that is impossible (a file in the way, a
-    read-only filesystem, no permission)."""
+    """Create `output_dir` and its parents, or Stop (a file in the way, read-only, no permission)."""
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as err:
@@ -290,10 +302,8 @@ def make_output_dir(output_dir: str) -> None:
 def _check_output_dir(
     output_dir: str, overwrite: bool, resume_from_checkpoint: str | None, restarted: bool
 ) -> None:
-    """Stop if `output_dir` is a file, or if a fresh run would write into a directory that holds
-    files (`run_clm.py`'s rule: that needs `--overwrite_output_dir` or a resume). `auto` resumes
-    when there is a complete checkpoint, or on a restart (the first attempt wrote the files and
-    died before its first checkpoint). Call on every rank before anything is written."""
+    """Stop if `output_dir` is a file, or if a fresh run would write over its files (`run_clm.py`'s
+    rule); `auto` resumes from a complete checkpoint, or on a restart. On every rank, first."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise Stop(f"--output_dir {output_dir} is a file, not a directory")
     held = sorted(set(os.listdir(output_dir)) - {".lock"}) if os.path.isdir(output_dir) else []
@@ -309,12 +319,3 @@ def _check_output_dir(
         + ("--resume_from_checkpoint latest to continue that run, " if resumable else "")
         + "--overwrite_output_dir to delete them and start over, or another --output_dir"
     )
-
-
-def unsupported(args: SimpleNamespace, recipe: str, **why: str) -> None:
-    """Stop if a core flag this recipe cannot honour was given or differs from `TrainingFlags`'
-    default; `why`: flag name -> the reason, e.g. `save_steps="it saves no checkpoints"`."""
-    defaults = TrainingFlags()
-    for flag, reason in why.items():
-        if flag in getattr(args, "given", ()) or getattr(args, flag) != getattr(defaults, flag):
-            raise Stop(f"{recipe} does not take --{flag}: {reason}")

@@ -912,15 +912,7 @@ def same_data(accelerator, lm_data) -> str:
 
 
 def sharded_data_flags(args) -> None:
-    """recipes/sharded_data.py's refusals of core flags: it counts steps only."""
-    from common.args import unsupported
-
-    unsupported(
-        args,
-        "sharded_data.py",
-        num_train_epochs="each rank streams its own shards, whose "
-        "epochs differ in length: give --max_steps",
-    )
+    """recipes/sharded_data.py counts steps only (its `--num_train_epochs` refusal: `parse_args`)."""
     if args.max_steps < 1:
         raise Stop(
             "sharded_data.py needs --max_steps: each rank streams its own shards, whose epochs "

@@ -1,4 +1,4 @@
-"""Data-parallel basics on a real classification task: which genre is a Shakespeare passage from?
+r"""Data-parallel basics on a real classification task: which genre is a Shakespeare passage from?
 
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/ddp_classifier.py
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/ddp_classifier.py

@@ -1,4 +1,4 @@
-"""Activation (gradient) checkpointing, measured: memory traded for compute on the debug Llama.
+r"""Activation (gradient) checkpointing, measured: memory traded for compute on the debug Llama.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/gradient_checkpointing.py
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/gradient_checkpointing.py
@@ -81,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from common import checks, data, errors, grad_norm, launch, metrics, models
 from common import precision, run_dir, workarounds
 from common.errors import Stop
-from common.args import flag, make_output_dir, parse_args, unsupported
+from common.args import flag, make_output_dir, parse_args
 from common.memory import PeakTensorBytes, SavedTensorBytes
 
 launch.imports_done()  # garbage collection back on, the imports' objects frozen
@@ -189,32 +189,30 @@ def forward_backward_peak(run: dict, on: bool, device: torch.device):
 
 def main() -> int:
     # weight_decay 0.01: what torch's AdamW applied here before the flag existed (now matrices only)
+    no_training_run = "it measures a few steps of each variant and keeps none of them"
     args = parse_args(
         Args,
         description=__doc__,
+        refuse=dict(
+            **dict.fromkeys(
+                ("warmup_steps", "warmup_ratio", "lr_scheduler_type", "lr_scheduler_kwargs"),
+                "it trains at a constant --learning_rate (no schedule)",
+            ),
+            num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
+            logging_steps="it prints one line per variant and round, and the table",
+            save_steps=f"it saves no checkpoints: {no_training_run}",
+            resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
+            **dict.fromkeys(
+                ("report_to", "run_name", "logging_dir"),
+                "its figures go to results.json and table.md; there is no training curve to track",
+            ),
+            dataloader_num_workers="it reads its few batches once, before it measures",
+        ),
         output_dir="runs/gradient_checkpointing",
         per_device_train_batch_size=2,
         learning_rate=1e-3,
         weight_decay=0.01,
         max_steps=4,
-    )
-    no_training_run = "it measures a few steps of each variant and keeps none of them"
-    unsupported(
-        args,
-        "gradient_checkpointing.py",
-        **dict.fromkeys(
-            ("warmup_steps", "warmup_ratio", "lr_scheduler_type", "lr_scheduler_kwargs"),
-            "it trains at a constant --learning_rate (no schedule)",
-        ),
-        num_train_epochs="it runs --max_steps steps per variant and depth, never whole epochs",
-        logging_steps="it prints one line per variant and round, and the table",
-        save_steps=f"it saves no checkpoints: {no_training_run}",
-        resume_from_checkpoint=f"it saves no checkpoints: {no_training_run}",
-        **dict.fromkeys(
-            ("report_to", "run_name", "logging_dir"),
-            "its figures go to results.json and table.md; there is no training curve to track",
-        ),
-        dataloader_num_workers="it reads its few batches once, before it measures",
     )
     try:
         depths = [int(n) for n in args.num_layers.split(",")]

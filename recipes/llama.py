@@ -1,4 +1,4 @@
-"""Train a Llama (or any Hugging Face causal LM) with DDP, FSDP2, FSDP1 or DeepSpeed ZeRO.
+r"""Train a Llama (or any Hugging Face causal LM) with DDP, FSDP2, FSDP1 or DeepSpeed ZeRO.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml recipes/llama.py

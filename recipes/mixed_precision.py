@@ -1,4 +1,4 @@
-"""Mixed precision, measured: fp32 vs bf16 vs fp16 with dynamic loss scaling, on the debug Llama.
+r"""Mixed precision, measured: fp32 vs bf16 vs fp16 with dynamic loss scaling, on the debug Llama.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/mixed_precision.py \
         --precision fp16

@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained causal LM on chat data, full or LoRA, with DDP, FSDP2, FSDP1 or ZeRO.
+r"""Fine-tune a pretrained causal LM on chat data, full or LoRA, with DDP, FSDP2, FSDP1 or ZeRO.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/sft.py \
         --model_name_or_path runs/llama/final --use_peft

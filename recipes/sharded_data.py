@@ -1,4 +1,4 @@
-"""Data that never starves the ranks: tokenized parquet shards, each rank reads only its own.
+r"""Data that never starves the ranks: tokenized parquet shards, each rank reads only its own.
 
     python tools/prepare_shards.py --output_dir data_shards --num_shards 4
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sharded_data.py \
@@ -175,6 +175,7 @@ def main() -> int:
     args = parse_args(
         Args,
         description=__doc__,
+        refuse=dict(num_train_epochs="each rank streams its own shards: give --max_steps"),
         output_dir="runs/sharded_data",
         per_device_train_batch_size=8,
         learning_rate=1e-3,

@@ -131,14 +131,77 @@ def test_the_workarounds_page_lists_every_workaround_of_the_code():
     )
 
 
+def section(page: Path, heading: str) -> str:
+    return page.read_text().split(f"\n## {heading}")[1].split("\n## ")[0]
+
+
+def third_party_imports() -> set[str]:
+    """Top-level modules the test suite's files import (tests/, and what they run), stdlib and this
+    repository's own packages aside."""
+    import ast
+    import sys
+
+    own = {p.stem for p in REPO.glob("*/*.py")} | {p.name for p in REPO.iterdir() if p.is_dir()}
+    names = set()
+    for path in [*REPO.glob("*/*.py"), *REPO.glob("tests/*/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - own - {"__future__"}
+
+
 def test_the_readme_installs_what_its_test_command_runs():
-    """The README's install lines give its test command its tools: the requirements (pytest) and the
-    ruff that `.ci/run` pins."""
-    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
-    ruff = re.search(r"ruff==[\d.]+", ci).group(0)
-    assert "python -m pytest" in readme and "ruff check ." in readme
-    assert "pip install -r requirements.txt" in readme and ruff in readme, ruff
-    assert re.search(r"^pytest==", (REPO / "requirements.txt").read_text(), flags=re.M)
+    """The README's install lines, run as written, give its test command everything it runs: ruff at
+    `.ci/run`'s pin, pytest, and every installed package the code imports (a pinned requirement or one
+    of their dependencies), with torch at the requirements' pin."""
+    import importlib.metadata as md
+
+    readme, ci = REPO / "README.md", (REPO / ".ci" / "run").read_text()
+    install = [line.split("#")[0].split() for line in section(readme, "Install").splitlines()]
+    install = [words[2:] for words in install if words[:2] == ["pip", "install"]]
+    test = [
+        line.split("#")[0]
+        for line in section(readme, "Test").splitlines()
+        if line.startswith("    ")
+    ]
+    assert test and all(
+        c.strip().startswith(("ruff ", "python -m pytest ")) for t in test for c in t.split("&&")
+    )
+    assert ["-r", "requirements.txt", re.search(r"ruff==[\d.]+", ci).group(0)] in install, install
+    files = [w[i + 1] for w in install for i, word in enumerate(w) if word == "-r"]
+    pins = dict(  # every requirements file the README installs (the trackers' too)
+        line.split("==")
+        for name in files
+        for line in (REPO / name).read_text().splitlines()
+        if "==" in line
+    )
+    assert "pytest" in pins and all(
+        f"torch=={pins['torch']}" in w for w in install if "torch" in str(w)
+    )
+
+    def requires(dist: str) -> set[str]:
+        found = md.requires(dist) or []
+        return {re.split(r"[\s<>=!~;\[(]", r)[0].lower() for r in found if "extra ==" not in r}
+
+    closure, todo = set(), [name.lower() for name in pins]
+    while todo:
+        if (name := todo.pop()) not in closure:
+            closure.add(name)
+            try:
+                todo += requires(name)
+            except md.PackageNotFoundError:
+                pass
+    by_module = md.packages_distributions()
+    normal = lambda n: n.lower().replace("_", "-")  # noqa: E731
+    missing = {
+        module: dists
+        for module in third_party_imports()
+        if (dists := by_module.get(module))  # installed here; optional ones are skipped or guarded
+        and not {normal(d) for d in dists} & {normal(c) for c in closure}
+    }
+    assert not missing, f"imported, yet not installed by the README's lines: {missing}"
 
 
 def test_the_readme_lists_every_config():

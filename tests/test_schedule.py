@@ -9,7 +9,7 @@ import torch
 from transformers import TrainingArguments, get_scheduler
 
 from common import checkpoint
-from common.args import LAUNCH_FLAGS, FlagParser, TrainingFlags, parse_args
+from common.args import LAUNCH_FLAGS, TrainingFlags, _FlagParser, parse_args
 from common.causal_lm import scaled_learning_rate
 from common.errors import Stop
 from common.schedule import SCHEDULES, lr_decays_after, lr_scheduler, warmup_count
@@ -203,15 +203,14 @@ def test_help_shows_the_schedule_flags_not_the_launch_lines():
     class Own:
         pass
 
-    parser = FlagParser((TrainingFlags, Own), formatter_class=FlagParser.Formatter)
-    parser.set_defaults(lr_scheduler_type="cosine")  # a recipe's default
+    parser = _FlagParser((TrainingFlags, Own), defaults={"lr_scheduler_type": "cosine"})
     text = " ".join(parser.format_help().split())
     assert (
         "--lr_scheduler_type" in text
         and "--warmup_ratio" in text
-        and "TrainingArguments': linear" in text
+        and "TrainingArguments: linear" in text
     )
-    assert "(default: cosine)" in text
+    assert "(default: cosine; TrainingArguments: linear)" in text
     assert not [f for f in LAUNCH_FLAGS if f"--{f} " in text or f"--{f}=" in text]
 
 

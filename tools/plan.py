@@ -1,4 +1,4 @@
-"""Will it fit, and how fast? The planner's command line: bytes per rank and tokens/s for each strategy.
+r"""Will it fit, and how fast? The planner's command line: bytes per rank and tokens/s for each strategy.
 
     python tools/plan.py --all --model_config llama-3-8b --block_size 2048 \
         --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB --gpu h100
