@@ -736,12 +736,7 @@ def parse_memory(text: str) -> tuple[int, str]:
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]I?B)?\s*", text.upper())
     if not m:
         raise ValueError(f"--device_memory {text!r}: expected a size such as 80GB or 141GiB")
-    if not m.group(2):
-        raise ValueError(
-            f"--device_memory {text!r}: give a unit, {text.strip()}GB (10^9 bytes) or "
-            f"{text.strip()}GiB (2^30 bytes)"
-        )
-    unit = m.group(2)
+    unit = m.group(2) or "B"
     try:
         size = int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0])))
     except ValueError:
@@ -749,6 +744,11 @@ def parse_memory(text: str) -> tuple[int, str]:
     if size <= 0:
         raise ValueError(
             f"--device_memory {text!r}: expected a positive size such as 80GB or 141GiB"
+        )
+    if not m.group(2):
+        raise ValueError(
+            f"--device_memory {text!r}: give a unit, {text.strip()}GB (10^9 bytes) or "
+            f"{text.strip()}GiB (2^30 bytes)"
         )
     return size, ("GiB" if "I" in unit else "GB")
 
