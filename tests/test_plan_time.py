@@ -431,7 +431,10 @@ def test_table_launcher_names_and_calibration_source(capsys):
     )  # compiled blocks move less memory: 9,268 predicted
 
 
-FIGURE = "tokens_per_s=2904,gpu=a100,model=llama-3-8b,ranks=64,batch=1,seq=8192,checkpointing=selective_layer,compile=no"
+FIGURE = (
+    "tokens_per_s=2904,gpu=a100,model=llama-3-8b,ranks=64,batch=1,seq=8192,"
+    "checkpointing=selective_layer,compile=no"
+)
 
 
 def test_calibration_on_a_published_figure(capsys, shapes):
