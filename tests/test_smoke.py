@@ -213,7 +213,7 @@ def docs_rows_match(stdout, declared):
         return ["#" if MEASURED.match(c.strip()) else c.strip() for c in line.strip("|").split("|")]
 
     docs = (REPO / "docs" / "smoke.md").read_text()
-    assert "<!-- output of: python tools/smoke.py --configs ddp -->" in docs
+    assert "<!-- rows checked by tests/test_smoke.py: python tools/smoke.py --configs ddp -->" in docs
     header = next(x for x in stdout.splitlines() if x.startswith("| config |"))
     assert header in docs
     for config in ("single", "ddp"):
