@@ -108,7 +108,7 @@ def test_quick_level_passes_with_its_table(quick_with_a_broken_config):
         assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and r["wall_s"] > 0, r
     # the printed table: a header, then one row per config with the same figures
     assert (
-        "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |"
+        "| config | ranks | precision | status | loss gap | grad-norm gap | resume gap | export |"
         in proc.stdout
     )
     assert re.search(
@@ -213,7 +213,9 @@ def docs_rows_match(stdout, declared):
         return ["#" if MEASURED.match(c.strip()) else c.strip() for c in line.strip("|").split("|")]
 
     docs = (REPO / "docs" / "smoke.md").read_text()
-    assert "<!-- rows checked by tests/test_smoke.py: python tools/smoke.py --configs ddp -->" in docs
+    assert (
+        "<!-- rows checked by tests/test_smoke.py: python tools/smoke.py --configs ddp -->" in docs
+    )
     header = next(x for x in stdout.splitlines() if x.startswith("| config |"))
     assert header in docs
     for config in ("single", "ddp"):
