@@ -574,7 +574,9 @@ def main(argv: list[str] | None = None) -> None:
             unit = "GiB"
         elif gpu != "cpu":
             size, unit = GPUS[gpu]["memory"], "GiB"
-            source = f"--gpu {args.gpu}: {GPUS[gpu]['label']}, {size // 2**20:,} MiB as nvidia-smi reports it"
+            source = f"--gpu {args.gpu}: {GPUS[gpu]['label']}, {size // 2**20:,} MiB as " + GPUS[
+                gpu
+            ].get("memory_from", "nvidia-smi reports it")
         else:
             (size, source), unit, host_ram = detect_memory(per_machine), "GB", True
         if gpu == "cpu":

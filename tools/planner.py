@@ -863,6 +863,7 @@ GPUS = {
         pcie=51e9,
         memory=96 * 10**9,
         label="H100 SXM 96GB HBM2e",
+        memory_from="the datasheet's GB",
     ),
     "h100-nvl": dict(
         peak_flops=835e12,
@@ -872,6 +873,7 @@ GPUS = {
         pcie=51e9,
         memory=94 * 10**9,
         label="H100 NVL 94GB",
+        memory_from="the datasheet's GB",
     ),
     "h100-pcie": dict(
         peak_flops=756e12,
