@@ -1,15 +1,18 @@
 """Will it fit, and how fast? The planner's command line: bytes per rank and tokens/s for each strategy.
 
     python tools/plan.py --all --model_config llama-3-8b --block_size 2048 \
-        --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB --gpu h100
+        --per_device_train_batch_size 1 --num_processes 8 --gpu h100
 
+Plans the hardware named: `--gpu`'s memory per rank and datasheet figures (`--device_memory` with a
+unit overrides the size), else this host's GPU, else CPU ranks in host RAM (its first line says so).
 Prints, per rank and for each accelerate config: model states, activations, logits and loss
-buffers, communication buffers, the total against the device memory, the communication per
-optimizer step, the step time (compute, exposed communication, optimizer) and tokens/s per rank on
-`--gpu`'s datasheet figures or calibrated on a measurement (`--calibrate`), a recommendation (the
-fastest that fits), and the problems the recipes' start-up checks would report (`common/checks.py`).
-`--format json` gives the same numbers in bytes and seconds. The models, their formulas and sources:
-`tools/planner.py`.
+buffers, communication buffers, the total against the device memory in its unit (fits: yes, tight
+when only the allocated bytes fit, no), the communication per optimizer step, the step time
+(compute, exposed communication, optimizer) and tokens/s per rank, uncalibrated or calibrated on a
+figure of the same GPU (`--calibrate`), the recommendation (`recommend`: its rule), and the problems
+the recipes' start-up checks would report (`common/checks.py`), their ZeRO-3 warning on the table's
+numbers. `--format json` gives the same numbers in bytes and seconds. The models, their formulas
+and sources: `tools/planner.py`.
 """
 
 from __future__ import annotations
