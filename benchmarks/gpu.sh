@@ -14,6 +14,8 @@
 # 3. Writes one markdown table: tokens/s and MFU over steps 11-50 (the first 10 hold the warm-up and
 #    the compile, reported apart), peak memory (torch.cuda.max_memory_allocated and
 #    max_memory_reserved), the last loss. MFU is common/metrics.py's, as the recipe logs it.
+# 4. Runs tools/smoke.py on all the host's GPUs (docs/smoke.md): parity, resume and export of every
+#    config in bf16, versions, all-reduce bus bandwidth; $OUT/smoke (not with --cpu-smoke).
 #
 # Expected wall time on one H100/H200: about 7 minutes (an estimate: not yet run on a GPU). Each run
 # builds the 1B model and writes its 4 GB export (deleted after); the compiled runs add the compile
@@ -50,6 +52,9 @@ if [ "$smoke" = 0 ]; then
     || { echo "error: nvidia-smi cannot talk to the driver" >&2; exit 1; }
   command -v cc >/dev/null || command -v gcc >/dev/null \
     || echo "warning: no C compiler (cc/gcc): torch.compile's Triton launchers need one; the compiled runs will fail"
+  # the host's GPUs as given, for the smoke run at the end
+  [ -n "${CUDA_VISIBLE_DEVICES+x}" ] && all_gpus=(env "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES") \
+    || all_gpus=(env -u CUDA_VISIBLE_DEVICES)
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one GPU, whatever the host has
 fi
 "$py" - "$smoke" <<'EOF' || exit 1
@@ -195,4 +200,9 @@ open(table, "w").write(text)
 print(text)
 EOF
 echo "wrote $table ($(( $(date +%s) - t_start )) s in all)"
+# 4. The first GPU host of a cluster: every config on all its GPUs in bf16, the versions and the
+#    all-reduce bus bandwidth (tools/smoke.py; its table and smoke.json in $OUT/smoke)
+if [ "$smoke" = 0 ]; then
+  "${all_gpus[@]}" "$py" tools/smoke.py --output_dir "$out_dir/smoke" || failed=1
+fi
 exit $failed

@@ -333,7 +333,7 @@ if gpus >= 4:
         timeout=1800,
     )
     rows = (
-        json.loads((tmp / "smoke_tp" / "smoke.json").read_text())
+        json.loads((tmp / "smoke_tp" / "smoke.json").read_text())["rows"]
         if proc.returncode in (0, 1)
         else []
     )

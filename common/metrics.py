@@ -345,6 +345,9 @@ def run_info(accelerator, model, args, **facts) -> dict:
         "distributed_type": accelerator.distributed_type.value,
         "world_size": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
+        "device_name": torch.cuda.get_device_name(accelerator.device)
+        if accelerator.device.type == "cuda"
+        else "cpu",  # (tools/plan.py --calibrate: an efficiency holds for one device kind)
         **({"mesh": mesh} if (mesh := launch.mesh_layout(accelerator)) else {}),
         **facts,
         "local_param_elements": accelerator.gather(local).tolist(),

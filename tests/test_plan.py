@@ -274,6 +274,11 @@ def test_cli_table_json_and_bad_input(cli):
     rates = {s: p["time"]["tokens_per_s"] for s, p in plans.items()}
     assert 8_000 < rates["fsdp"] < 9_500 and 1.15 < rates["fsdp"] / rates["deepspeed_zero2"] < 1.5
     assert plans["deepspeed_zero2"]["comm_per_step"] == 10 * 8_030_261_248 * 7 // 8
+    # the table ranks ZeRO-3 first: no warning (on the numbers of the device planned) says otherwise
+    assert rates["deepspeed_zero3"] == max(rates.values())
+    assert not [p for p in result["problems"] if "deepspeed_zero3 is predicted" in p], result[
+        "problems"
+    ]
     table = cli(
         "--config",
         "fsdp",
@@ -376,6 +381,11 @@ def test_what_the_review_found(tmp_path, capsys):
             "error: --num_processes 3 is not a multiple of --num_machines 2",
         ),
         (["--lora_r", "4"], "error: --lora_r needs --use_peft"),
+        (
+            ["--device_memory", "80"],
+            "error: --device_memory '80': give a unit, 80GB (10^9 bytes) or",
+        ),
+        (["--gpu", "v100"], "error: --gpu 'v100': expected one of a100, a100-40gb, h100,"),
     ],
 )
 def test_bad_flags_are_one_line(args, message, cli):
@@ -490,3 +500,68 @@ def test_lora_counts_the_adapters_and_keeps_the_frozen_base(cli):
         < lora["plans"]["fsdp"]["comm_per_step"] / full["plans"]["fsdp"]["comm_per_step"]
         < 0.52
     )
+
+
+LLAMA2_13B_A100 = [
+    "--config",
+    "fsdp",
+    "--model_config",
+    "llama-2-13b",
+    "--num_processes",
+    64,
+    "--block_size",
+    4096,
+    "--per_device_train_batch_size",
+    2,
+    "--gpu",
+    "a100",
+]
+
+
+def test_the_plan_is_for_the_hardware_named(cli):
+    """--gpu takes that GPU's memory (never host RAM), in GiB; without a GPU and --gpu the first line says
+    CPU ranks. torchtitan's Llama 2 13B on 64 A100 80GB without checkpointing (it sets gradients to None):
+    79.79 GiB allocated of 80, the reserved estimate over: "tight", headroom in GiB. Without
+    --grads_set_to_none nothing fits, and the suggestion is planned: with checkpointing, 14.15 GiB."""
+    base = ["--config", "fsdp", "--model_config", "llama-3-8b", "--num_processes", 8]
+    for gpu, size in [
+        ("a100", 80 * 2**30),
+        ("a100-40gb", 40 * 2**30),
+        ("h100", 81559 * 2**20),
+        ("h100-nvl", 94 * 10**9),
+        ("h200", 143771 * 2**20),
+    ]:
+        out = json.loads(cli(*base, "--gpu", gpu, "--format", "json").stdout)
+        assert (out["device"], out["device_memory"]) == (gpu, size)
+    if not torch.cuda.is_available():
+        first = cli(*base, "--device_memory", "80GB").stdout.splitlines()[0]
+        assert first.startswith(
+            "Planning CPU ranks (gloo, host RAM): no GPU on this host and no --gpu"
+        )
+    tight = cli(*LLAMA2_13B_A100, "--grads_set_to_none").stdout
+    assert "| headroom vs 80.00 GiB | 0.21 |" in tight and "| fits | tight |" in tight, tight
+    assert "Recommendation: fsdp" in tight and "Tight: fsdp fit(s) allocated" in tight
+    none = cli(*LLAMA2_13B_A100).stdout
+    assert "| fits | **no** |" in none
+    assert (
+        "Recommendation: nothing fits in 80.00 GiB per rank; with --gradient_checkpointing: fsdp "
+        "(14.15 GiB)" in none
+    ), none
+    assert "| fits | yes |" in cli(*LLAMA2_13B_A100, "--gradient_checkpointing").stdout
+
+
+@pytest.mark.parametrize(
+    "name, n_params",
+    [
+        ("llama-3.1-8b", 8_030_261_248),
+        ("llama-3.1-70b", 70_553_706_496),
+        ("llama-3.1-405b", 405_853_388_800),
+        ("llama-2-13b", 13_015_864_320),
+        ("llama-2-70b", 68_976_648_192),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("qwen2.5-72b", 72_706_203_648),
+        ("mistral-7b", 7_248_023_552),
+    ],
+)
+def test_stored_public_configs_have_the_model_cards_sizes(name, n_params):
+    assert planner.model_shape(planner.load_model_config(name, None))["n_params"] == n_params

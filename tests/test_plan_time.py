@@ -7,6 +7,8 @@ Published figures (each row's source named; copied here so that a fresh clone ca
 - torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP2 on 8 and 128 H100 (96 GB
   HBM2e, 2.4 TB/s, 500 W), local batch 2 x 8192, selective (per-op) activation checkpointing, tokens/s
   per GPU and memory (GiB), tables 1 and 3; table 2's first row (FSDP 8, 32768 tokens, full checkpointing).
+- torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: Llama 3.1 8B on 4 and 8 nodes of 8 H200,
+  local batch 2, llama3_8b.toml (8192 tokens, selective per-op checkpointing), torch.compile, Float8.
 """
 
 import json
@@ -79,9 +81,15 @@ A100 = [
     ("llama2-70b", 64, 1, 4096, "selective_op", False, 355, "performance.md, Llama 2"),
     ("llama2-70b", 64, 2, 4096, "full", False, 353, "performance.md, Llama 2"),
 ]
+# Float8 (not in the model: the efficiency fitted on the first row absorbs it, 0.683 of the bf16 peak)
+H200 = [
+    ("llama3-8b", 32, 2, 8192, "selective_op", True, 10938, "h200 trainy-whitefiber, 4 nodes"),
+    ("llama3-8b", 64, 2, 8192, "selective_op", True, 10753, "same, 8 nodes"),
+]
 # prediction errors measured with this model, after calibrating on each list's first row
 H100_ERRORS = [0.0, 0.049, 0.032, 0.079]
 A100_ERRORS = [0.0, 0.002, -0.056, -0.016, -0.045, -0.026, 0.080, -0.075]
+H200_ERRORS = [0.0, 0.017]
 
 
 def predict(rows, device, shapes, efficiency):
@@ -94,23 +102,24 @@ def predict(rows, device, shapes, efficiency):
 
 
 @pytest.mark.parametrize(
-    "gpu, rows, errors", [("h100", H100, H100_ERRORS), ("a100", A100, A100_ERRORS)]
+    "gpu, rows, errors",
+    [("h100-96gb", H100, H100_ERRORS), ("a100", A100, A100_ERRORS), ("h200", H200, H200_ERRORS)],
 )
 def test_one_calibration_row_predicts_the_other_published_rows(gpu, rows, errors, shapes):
-    # torchtitan's H100s: HBM2e at 2.4 TB/s (the benchmark file), not the SXM datasheet's 3.35
-    device = planner.device_spec(gpu, memory_bandwidth=2.4e12 if gpu == "h100" else None)
+    # torchtitan's H100s: HBM2e at 2.4 TB/s (the benchmark file, --gpu h100-96gb), not the SXM's 3.35
+    device = planner.device_spec(gpu)
     m, n, b, s, ck, c, measured, _ = rows[0]
     efficiency = planner.calibrate(
         measured, FSDP2, shapes[m], device, n, b, s, checkpointing=ck, compiled=c
     )
-    assert 0.40 < efficiency < 0.70  # fitted: H100 0.446 (500 W parts), A100 0.648
+    assert 0.40 < efficiency < 0.70  # fitted: H100 0.446 (500 W parts), A100 0.648, H200 0.683
     predicted = predict(rows, device, shapes, efficiency)
     for row, got, expected in zip(rows, predicted, errors):
         err = got / row[6] - 1
-        assert abs(err) < 0.15, (row, got, err)  # the issue's bound
+        assert abs(err) < 0.10, (row, got, err)  # every row of the kind within 10%
         assert abs(err - expected) < 0.01, (row, got, err)  # what this model gives, to a point
     # the 8 -> 128 GPU step: published -2.7% eager; predicted +0.4% (a little optimistic at scale)
-    if gpu == "h100":
+    if gpu == "h100-96gb":
         assert -0.03 < predicted[2] / predicted[0] - 1 < 0.01
 
 
@@ -311,6 +320,7 @@ def write_run(run, tokens_per_second, **info):
         "distributed_type": "MULTI_CPU",
         "world_size": 2,
         "mixed_precision": "bf16",
+        "device_name": "cpu",
         "n_params": 4212992,
         "deepspeed": None,
         "torch_compile": None,
@@ -373,11 +383,14 @@ def test_calibration_from_a_llama_run(tmp_path, capsys):
         deepspeed={"zero_stage": 3, "offload_optimizer_device": "cpu"},
     )
     assert planner.read_measurement(tmp_path / "zero3")[0]["strategy"] == "deepspeed_zero3_offload"
-    # a CPU measurement does not calibrate an H100 plan
+    # a CPU measurement does not calibrate an H100 plan; a run that does not say its device, none
     with pytest.raises(
-        SystemExit, match=r"error: --calibrate .*: 5,600 tokens/s per rank is 0.0\d% of what h100"
+        SystemExit, match=r"error: --calibrate .*: measured on cpu, the plan is for h100"
     ):
         plan_cli.main(["--config", "ddp", "--gpu", "h100", "--calibrate", str(tmp_path / "run")])
+    write_run(tmp_path / "older", [5600] * 5, device_name=None)
+    with pytest.raises(SystemExit, match="it does not say which device it ran on"):
+        plan_cli.main(["--config", "ddp", "--gpu", "cpu", "--calibrate", str(tmp_path / "older")])
     with pytest.raises(ValueError, match="--calibrate .*not a compare_strategies result"):
         planner.read_measurement(tmp_path / "zero3" / "run_info.json")
 
@@ -402,13 +415,13 @@ def test_table_launcher_names_and_calibration_source(capsys):
     plan_cli.main(["--config_file", "fsdp", "--config", "deepspeed_zero2", *args])
     table = capsys.readouterr().out
     assert "| **tokens/s per rank** | 7,750 | 7,495 |" in table  # predicted, efficiency 0.6
-    assert "Time: h100 datasheet; efficiency 0.6 assumed, not calibrated" in table
+    assert "Time: h100 (H100 SXM 80GB) datasheet; efficiency 0.6 assumed, not calibrated" in table
     assert (
         "| - exposed communication | 20.0 | 55.8 |" in table
     )  # ms: FSDP's root unit, ZeRO-2's gather
-    # 3.3% apart, within the model's 5%: the less sharded ZeRO-2 wins the tie
-    assert "Recommendation: deepspeed_zero2 (fits, 7,495 tokens/s per rank predicted" in table
-    assert "fsdp is predicted 3% faster, within the model's 5%" in table
+    # 3.3% apart, within the model's 5%: both named, FSDP2 (its prediction checked on GPUs) preferred
+    assert "Recommendation: fsdp (7,750 tokens/s per rank predicted on h100" in table
+    assert "a tie, within the model's 5%: deepspeed_zero2 -3%; fsdp preferred" in table
     plan_cli.main(
         ["--config_file", "fsdp", "--dynamo_backend", "inductor", "--format", "json", *args]
     )
@@ -416,3 +429,30 @@ def test_table_launcher_names_and_calibration_source(capsys):
     assert (
         8_900 < compiled["tokens_per_s"] < 9_700
     )  # compiled blocks move less memory: 9,268 predicted
+
+
+FIGURE = (
+    "tokens_per_s=2904,gpu=a100,model=llama-3-8b,ranks=64,batch=1,seq=8192,"
+    "checkpointing=selective_layer,compile=no"
+)
+
+
+def test_calibration_on_a_published_figure(capsys, shapes):
+    """torchtitan's Llama 3 8B A100 row given on the command line calibrates a Llama 2 13B plan (the
+    stored public config) to the in-process prediction: 2,127 tokens/s per GPU against 2,162 published
+    (-1.6%, A100_ERRORS). A figure short of a setting, or of another GPU than the plan's, is one line."""
+    args = ["--config", "fsdp", "--model_config", "llama-2-13b", "--num_processes", "64"]
+    args += ["--block_size", "4096", "--per_device_train_batch_size", "2", "--gpu", "a100"]
+    plan_cli.main([*args, "--calibrate", FIGURE, "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    got = out["plans"]["fsdp"]["time"]["tokens_per_s"]
+    assert got / 2162 - 1 == pytest.approx(A100_ERRORS[3], abs=0.01), got
+    assert "calibrated on the figure given: 2,904 tokens/s per rank" in out["time_model"]["source"]
+    assert out["device_memory"] == 81920 * 2**20 and out["device_memory_unit"] == "GiB"
+    for figure, message in [
+        (FIGURE.replace(",compile=no", ""), "give compile= too"),
+        (FIGURE.replace("gpu=a100", "gpu=h100"), "measured on h100, the plan is for a100"),
+        (FIGURE + ",steps=3", "unknown key 'steps'"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            plan_cli.main([*args, "--calibrate", figure])

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import torch
+from common.precision import cpu_native_dtypes
 from conftest import REPO
 from test_slurm import log_text, wait_ended
 
@@ -35,7 +37,7 @@ def smoke(*argv, out, cache_dir):
         list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT
     )
     rows = json.loads((out / "smoke.json").read_text()) if (out / "smoke.json").exists() else None
-    return proc, rows
+    return proc, rows and rows["rows"]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,9 @@ def quick_with_a_broken_config(tmp_path_factory, cache_dir):
 
 
 def test_quick_level_passes_with_its_table(quick_with_a_broken_config):
+    """Each config in the precision it declares (bf16) as the recipes resolve it on this CPU: bf16 with
+    bf16 instructions, else fp32 (common/precision.py). The host, the versions and the all-reduce bus
+    bandwidth over the 2 ranks head the table, in smoke.json too."""
     proc, rows, out = quick_with_a_broken_config
     assert [(r["config"], r["world"], r["status"]) for r in rows] == [
         ("single", 1, "PASS"),
@@ -68,24 +73,50 @@ def test_quick_level_passes_with_its_table(quick_with_a_broken_config):
         ("broken_zero2", 2, "FAIL"),
     ], proc.stdout[-3000:]
     single, ddp = rows[:2]
+    declared = "bf16" if "bf16" in cpu_native_dtypes() else "no"
+    assert single["precision"] == ddp["precision"] == declared, rows
     assert single["loss_gap"] == single["grad_norm_gap"] == 0  # the reference itself
+    # parity with one process in the same precision: tests/test_parity.py's bounds
+    bound = (5e-6, 5e-6) if declared == "no" else (1e-3, 2.5e-2)
+    assert 0 < ddp["loss_gap"] < bound[0] and ddp["grad_norm_gap"] < bound[1], ddp
+    about = json.loads((out / "smoke.json").read_text())
+    assert set(about["versions"]) == {
+        "torch",
+        "cuda",
+        "nccl",
+        "driver",
+        "accelerate",
+        "deepspeed",
+        "transformers",
+    }
+    assert about["versions"]["torch"] == torch.__version__ and about["host"]["cpu"]
+    assert re.search(
+        r"^Versions: torch \S+, cuda \S+, nccl \S+, driver \S+, accelerate", proc.stdout, re.M
+    )
+    bw = about["all_reduce"]
+    # 2 ranks: busbw = algbw x 2(n-1)/n = algbw; gloo measured 1.15 GB/s on this host (the expected figure)
     assert (
-        0 < ddp["loss_gap"] < 5e-6 and ddp["grad_norm_gap"] < 5e-6
-    )  # fp32 parity, tests/test_parity.py's bound
+        bw["ranks"] == 2 and bw["backend"] == "gloo" and bw["busbw"] == pytest.approx(bw["algbw"])
+    )
+    assert 0.05e9 < bw["busbw"] < 20e9 and bw["expected"] == 1.15e9, bw
+    assert re.search(
+        r"^All-reduce over 2 ranks \(gloo, 32 MiB\): bus bandwidth [\d.]+ GB/s", proc.stdout, re.M
+    )
+    docs_rows_match(proc.stdout, declared)
     for r in rows[:2]:
         assert r["resume_gap"] <= 1e-6 and r["export"] == "ok" and not r["problems"], r
         assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and r["wall_s"] > 0, r
     # the printed table: a header, then one row per config with the same figures
     assert (
-        "| config | ranks | status | loss gap | grad-norm gap | resume gap | export | tokens/s |"
+        "| config | ranks | precision | status | loss gap | grad-norm gap | resume gap | export |"
         in proc.stdout
     )
     assert re.search(
-        rf"^\| ddp \| 2 \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
+        rf"^\| ddp \| 2 \| {declared} \| PASS \| {ddp['loss_gap']:.1e} \| {ddp['grad_norm_gap']:.1e} \|",
         proc.stdout,
         re.M,
     ), proc.stdout
-    assert (out / "smoke.md").read_text().startswith("| config |")
+    assert (out / "smoke.md").read_text().startswith("Host: ")
     assert (out / "ddp" / "run" / "final" / "model.safetensors").is_file()
 
 
@@ -94,7 +125,7 @@ def test_broken_config_fails_naming_it(quick_with_a_broken_config):
     proc, rows, out = quick_with_a_broken_config
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert rows[-1]["config"] == "broken_zero2" and rows[-1]["status"] == "FAIL"
-    assert re.search(r"^\| broken_zero2 \| 2 \| FAIL \|", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\| broken_zero2 \| 2 \| \S+ \| FAIL \|", proc.stdout, re.M), proc.stdout
     line = next(x for x in proc.stdout.splitlines() if x.startswith("broken_zero2: "))
     assert "error: the DeepSpeed JSON" in line and "train_batch_size: 64" in line, line
     assert str(out / "broken_zero2" / "run.log") in line, line
@@ -155,9 +186,9 @@ def test_slurm_job_checks_across_two_nodes(tmp_path, cache_dir):
     info = wait_ended(proc.stdout.strip().split(";")[0], log, timeout=TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log_text(log)[-4000:]
     assert "on 2 node(s)" in log_text(log) and re.search(
-        r"^\| ddp \| 2 \| PASS \|", log_text(log), re.M
+        r"^\| ddp \| 2 \| \S+ \| PASS \|", log_text(log), re.M
     )
-    rows = json.loads((out / "smoke.json").read_text())
+    rows = json.loads((out / "smoke.json").read_text())["rows"]
     assert [(r["config"], r["world"], r["status"]) for r in rows] == [
         ("single", 1, "PASS"),
         ("ddp", 2, "PASS"),
@@ -167,3 +198,27 @@ def test_slurm_job_checks_across_two_nodes(tmp_path, cache_dir):
         assert any(x.startswith("0: ") for x in lines) and any(
             x.startswith("1: ") for x in lines
         ), run
+
+
+MEASURED = re.compile(r"^\d[\d.,e+-]*$")  # a gap, tokens/s, MB or seconds: what varies run to run
+
+
+def docs_rows_match(stdout, declared):
+    """docs/smoke.md's example table (`python tools/smoke.py --configs ddp`) has the rows this run printed
+    for single and ddp, the measured numbers masked; its precision column is this host's (bf16), which
+    an AVX2 host runs as fp32 ("no") by the rule."""
+
+    def cells(text, config):
+        line = next(x for x in text.splitlines() if x.startswith(f"| {config} |"))
+        return ["#" if MEASURED.match(c.strip()) else c.strip() for c in line.strip("|").split("|")]
+
+    docs = (REPO / "docs" / "smoke.md").read_text()
+    assert (
+        "<!-- rows checked by tests/test_smoke.py: python tools/smoke.py --configs ddp -->" in docs
+    )
+    header = next(x for x in stdout.splitlines() if x.startswith("| config |"))
+    assert header in docs
+    for config in ("single", "ddp"):
+        want = cells(docs, config)
+        assert want[2] == "bf16", want
+        assert cells(stdout, config) == [*want[:2], declared, *want[3:]], (config, want)

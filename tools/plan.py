@@ -1,15 +1,18 @@
 r"""Will it fit, and how fast? The planner's command line: bytes per rank and tokens/s for each strategy.
 
     python tools/plan.py --all --model_config llama-3-8b --block_size 2048 \
-        --per_device_train_batch_size 1 --num_processes 8 --device_memory 80GB --gpu h100
+        --per_device_train_batch_size 1 --num_processes 8 --gpu h100
 
+Plans the hardware named: `--gpu`'s memory per rank and datasheet figures (`--device_memory` with a
+unit overrides the size), else this host's GPU, else CPU ranks in host RAM (its first line says so).
 Prints, per rank and for each accelerate config: model states, activations, logits and loss
-buffers, communication buffers, the total against the device memory, the communication per
-optimizer step, the step time (compute, exposed communication, optimizer) and tokens/s per rank on
-`--gpu`'s datasheet figures or calibrated on a measurement (`--calibrate`), a recommendation (the
-fastest that fits), and the problems the recipes' start-up checks would report (`common/checks.py`).
-`--format json` gives the same numbers in bytes and seconds. The models, their formulas and sources:
-`tools/planner.py`.
+buffers, communication buffers, the total against the device memory in its unit (fits: yes, tight
+when only the allocated bytes fit, no), the communication per optimizer step, the step time
+(compute, exposed communication, optimizer) and tokens/s per rank, uncalibrated or calibrated on a
+figure of the same GPU (`--calibrate`), the recommendation (`recommend`: its rule), and the problems
+the recipes' start-up checks would report (`common/checks.py`), their ZeRO-3 warning on the table's
+numbers. `--format json` gives the same numbers in bytes and seconds. The models, their formulas
+and sources: `tools/planner.py`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from common import checks, models  # noqa: E402
 from common.checks import detect_memory  # noqa: E402
 from tools.planner import (  # noqa: E402
     DEFAULT_EFFICIENCY,
+    GPUS,
     RESERVED_SLACK,
     calibrate,
     checkpoint_mode,
@@ -34,7 +38,9 @@ from tools.planner import (  # noqa: E402
     device_spec,
     load_model_config,
     logits_factor,
+    model_names,
     model_shape,
+    parse_figure,
     parse_memory,
     plan_strategy,
     read_measurement,
@@ -44,13 +50,15 @@ from tools.planner import (  # noqa: E402
 
 
 def format_table(
-    plans: dict, header: str, device_memory: int, problems: list[str], time_source: str
+    plans: dict, header: str, memory: dict, problems: list[str], time_source: str
 ) -> str:
-    """A markdown table (GB = 1e9 bytes, or MB below 1 GB) per rank, strategies as columns, the step time
-    split and tokens/s per rank, where the time model's figures come from, then the recommendation and
-    the problems (one line each)."""
+    """A markdown table per rank in the device memory's unit (GB = 1e9 bytes or GiB = 2^30, MB or MiB
+    below 1 GB), strategies as columns, the step time split and tokens/s per rank, where the time
+    model's figures come from, then the recommendation and the problems (one line each)."""
     names = list(plans)
-    unit, scale = ("GB", 1e9) if max(plans[s]["total"] for s in names) >= 1e9 else ("MB", 1e6)
+    unit, scale = memory["unit"], 2**30 if memory["unit"] == "GiB" else 1e9
+    if max(plans[s]["total"] for s in names) < scale:
+        unit, scale = unit.replace("G", "M"), scale / (1024 if unit == "GiB" else 1000)
     gb = lambda b: f"{b / scale:,.2f}"  # noqa: E731
     rows = [
         ("params", "params"),
@@ -72,13 +80,13 @@ def format_table(
     ]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(gb(plans[s][key]) for s in names) + " |")
+    size = memory["bytes"]
     lines.append(
-        f"| headroom vs {gb(device_memory)} {unit} | "
-        + " | ".join(gb(device_memory - plans[s]["total"]) for s in names)
+        f"| headroom vs {gb(size)} {unit} | "
+        + " | ".join(gb(size - plans[s]["total"]) for s in names)
         + " |"
     )
-    fits = ("yes" if plans[s]["total"] <= device_memory else "**no**" for s in names)
-    lines.append("| fits | " + " | ".join(fits) + " |")
+    lines.append("| fits | " + " | ".join(verdict(plans[s], size) for s in names) + " |")
     lines.append(
         f"| comm per step and rank ({unit}) | "
         + " | ".join(gb(plans[s]["comm_per_step"]) for s in names)
@@ -109,85 +117,95 @@ def format_table(
         + " | ".join(f"{plans[s]['time']['tokens_per_s']:,.0f}" for s in names)
         + " |"
     )
-    lines += ["", f"Time: {time_source}", "", recommend(plans, device_memory)]
+    lines += ["", f"Time: {time_source}", "", memory["recommendation"]]
     lines += ["", "Problems:" if problems else "Problems: none found"] + [
         f"- {p}" for p in problems
     ]
     return "\n".join(lines)
 
 
-TIE = 0.05  # predictions closer than this are a tie
+def verdict(plan: dict, size: int) -> str:
+    """yes: the reserved estimate fits; tight: the allocated total fits, the estimate of what the allocator
+    reserves (total + RESERVED_SLACK) does not, so fragmentation can run it out of memory; no."""
+    return "yes" if plan["reserved"] <= size else "tight" if plan["total"] <= size else "**no**"
 
 
-def recommend(plans: dict, device_memory: int) -> str:
-    """The strategies that fit, fastest first by predicted tokens/s per rank, the first one with why, in
-    two lines. Within TIE of the fastest (about the time model's error against published runs) the
-    simplest wins: no host offload, then the least sharding (single, ddp, zero2, fsdp, fsdp1, zero3)."""
-    fitting = [s for s in plans if plans[s]["total"] <= device_memory]
-    if len(plans) > 1 and any(
-        plans[s]["ranks"] > 1 for s in plans
-    ):  # a single process is no answer for N ranks
-        fitting = [s for s in fitting if plans[s]["ranks"] > 1]
+TIE = (
+    0.05  # predictions closer than this are a tie (about the time model's error on published runs)
+)
+# Strategies whose predicted tokens/s this collection has checked against measurements, by device:
+# GPUs, FSDP2 against torchtitan's published runs (tests/test_plan_time.py); CPU ranks, every strategy
+# against benchmarks/results/compare_strategies_cpu2.md.
+VERIFIED = {"gpu": ("fsdp",), "cpu": ("single", "ddp", "fsdp", "fsdp1", "zero2", "zero3")}
+SIMPLEST = ("single", "ddp", "zero2", "fsdp", "fsdp1", "zero3")
+
+
+def recommend(plans: dict, size: int, device: str) -> str:
+    """The strategies that fit, fastest first by predicted tokens/s per rank, and the recommendation.
+    The rule: among the fitting plans within TIE of the fastest (a tie: the model cannot tell them
+    apart), the one whose prediction this collection has verified on `device` ("cpu" or a GPU), then
+    no host offload, then the least sharding (SIMPLEST); every tied plan is named."""
+    fitting = [s for s in plans if plans[s]["total"] <= size]
+    if len(plans) > 1 and any(plans[s]["ranks"] > 1 for s in plans):
+        fitting = [s for s in fitting if plans[s]["ranks"] > 1]  # one process is no answer for N
     if not fitting:
-        return (
-            "Recommendation: nothing fits; try --gradient_checkpointing, a smaller micro batch, more ranks, "
-            "or an offload config (deepspeed_zero3_offload)"
-        )
-    order = ("single", "ddp", "zero2", "fsdp", "fsdp1", "zero3")
-    simplest = lambda s: (plans[s]["host"] > 0, order.index(plans[s]["kind"]))  # noqa: E731
-    ranked = sorted(
-        fitting, key=lambda s: (-round(plans[s]["time"]["tokens_per_s"], 6), *simplest(s))
+        return ""
+    verified = VERIFIED["cpu" if device == "cpu" else "gpu"]
+    rate = lambda s: plans[s]["time"]["tokens_per_s"]  # noqa: E731
+    ranked = sorted(fitting, key=lambda s: -round(rate(s), 6))
+    key = lambda s: (  # noqa: E731
+        plans[s]["kind"] not in verified,
+        plans[s]["host"] > 0,
+        SIMPLEST.index(plans[s]["kind"]),
     )
-    top = plans[ranked[0]]["time"]["tokens_per_s"]
-    best = min(
-        (s for s in ranked if plans[s]["time"]["tokens_per_s"] >= (1 - TIE) * top), key=simplest
-    )
-    lines = [
-        f"Recommendation: {best} ({why(plans[best], plans, [s for s in ranked if s != best])}). "
-        "Confirm with benchmarks/compare_strategies.py before a long run.",
-        "Ranked by predicted tokens/s per "
-        "rank (fitting): "
-        + ", ".join(f"{s} {plans[s]['time']['tokens_per_s']:,.0f}" for s in ranked),
-    ]
-    not_fitting = [s for s in plans if s not in fitting and plans[s]["total"] > device_memory]
-    if not_fitting:
-        lines[-1] += "; does not fit: " + ", ".join(not_fitting)
-    return "\n".join(lines)
-
-
-def why(best: dict, plans: dict, others: list[str]) -> str:
-    """One clause: the best plan's tokens/s and share of exposed communication, against the runner-up
-    (and what the runner-up spends its step on)."""
-    t = best["time"]
+    tied = sorted((s for s in ranked if rate(s) >= (1 - TIE) * rate(ranked[0])), key=key)
+    best = tied[0]
+    t = plans[best]["time"]
     text = (
-        f"fits, {t['tokens_per_s']:,.0f} tokens/s per rank predicted, "
+        f"Recommendation: {best} ({rate(best):,.0f} tokens/s per rank predicted on {device}, "
         f"{t['exposed_comm'] / t['step']:.0%} of the step in exposed communication"
     )
-    if others:
-        o = plans[others[0]]["time"]
-        if o["tokens_per_s"] >= t["tokens_per_s"]:
-            return text + (
-                f"; {others[0]} is predicted {o['tokens_per_s'] / t['tokens_per_s'] - 1:.0%} faster, "
-                f"within the model's {TIE:.0%}: the simpler strategy wins the tie"
-            )
+    if len(tied) > 1:
+        others = ", ".join(f"{s} {rate(s) / rate(best) - 1:+.0%}" for s in tied[1:])
+        checked = [s for s in tied if plans[s]["kind"] in verified]
+        text += f"; a tie, within the model's {TIE:.0%}: {others}; {best} preferred: " + (
+            f"this collection checked its prediction on {'CPU ranks' if device == 'cpu' else 'GPUs'}"
+            + (", not theirs" if len(checked) == 1 else "")
+            if plans[best]["kind"] in verified
+            else "none of them is checked on this device; the simpler one"
+        )
+    elif len(ranked) > 1:
+        o = plans[ranked[1]]["time"]
         text += (
-            f"; {others[0]} is {t['tokens_per_s'] / o['tokens_per_s']:.2f}x slower, "
+            f"; {ranked[1]} {rate(ranked[1]) / rate(best) - 1:+.0%}, "
             f"{o['exposed_comm'] / o['step']:.0%} exposed communication, "
             f"{o['optimizer'] / o['step']:.0%} optimizer"
         )
-    return text
+    lines = [
+        text + "). Confirm with benchmarks/compare_strategies.py before a long run.",
+        "Ranked by predicted tokens/s per rank (fitting): "
+        + ", ".join(f"{s} {rate(s):,.0f}" for s in ranked),
+    ]
+    if tight := [s for s in fitting if plans[s]["reserved"] > size]:
+        lines.append(
+            f"Tight: {', '.join(tight)} fit(s) allocated but not with the allocator's "
+            f"{RESERVED_SLACK:.0%} slack; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it"
+        )
+    if not_fitting := [s for s in plans if plans[s]["total"] > size]:
+        lines[1] += "; does not fit: " + ", ".join(not_fitting)
+    return "\n".join(lines)
 
 
-def time_setup(args, gpus_per_node: int | None) -> tuple:
-    """(device, efficiency, source line) for the time model from the flags: the --gpu datasheet figures
+def time_setup(args, gpu: str, gpus_per_node: int | None) -> tuple:
+    """(device, efficiency, source line) for the time model from the flags: `gpu`'s datasheet figures
     with the bandwidth flags over them, and the efficiency given, fitted on --calibrate, or the default.
 
     Raises:
-        ValueError: a bad --gpu, --calibrate file or --calibrate_strategy (one line).
+        ValueError: a bad --gpu, --calibrate file, figure or device, or --calibrate_strategy (one line).
     """
     giga = lambda v: None if v is None else v * 1e9  # noqa: E731
     device = device_spec(
-        args.gpu or detect_gpu(),
+        gpu,
         peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
         memory_bandwidth=giga(args.memory_bandwidth),
         intra_node=giga(args.intra_node_bandwidth),
@@ -206,18 +224,36 @@ def time_setup(args, gpus_per_node: int | None) -> tuple:
         return (
             device,
             DEFAULT_EFFICIENCY,
-            (
-                f"{device.source}; efficiency {DEFAULT_EFFICIENCY} assumed, not calibrated "
-                "(--calibrate a compare_strategies result or a llama.py run fits it)"
+            f"{device.source}; efficiency {DEFAULT_EFFICIENCY} assumed, not calibrated: "
+            + (
+                "torchtitan's H100 runs measured 26-31% below such a prediction, its A100 runs "
+                "1% below to 16% above; --calibrate on a measured or published figure fits it"
+                if gpu != "cpu"
+                else "--calibrate a compare_strategies result or a llama.py run fits it"
             ),
         )
-    rows = read_measurement(args.calibrate)
+    rows = (
+        [parse_figure(args.calibrate)]
+        if "=" in args.calibrate
+        else read_measurement(args.calibrate)
+    )
     names = [r["strategy"] for r in rows]
     if args.calibrate_strategy and args.calibrate_strategy not in names:
         raise ValueError(
             f"--calibrate_strategy {args.calibrate_strategy!r}: {args.calibrate} has {', '.join(names)}"
         )
     m = rows[names.index(args.calibrate_strategy)] if args.calibrate_strategy else rows[0]
+    if m["gpu"] is None:
+        raise ValueError(
+            f"--calibrate {args.calibrate}: it does not say which device it ran on; give the figure on "
+            "the command line instead (--calibrate tokens_per_s=...,gpu=...: docs/planning.md)"
+        )
+    if m["gpu"] != device.name:
+        raise ValueError(
+            f"--calibrate {args.calibrate}: measured on {m['gpu']}, the plan is for {device.name}, and "
+            f"an efficiency does not carry across devices: calibrate on a {device.name} figure, or "
+            f"plan --gpu {m['gpu']}"
+        )
     yaml_path = REPO / "accelerate_configs" / f"{m['strategy']}.yaml"
     strategy = (
         read_strategy(yaml_path)
@@ -249,22 +285,91 @@ def time_setup(args, gpus_per_node: int | None) -> tuple:
         compiled=m["compiled"],
         mixed_precision=m["mixed_precision"],
     )
-    if (
-        efficiency < 0.02
-    ):  # (a GPU stack fits 0.45-0.65 on its datasheet peak; CPU ranks about 0.23 on theirs)
-        raise ValueError(
-            f"--calibrate {args.calibrate}: {m['tokens_per_s']:,.0f} tokens/s per rank is "
-            f"{efficiency:.2%} of what {device.name}'s figures allow: measured on another device? "
-            "(--gpu names the one it ran on; --gpu cpu for CPU ranks)"
-        )
     return (
         device,
         efficiency,
-        (
-            f"{device.source}; efficiency {efficiency:.3f} calibrated on {m['source']}: "
-            f"{m['tokens_per_s']:,.0f} tokens/s per rank measured, {m['ranks']} ranks, "
-            f"{m['model_config']}, {m['batch']} x {m['seq']} tokens"
-        ),
+        f"{device.source}; efficiency {efficiency:.3f} calibrated on {m['source']}: "
+        f"{m['tokens_per_s']:,.0f} tokens/s per rank, {m['strategy']}, {m['ranks']} ranks, "
+        f"{m['model_config']}, {m['batch']} x {m['seq']} tokens, checkpointing {m['checkpointing']}"
+        f"{', compiled' if m['compiled'] else ''}",
+    )
+
+
+def plan_all(args, strategies, mode, batch, ranks_flag, device, efficiency, host_ram) -> dict:
+    """{config name: plan with its "time"} for each strategy at these flags (what `main` prints)."""
+    compiled = str(args.dynamo_backend).lower() not in ("no", "none")
+    plans = {}
+    for s in map(dict, strategies):
+        machines = args.num_machines or s["num_machines"]
+        ranks = 1 if s["kind"] == "single" else ranks_flag or s["num_processes"]  # all machines
+        if ranks % machines and s["kind"] != "single":
+            raise ValueError(
+                f"--num_processes {ranks} is not a multiple of --num_machines {machines}"
+            )
+        if s["replicas"] > 1 and (ranks_flag or args.num_machines):  # HSDP: shard within a machine
+            s["replicas"] = machines if machines > 1 else s["replicas"]
+        precision = args.mixed_precision or s["mixed_precision"]
+        plan = plan_strategy(
+            s,
+            args.shape,
+            ranks,
+            batch,
+            args.block_size,
+            args.gradient_accumulation_steps,
+            mode,
+            precision,
+            logits_factor(compiled_loss=compiled),
+            not args.grads_set_to_none,
+            machines,
+            packing=args.packing,
+        )
+        plan.update(ranks=ranks, machines=machines, mixed_precision=precision, kind=s["kind"])
+        plan["replicas"] = s["replicas"]
+        plan["time"] = time_strategy(
+            s,
+            args.shape,
+            device,
+            ranks,
+            batch,
+            args.block_size,
+            args.gradient_accumulation_steps,
+            mode,
+            compiled,
+            efficiency,
+            precision,
+        )
+        if host_ram:  # the "device" is host RAM: what is offloaded to the host counts too
+            plan["total"] += plan["host"]
+            plan["reserved"] = int(plan["total"] * (1 + RESERVED_SLACK))
+        plans[s["name"]] = plan
+    return plans
+
+
+def nothing_fits(args, strategies, mode, size, unit, *planning) -> str:
+    """When no strategy fits: which ones do with full checkpointing, a micro batch of 1, both, or twice
+    the ranks, each planned as the table is (one line). `planning`: plan_all's device, efficiency, host_ram."""
+    scale = 2**30 if unit == "GiB" else 1e9
+    batch, ranks = args.per_device_train_batch_size, args.num_processes
+    tries = [("--gradient_checkpointing", "full", batch, ranks)] if mode != "full" else []
+    if batch > 1:
+        tries.append(("--per_device_train_batch_size 1", mode, 1, ranks))
+        if mode != "full":
+            tries.append(
+                ("--gradient_checkpointing --per_device_train_batch_size 1", "full", 1, ranks)
+            )
+    if ranks:
+        tries.append((f"--num_processes {2 * ranks}", mode, batch, 2 * ranks))
+    for flags, m, b, n in tries:
+        plans = plan_all(args, strategies, m, b, n, *planning)
+        if fit := [s for s in plans if plans[s]["total"] <= size and plans[s]["ranks"] > 1]:
+            return (
+                f"Recommendation: nothing fits in {size / scale:,.2f} {unit} per rank; with {flags}: "
+                + ", ".join(f"{s} ({plans[s]['total'] / scale:,.2f} {unit})" for s in fit)
+            )
+    return (
+        f"Recommendation: nothing fits in {size / scale:,.2f} {unit} per rank, nor with "
+        + ", ".join(t[0] for t in tries)
+        + ": a GPU with more memory, or more ranks"
     )
 
 
@@ -286,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--model_config",
         default="debug",
-        help=f"preset ({', '.join(models.PRESETS)}) or local HF config dir",
+        help=f"preset or stored public config ({', '.join(model_names())}) or a local HF config dir",
     )
     p.add_argument("--vocab_size", type=int, default=None)
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
@@ -336,13 +441,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--device_memory",
         default=None,
-        help="e.g. 80GB; default: detected GPU, else host RAM / ranks",
+        help="per rank, with a unit: 80GB (10^9 bytes) or 80GiB (2^30); default: --gpu's, else the "
+        "detected GPU's, else host RAM / ranks (CPU ranks)",
     )
     p.add_argument(
         "--gpu",
         default=None,
-        help="a100, h100, h100-nvl, h100-pcie, h200 or cpu: the datasheet figures "
-        "the time model starts from; default: the detected GPU, else cpu",
+        help="the GPU planned: a100 (80GB), a100-40gb, h100 (SXM 80GB), h100-pcie, h100-nvl (94GB), "
+        "h100-96gb, h200 (141GB) or cpu: its memory and the datasheet figures the time model starts "
+        "from; default: the detected GPU, else CPU ranks",
     )
     p.add_argument(
         "--peak_tflops",
@@ -372,8 +479,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--calibrate",
         default=None,
-        help="fit the efficiency on a measurement: compare_strategies.md/.json "
-        "or a recipes/llama.py --output_dir (run_info.json, metrics.jsonl)",
+        help="fit the efficiency on a measurement: a figure, tokens_per_s=N,gpu=G,model=M,ranks=N,"
+        "batch=B,seq=S,checkpointing=C,compile=yes|no[,strategy=fsdp], or compare_strategies.md/.json, "
+        "or a recipes/llama.py --output_dir (run_info.json, metrics.jsonl); on the plan's --gpu only",
     )
     p.add_argument(
         "--calibrate_strategy", default=None, help="which row of --calibrate (default: the first)"
@@ -440,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         config = load_model_config(args.model_config, args.vocab_size)
         try:
-            shape = model_shape(config, lora or None)
+            args.shape = shape = model_shape(config, lora or None)
         except ValueError as err:  # (peft names the target modules the model lacks)
             raise ValueError(
                 f"--lora_target_modules {targets}: {' '.join(str(err).split())}"
@@ -453,81 +561,59 @@ def main(argv: list[str] | None = None) -> None:
                 f"({config.model_type} may differ)"
             )
         mode = checkpoint_mode(args.activation_checkpointing or args.gradient_checkpointing)
-        compiled = str(args.dynamo_backend).lower() not in ("no", "none")
-        plans, memory, source, device = {}, None, None, None
+        # the hardware planned: --gpu, else this host's GPU, else CPU ranks; its memory per rank
+        gpu = args.gpu or detect_gpu()
+        device_spec(gpu)  # (an unknown --gpu: one line, before anything else)
+        gpu = device_spec(gpu).name
+        first = strategies[0]
+        machines = args.num_machines or first["num_machines"]
+        per_machine = (args.num_processes or first["num_processes"]) // machines or 1
+        host_ram = False
+        if args.device_memory:
+            size, unit = parse_memory(args.device_memory)
+            source = f"--device_memory {args.device_memory}"
+        elif gpu != "cpu" and args.gpu is None:
+            size, source = detect_memory(per_machine)
+            unit = "GiB"
+        elif gpu != "cpu":
+            size, unit = GPUS[gpu]["memory"], "GiB"
+            source = f"--gpu {args.gpu}: {GPUS[gpu]['label']}, {size // 2**20:,} MiB as " + GPUS[
+                gpu
+            ].get("memory_from", "nvidia-smi reports it")
+        else:
+            (size, source), unit, host_ram = detect_memory(per_machine), "GB", True
+        if gpu == "cpu":
+            cpu_line = (
+                "Planning CPU ranks (gloo, host RAM): "
+                + ("--gpu cpu" if args.gpu else "no GPU on this host and no --gpu")
+                + f"; to plan GPUs give --gpu ({', '.join(GPUS)})"
+            )
+        device, efficiency, time_source = time_setup(
+            args, gpu, per_machine if machines > 1 else None
+        )
+        planning = (device, efficiency, host_ram)
+        plans = plan_all(
+            args, strategies, mode, args.per_device_train_batch_size, args.num_processes, *planning
+        )
+        recommendation = recommend(plans, size, gpu) or nothing_fits(
+            args, strategies, mode, size, unit, *planning
+        )
         for s, path in zip(strategies, paths):
-            machines = args.num_machines or s["num_machines"]
-            ranks = args.num_processes or (
-                1 if s["kind"] == "single" else s["num_processes"]
-            )  # on all machines
-            if ranks % machines:
-                raise ValueError(
-                    f"--num_processes {ranks} is not a multiple of --num_machines {machines}"
-                )
-            per_machine = ranks // machines
-            if s["replicas"] > 1 and (
-                args.num_processes or args.num_machines
-            ):  # HSDP: shard within a machine
-                s["replicas"] = machines if machines > 1 else s["replicas"]
-            if memory is None:
-                memory, source = (
-                    (parse_memory(args.device_memory), "--device_memory")
-                    if args.device_memory
-                    else detect_memory(per_machine)
-                )
-                device, efficiency, time_source = time_setup(
-                    args, per_machine if machines > 1 else None
-                )
-            precision = args.mixed_precision or s["mixed_precision"]
-            plans[s["name"]] = plan_strategy(
-                s,
-                shape,
-                1 if s["kind"] == "single" else ranks,
-                args.per_device_train_batch_size,
-                args.block_size,
-                args.gradient_accumulation_steps,
-                mode,
-                precision,
-                logits_factor(compiled_loss=compiled),
-                not args.grads_set_to_none,
-                machines,
-                packing=args.packing,
-            )
-            plans[s["name"]].update(
-                ranks=1 if s["kind"] == "single" else ranks,
-                mixed_precision=precision,
-                kind=s["kind"],
-            )
-            plans[s["name"]]["time"] = time_strategy(
-                s,
-                shape,
-                device,
-                ranks,
-                args.per_device_train_batch_size,
-                args.block_size,
-                args.gradient_accumulation_steps,
-                mode,
-                compiled,
-                efficiency,
-                precision,
-            )
-            if source.startswith(
-                "no GPU"
-            ):  # the "device" is host RAM: what is offloaded to the host counts too
-                plans[s["name"]]["total"] += plans[s["name"]]["host"]
+            plan = plans[s["name"]]
+            ranks, machines = plan["ranks"], plan["machines"]
             # the recipes' start-up checks, on what the planner knows (no training set, no schedule flags);
-            # the hardware ones only for this machine (not with --device_memory, a plan for another one)
+            # the hardware ones only for this machine (not with --device_memory or --gpu: another one)
             yaml_config = {
                 **yaml.safe_load(path.read_text()),
                 "num_processes": ranks,
-                "mixed_precision": precision,
+                "mixed_precision": plan["mixed_precision"],
                 "num_machines": machines,
             }
-            if s["replicas"] > 1:  # HSDP, as planned: replicas x the ranks sharded over
+            if plan["replicas"] > 1:  # HSDP, as planned: replicas x the ranks sharded over
                 yaml_config["parallelism_config"] = {
                     **yaml_config["parallelism_config"],
-                    "parallelism_config_dp_replicate_size": s["replicas"],
-                    "parallelism_config_dp_shard_size": ranks // s["replicas"],
+                    "parallelism_config_dp_replicate_size": plan["replicas"],
+                    "parallelism_config_dp_shard_size": ranks // plan["replicas"],
                 }
             ds, ds_where = checks.deepspeed_settings(yaml_config, root=str(REPO))
             flags = {
@@ -538,21 +624,23 @@ def main(argv: list[str] | None = None) -> None:
                 "packing": args.packing,
             }
             where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
-            problems += [
-                str(p)
-                for p in checks.config_problems(
-                    yaml_config,
-                    where=where,
-                    ds=ds,
-                    ds_where=ds_where,
-                    flags=flags,
-                    model_classes=model_classes,
-                    hardware=None if args.device_memory else checks.detect_hardware(),
-                    n_params=shape["n_params"],
-                    device_memory=memory,
-                    compiles=True,
-                )
-            ]  # (plans recipes/llama.py, which compiles)
+            found = checks.config_problems(
+                yaml_config,
+                where=where,
+                ds=ds,
+                ds_where=ds_where,
+                flags=flags,
+                model_classes=model_classes,
+                hardware=None if args.device_memory or args.gpu else checks.detect_hardware(),
+                n_params=shape["n_params"],
+                device_memory=size,
+                compiles=True,
+            )  # (plans recipes/llama.py, which compiles)
+            for p in map(str, found):
+                # the recipe's ZeRO-3 rule of thumb counts bytes sent; here the table's tokens/s speak
+                if p.startswith("warning: ZeRO-3 (zero_optimization.stage: 3"):
+                    p = zero3_line(s["name"], plans, size, gpu)
+                problems += [p] if p else []
     except ValueError as err:
         sys.exit(f"error: {err}")
     if args.format == "json":
@@ -562,7 +650,9 @@ def main(argv: list[str] | None = None) -> None:
                     "model": args.model_config,
                     "n_params": shape["n_params"],
                     "n_trainable": shape["trainable"],
-                    "device_memory": memory,
+                    "device": gpu,
+                    "device_memory": size,
+                    "device_memory_unit": unit,
                     "device_memory_source": source,
                     "plans": plans,
                     "problems": problems,
@@ -571,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
                         "efficiency": efficiency,
                         "source": time_source,
                     },
-                    "recommendation": recommend(plans, memory),
+                    "recommendation": recommendation,
                 },
                 indent=1,
             )
@@ -585,15 +675,41 @@ def main(argv: list[str] | None = None) -> None:
         if shape["lora_r"]
         else ""
     )
+    scale = 2**30 if unit == "GiB" else 1e9
     header = (
         f"{args.model_config}: {shape['n_params']:,} parameters (Ψ){adapters}, vocabulary {shape['vocab']:,}; "
         f"{first['ranks']} ranks, {first['mixed_precision']}, micro batch {args.per_device_train_batch_size} x "
         f"{args.block_size} tokens, accumulation {args.gradient_accumulation_steps}, checkpointing "
-        f"{mode}{', compiled' if compiled else ''}; device memory {memory / 1e9:.1f} GB per rank ({source})"
+        f"{mode}{', compiled' if str(args.dynamo_backend).lower() not in ('no', 'none') else ''}; "
+        f"device memory {size / scale:,.2f} {unit} per rank ({source})"
     )
+    if gpu == "cpu":
+        header = f"{cpu_line}\n\n{header}"
+    memory = {"bytes": size, "unit": unit, "recommendation": recommendation}
     print(format_table(plans, header, memory, problems, time_source))
     if any(p.startswith("error:") for p in problems):
         sys.exit(1)
+
+
+def zero3_line(name: str, plans: dict, size: int, gpu: str) -> str | None:
+    """The recipes' ZeRO-3 warning on the table's numbers: a fitting plan of another kind predicted
+    faster than ZeRO-3 `name` beyond the model's error, on the device planned; else None."""
+    rate = lambda s: plans[s]["time"]["tokens_per_s"]  # noqa: E731
+    faster = [
+        s
+        for s in plans
+        if plans[s]["kind"] != "zero3"
+        and plans[s]["total"] <= size
+        and rate(s) > (1 + TIE) * rate(name)
+    ]
+    if plans[name]["kind"] != "zero3" or not faster:
+        return None
+    best = max(faster, key=rate)
+    return (
+        f"warning: {name} is predicted at {rate(name):,.0f} tokens/s per rank on {gpu}, {best} "
+        f"(which fits too) at {rate(best):,.0f}, {rate(best) / rate(name) - 1:.0%} faster: prefer it "
+        "unless you measured otherwise"
+    )
 
 
 if __name__ == "__main__":

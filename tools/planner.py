@@ -726,30 +726,44 @@ def plan_strategy(
     return out
 
 
-def parse_memory(text: str) -> int:
-    """'80GB' -> 80e9 bytes, '80GiB' -> 80 x 2^30, '1.5TB', '512MB'; a bare number is bytes.
+def parse_memory(text: str) -> tuple[int, str]:
+    """'80GB' -> (80e9 bytes, "GB"), '80GiB' -> (80 x 2^30, "GiB"), '1.5TB', '512MB'. A bare number is
+    refused: 80 GB and 80 GiB differ by 6.9 GB, enough to turn a verdict.
 
     Raises:
-        ValueError: an unreadable size (names it).
+        ValueError: an unreadable size or one without a unit (names it).
     """
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)?\s*", text.upper())
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]I?B)?\s*", text.upper())
     if not m:
         raise ValueError(f"--device_memory {text!r}: expected a size such as 80GB or 141GiB")
     unit = m.group(2) or "B"
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
     try:
-        size = int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+        size = int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0])))
     except ValueError:
         size = 0
     if size <= 0:
         raise ValueError(
             f"--device_memory {text!r}: expected a positive size such as 80GB or 141GiB"
         )
-    return size
+    if not m.group(2):
+        raise ValueError(
+            f"--device_memory {text!r}: give a unit, {text.strip()}GB (10^9 bytes) or "
+            f"{text.strip()}GiB (2^30 bytes)"
+        )
+    return size, ("GiB" if "I" in unit else "GB")
+
+
+MODEL_CONFIGS = REPO / "tools" / "model_configs"  # public HF config.json files (its README.md)
+
+
+def model_names() -> list[str]:
+    """The presets, then the stored public configs."""
+    return [*models.PRESETS, *sorted(p.parent.name for p in MODEL_CONFIGS.glob("*/config.json"))]
 
 
 def load_model_config(name: str, vocab_size: int | None):
-    """A preset name (vocabulary: PRESET_VOCAB unless `vocab_size`) or a local HF config/model directory or file.
+    """A preset name (vocabulary: PRESET_VOCAB unless `vocab_size`), a config in MODEL_CONFIGS, or a
+    local HF config/model directory or file.
 
     Raises:
         ValueError: neither a preset nor a readable local config (one line).
@@ -758,9 +772,11 @@ def load_model_config(name: str, vocab_size: int | None):
         return models.llama_config(name, vocab_size or PRESET_VOCAB.get(name, 128256))
     from transformers import AutoConfig
 
+    if (MODEL_CONFIGS / name / "config.json").is_file():  # a public config stored here
+        name = str(MODEL_CONFIGS / name)
     if not os.path.exists(name):
         raise ValueError(
-            f"--model_config {name!r}: not a preset ({', '.join(models.PRESETS)}) and no such local path"
+            f"--model_config {name!r}: not a preset ({', '.join(model_names())}) and no such local path"
         )
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
@@ -807,24 +823,78 @@ class Device(dict):
 # to be 80% of the link's one-way datasheet rate: NVLink 3 300 GB/s -> 240, NVLink 4 450 -> 360,
 # PCIe Gen5 x16 64 -> 51; the network is one NIC per GPU, HDR 200 Gb/s (25 GB/s -> 20) for A100
 # nodes (DGX A100), NDR 400 Gb/s (50 GB/s -> 40) for H100/H200 (DGX H100). Latency: 5 us per ring
-# hop (assumed; 0.6 ms for a collective over 128 ranks).
+# hop (assumed; 0.6 ms for a collective over 128 ranks). memory: what nvidia-smi reports as
+# memory.total, in MiB (H100 80GB HBM3 81,559 and H200 143,771 in public nvidia-smi printouts; A100
+# 80 GiB and 40 GiB exactly; H100 NVL 94 GB and torchtitan's H100 96 GB HBM2e their datasheet GB).
+MIB = 2**20
 GPUS = {
     "a100": dict(
-        peak_flops=312e12, memory_bandwidth=2.039e12, intra_node=240e9, network=20e9, pcie=25e9
+        peak_flops=312e12,
+        memory_bandwidth=2.039e12,
+        intra_node=240e9,
+        network=20e9,
+        pcie=25e9,
+        memory=81920 * MIB,
+        label="A100 SXM 80GB",
+    ),
+    "a100-40gb": dict(
+        peak_flops=312e12,
+        memory_bandwidth=1.555e12,
+        intra_node=240e9,
+        network=20e9,
+        pcie=25e9,
+        memory=40960 * MIB,
+        label="A100 SXM 40GB",
     ),
     "h100": dict(
-        peak_flops=989e12, memory_bandwidth=3.35e12, intra_node=360e9, network=40e9, pcie=51e9
+        peak_flops=989e12,
+        memory_bandwidth=3.35e12,
+        intra_node=360e9,
+        network=40e9,
+        pcie=51e9,
+        memory=81559 * MIB,
+        label="H100 SXM 80GB",
+    ),
+    "h100-96gb": dict(  # torchtitan's H100 benchmarks: 96 GB HBM2e, 2.4 TB/s, 500 W
+        peak_flops=989e12,
+        memory_bandwidth=2.4e12,
+        intra_node=360e9,
+        network=40e9,
+        pcie=51e9,
+        memory=96 * 10**9,
+        label="H100 SXM 96GB HBM2e",
+        memory_from="the datasheet's GB",
     ),
     "h100-nvl": dict(
-        peak_flops=835e12, memory_bandwidth=3.9e12, intra_node=240e9, network=40e9, pcie=51e9
+        peak_flops=835e12,
+        memory_bandwidth=3.9e12,
+        intra_node=240e9,
+        network=40e9,
+        pcie=51e9,
+        memory=94 * 10**9,
+        label="H100 NVL 94GB",
+        memory_from="the datasheet's GB",
     ),
     "h100-pcie": dict(
-        peak_flops=756e12, memory_bandwidth=2.0e12, intra_node=51e9, network=40e9, pcie=51e9
+        peak_flops=756e12,
+        memory_bandwidth=2.0e12,
+        intra_node=51e9,
+        network=40e9,
+        pcie=51e9,
+        memory=81559 * MIB,
+        label="H100 PCIe 80GB",
     ),
     "h200": dict(
-        peak_flops=989e12, memory_bandwidth=4.8e12, intra_node=360e9, network=40e9, pcie=51e9
+        peak_flops=989e12,
+        memory_bandwidth=4.8e12,
+        intra_node=360e9,
+        network=40e9,
+        pcie=51e9,
+        memory=143771 * MIB,
+        label="H200 SXM 141GB",
     ),
 }
+GPU_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200"}
 # CPU ranks (gloo): no datasheet peak; 1e12 FLOP/s and 20 GB/s of memory per rank are placeholders
 # for calibration (the efficiency fitted against them is a scale, not a share of a real peak). The gloo
 # bus bandwidths and latency are measured on this project's
@@ -856,29 +926,32 @@ def device_spec(name: str, **overrides) -> Device:
             "source": "CPU ranks over gloo: bus bandwidths measured (benchmarks/results/gloo_cpu2.md), "
             "peak FLOP/s a placeholder",
         }
-    elif name in GPUS:
+    elif GPU_ALIASES.get(name, name) in GPUS:
+        name = GPU_ALIASES.get(name, name)
         base = {
             "gpus_per_node": 8,
             "latency": 5e-6,
             "overlap": True,
             "host_bandwidth": 20e9,
             **GPUS[name],
-            "source": f"{name} datasheet",
+            "source": f"{name} ({GPUS[name]['label']}) datasheet",
         }
     else:
-        raise ValueError(f"--gpu {name!r}: expected one of {', '.join([*GPUS, 'cpu'])}")
+        raise ValueError(
+            f"--gpu {name!r}: expected one of {', '.join([*GPUS, *GPU_ALIASES, 'cpu'])}"
+        )
     changed = {k: v for k, v in overrides.items() if v is not None}
     if changed:
         base["source"] += " with " + ", ".join(sorted(changed))
     return Device(name=name, **{**base, **changed})
 
 
-def detect_gpu() -> str:
-    """The GPUS key of the first CUDA device by its name ("H100 NVL" -> h100-nvl, "A100" -> a100), "h100"
-    for an unknown GPU, or "cpu" without one."""
-    if not torch.cuda.is_available():
+def gpu_key(name: str, memory: int | None = None) -> str:
+    """The GPUS key of a device name as CUDA or nvidia-smi spell it ("NVIDIA H100 NVL" -> h100-nvl,
+    "NVIDIA A100-SXM4-40GB" -> a100-40gb), "cpu" for "cpu", None for a GPU not in GPUS."""
+    name = name.upper()
+    if name == "CPU":
         return "cpu"
-    name = torch.cuda.get_device_name(0).upper()
     for key, words in (
         ("h200", ("H200",)),
         ("h100-nvl", ("H100 NVL",)),
@@ -887,8 +960,17 @@ def detect_gpu() -> str:
         ("a100", ("A100", "A800")),
     ):
         if any(w in name for w in words):
-            return key
-    return "h100"
+            small = "40GB" in name or (memory is not None and memory < 60 * 2**30)
+            return "a100-40gb" if key == "a100" and small else key
+    return None
+
+
+def detect_gpu() -> str:
+    """The GPUS key of the first CUDA device, "h100" for a GPU not in GPUS, "cpu" without one."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    props = torch.cuda.get_device_properties(0)
+    return gpu_key(props.name, props.total_memory) or "h100"
 
 
 def bus_bandwidth(device: Device, op: str, ranks: int) -> float:
@@ -1230,7 +1312,8 @@ def read_measurement(path: str | Path) -> list[dict]:
 
     Returns:
         [{"strategy", "kind", "tokens_per_s" (per rank), "ranks", "batch", "seq", "accumulation",
-        "checkpointing", "compiled", "mixed_precision", "model_config", "source"}].
+        "checkpointing", "compiled", "mixed_precision", "model_config", "gpu" (a GPUS key, "cpu", or
+        None where the file does not say: run_info.json's device_name), "source"}].
 
     Raises:
         ValueError: no such file, or one the planner cannot read (one line naming it).
@@ -1256,6 +1339,11 @@ def read_measurement(path: str | Path) -> list[dict]:
         ranks = int(re.search(r"(\d+) ranks", header).group(1))
         batch, seq = map(int, re.search(r"micro batch (\d+) x (\d+) tokens", header).groups())
         precision = next((p for p in ("bf16", "fp16") if f", {p}," in header), "no")
+        gpu = (
+            "cpu"
+            if "no GPU" in header
+            else gpu_key(header.split("; ")[-2] if "; " in header else "")
+        )
     except (OSError, ValueError, KeyError, AttributeError, StopIteration) as err:
         raise ValueError(
             f"--calibrate {path}: not a compare_strategies result or llama.py run directory "
@@ -1277,6 +1365,7 @@ def read_measurement(path: str | Path) -> list[dict]:
             "compiled": False,
             "mixed_precision": precision,
             "model_config": header.split()[0],
+            "gpu": gpu,
             "source": f"{path} ({name})",
         }
         for name, rate in rows
@@ -1322,9 +1411,61 @@ def _read_run(run: Path) -> dict:
         "batch": args["per_device_train_batch_size"],
         "seq": args["block_size"],
         "accumulation": args.get("gradient_accumulation_steps", 1),
-        "checkpointing": "full" if args.get("gradient_checkpointing") else "none",
+        "checkpointing": checkpoint_mode(
+            args.get("activation_checkpointing") or bool(args.get("gradient_checkpointing"))
+        ),
         "compiled": bool(info.get("torch_compile")),
         "mixed_precision": info["mixed_precision"],
         "model_config": args.get("model_config") or args.get("model_name_or_path"),
+        "gpu": gpu_key(info["device_name"]) if info.get("device_name") else None,
         "source": f"{run} ({name}, median of {len(rates)} steps)",
     }
+
+
+FIGURE_KEYS = ("tokens_per_s", "gpu", "model", "ranks", "batch", "seq", "checkpointing", "compile")
+
+
+def parse_figure(text: str) -> dict:
+    """A published or measured figure given on the command line, as `read_measurement` returns rows:
+    "tokens_per_s=2904,gpu=a100,model=llama-3-8b,ranks=64,batch=1,seq=8192,checkpointing=selective_layer,
+    compile=no" (tokens/s per GPU); optional strategy (an accelerate_configs name, default fsdp),
+    accumulation (1) and mixed_precision (bf16). Every key of FIGURE_KEYS is required: each changes
+    the efficiency fitted.
+
+    Raises:
+        ValueError: a missing or unknown key, or a bad value (one line).
+    """
+    fields = dict(kv.split("=", 1) for kv in text.split(",") if "=" in kv)
+    if missing := [k for k in FIGURE_KEYS if k not in fields]:
+        raise ValueError(
+            f"--calibrate {text!r}: give {', '.join(f'{k}=' for k in missing)} too (a figure needs "
+            f"{', '.join(FIGURE_KEYS)})"
+        )
+    extra = set(fields) - {*FIGURE_KEYS, "strategy", "accumulation", "mixed_precision"}
+    if extra or text.count("=") != len(fields):
+        raise ValueError(f"--calibrate {text!r}: unknown key {sorted(extra)[0] if extra else ''!r}")
+    try:
+        gpu = GPU_ALIASES.get(fields["gpu"], fields["gpu"])
+        if gpu not in (*GPUS, "cpu"):
+            raise ValueError(f"gpu {gpu!r} is not one of {', '.join([*GPUS, 'cpu'])}")
+        if fields["compile"] not in ("yes", "no"):
+            raise ValueError(f"compile {fields['compile']!r}: yes or no")
+        strategy = fields.get("strategy", "fsdp")
+        kinds = {"ddp": "ddp", "fsdp": "fsdp", "fsdp1": "fsdp1", "single": "single"}
+        return {
+            "strategy": strategy,
+            "kind": kinds.get(strategy, "zero2" if "zero2" in strategy else "zero3"),
+            "tokens_per_s": float(fields["tokens_per_s"]),
+            "ranks": int(fields["ranks"]),
+            "batch": int(fields["batch"]),
+            "seq": int(fields["seq"]),
+            "accumulation": int(fields.get("accumulation", 1)),
+            "checkpointing": checkpoint_mode(fields["checkpointing"]),
+            "compiled": fields["compile"] == "yes",
+            "mixed_precision": fields.get("mixed_precision", "bf16"),
+            "model_config": fields["model"],
+            "gpu": gpu,
+            "source": "the figure given",
+        }
+    except ValueError as err:
+        raise ValueError(f"--calibrate {text!r}: {err}") from None
