@@ -819,38 +819,6 @@ def same_on_every_rank(accelerator, what: str, value: str) -> None:
     )
 
 
-def tokenizer_fits(
-    tokenizer, source: str | None, raw, config, block_size: int, pretrained: bool = False
-) -> None:
-    """The tokenizer and the block size against the model config, before packing. A tokenizer that
-    cannot encode (a model directory without tokenizer files) would train on end-of-text tokens
-    alone, and look like fast learning; ids past the embedding (but tokens added to a `pretrained`
-    model's vocabulary, whose embeddings `causal_lm.load_pretrained_on_ranks` grows), or blocks longer
-    than the model's positions, fail deep in the first forward."""
-    from common import data
-
-    if source:
-        data.stop_unless_tokenizer_encodes(tokenizer, source, data.sample_text(raw["train"]))
-    added = sum(i >= config.vocab_size for i in tokenizer.added_tokens_decoder) if pretrained else 0
-    if len(tokenizer) - added > config.vocab_size:
-        raise Stop(
-            f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
-            f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
-            "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)"
-        )
-    model_max = models.max_positions(config)
-    if model_max is not None and block_size > model_max:
-        raise Stop(
-            f"--block_size {block_size} exceeds the model's max_position_embeddings {model_max}"
-        )
-
-
-def model_runs(model, overrides: str) -> None:
-    """Stop if the model built with `--config_overrides` fails one forward (`models.forward_error`)."""
-    if error := models.forward_error(model):
-        raise Stop(f"the model built with --config_overrides {overrides!r} does not run: {error}")
-
-
 def mixed_precision_flags(args) -> None:
     """recipes/mixed_precision.py's flags that cannot mean what they say; with --compare, what the
     driver needs: plain `python`, an existing config, a resume by name."""

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from common import launch, workarounds
+from common import launch
 
 # Peak dense bf16 FLOP/s per device, from torchtitan's `get_peak_flops`. "H100 NVL" before "H100".
 PEAK_BF16_FLOPS = [
@@ -288,23 +288,6 @@ def start_line(run_info: dict) -> str:
     parts += [f"global batch {run_info['global_batch']}", f"{run_info['max_steps']} steps"]
     parts += [f"torch.compile {compiled['backend']}"] if compiled else []
     return " | ".join(parts)
-
-
-def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
-    """final_logits.safetensors: the live model's fp32 logits on the first 2 validation blocks, for
-    tests of the export (2.1 GB at 2048 tokens, 128k vocabulary). Every rank; rank 0 writes."""
-    from safetensors.torch import save_file
-
-    with torch.no_grad():
-        probe = eval_set[:2]["input_ids"].to(accelerator.device)
-        model.eval()
-        # evaluate()'s keywords: a compiled model reuses its graph
-        logits = model(input_ids=probe, attention_mask=None, position_ids=None).logits.float().cpu()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        path = os.path.join(output_dir, "final_logits.safetensors")
-        save_file({"input_ids": probe.cpu(), "logits": logits}, path)
-        workarounds.safetensors_mode_from_umask(path)
 
 
 def run_info(accelerator, model, args, **facts) -> dict:

@@ -96,15 +96,6 @@ def causal_lm_class(config) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def max_positions(config) -> int | None:
-    """The longest sequence the model takes, in tokens; None where the config names no limit."""
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def config_state(config) -> dict:
     """The model config as a checkpoint records it (`checkpoint.check_resume` compares it): what
     differs from the class defaults, without `transformers_version` and `_name_or_path`. Another
@@ -164,19 +155,3 @@ def fsdp_block_units(model: torch.nn.Module) -> dict:
     name = name.removeprefix("FSDP") if isinstance(inner, FSDPModule) else name
     units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
     return {"block_class": name, "blocks": len(blocks), "units": units}
-
-
-def forward_error(model) -> str | None:
-    """The first line of the error of one forward pass on 2 tokens (no grad), or None if it runs.
-    `--config_overrides` can leave a config inconsistent (`hidden_size=60` with a `head_dim` of 16
-    kept), which would otherwise fail deep in the first training step on every rank."""
-    model.eval()
-    device = next(model.parameters()).device  # (a tensor-parallel model is on the mesh's)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
-    except (RuntimeError, ValueError, IndexError, TypeError) as err:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    finally:
-        model.train()
-    return None

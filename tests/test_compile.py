@@ -289,7 +289,7 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
     import torch._dynamo
     from transformers import LlamaForCausalLM
 
-    from common import metrics, models
+    from common import causal_lm, models
     from recipes.llama import evaluate
 
     torch._dynamo.reset()
@@ -307,7 +307,7 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     eval_set = datasets.Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
-        metrics.save_logits_probe(one_process, compiled, eval_set, str(tmp_path))
+        causal_lm.save_logits_probe(one_process, compiled, eval_set, str(tmp_path))
     assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     with torch.no_grad():
         torch.testing.assert_close(
