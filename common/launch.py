@@ -8,7 +8,6 @@ import gc
 import os
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -16,10 +15,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-if __name__ == "__main__":  # python common/launch.py CONFIG RECIPE: the shorthand at the end
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import workarounds  # noqa: E402
-from common.errors import Stop  # noqa: E402
+from common import workarounds
+from common.errors import Stop
 
 
 def _has_accelerator() -> bool:
@@ -222,28 +219,3 @@ def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
         "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
         **{key: ds.get(key) for key in keys},
     }
-
-
-if __name__ == "__main__":
-    # python common/launch.py fsdp recipes/llama.py [ARGS] checks the config name, then runs
-    # `accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py [ARGS]`.
-    from pathlib import Path
-
-    configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
-    names = ", ".join(sorted(p.stem for p in configs.glob("*.yaml")))
-    usage = "usage: python common/launch.py CONFIG RECIPE [ARGS...]"
-    if sys.argv[1:2] in (["-h"], ["--help"]):
-        print(
-            f"{usage}\n\nRuns `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE "
-            f"[ARGS...]` once the config exists. CONFIG: a .yaml path or one of {names}. The "
-            "recipe's own flags: RECIPE --help."
-        )
-        sys.exit(0)
-    if len(sys.argv) < 3:
-        sys.exit(usage)
-    name = sys.argv[1]
-    path = Path(name) if name.endswith(".yaml") else configs / f"{name}.yaml"
-    if not path.is_file():
-        sys.exit(f"error: accelerate config {path} not found; available: {names}")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
-    os.execvp(sys.executable, [*launch, *sys.argv[2:]])

@@ -38,12 +38,12 @@ def test_missing_config_file(tmp_path, cache_dir, monkeypatch):
     # ... and our shorthand also lists the configs there are: its exit message (what Python prints, exit status 1),
     # in this process as test_help_of_every_entry_point runs it; it stops before starting the launcher
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "argv", ["common/launch.py", "nope", "recipes/llama.py"])
+    monkeypatch.setattr(sys, "argv", ["tools/launch.py", "nope", "recipes/llama.py"])
     monkeypatch.setattr(
         os, "execvp", lambda *a: pytest.fail(f"the shorthand started the launcher: {a}")
     )
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(REPO / "common" / "launch.py"), run_name="__main__")
+        runpy.run_path(str(REPO / "tools" / "launch.py"), run_name="__main__")
     message = exit_info.value.code
     assert isinstance(message, str), message
     for fragment in (
@@ -473,9 +473,9 @@ ENTRY_POINTS = sorted(
     str(p.relative_to(REPO))
     for pattern in ("recipes/*.py", "benchmarks/*.py")
     for p in REPO.glob(pattern)
-) + ["common/launch.py", "tools/plan.py", "tools/consolidate.py", "tools/prepare_shards.py"]
+) + ["tools/launch.py", "tools/plan.py", "tools/consolidate.py", "tools/prepare_shards.py"]
 SAYS = {
-    "common/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
+    "tools/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
 }
 
 

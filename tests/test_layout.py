@@ -152,7 +152,7 @@ OTHER_VOICES = {
     r"sys\.stderr|file=sys\.": ("common/errors.py",),
     r"""["']warning:""": ("common/errors.py",),
     r"os\._exit\(": ("common/workarounds.py:die_with_launcher",),
-    r"sys\.exit\(": ("common/errors.py", "common/launch.py:"),  # and launch.py's command line
+    r"sys\.exit\(": ("common/errors.py",),
 }
 
 
