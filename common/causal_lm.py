@@ -75,7 +75,7 @@ def _pretrained_id(name: str, old, tokenizer):
     return old
 
 
-def align_generation_ids(model, tokenizer) -> None:
+def _align_generation_ids(model, tokenizer) -> None:
     """A pretrained model's generation config (what `generate()` and the export use) given the eos
     and pad ids of `set_token_ids`, in place."""
     generation = getattr(model, "generation_config", None)
@@ -195,7 +195,7 @@ def load_pretrained_on_ranks(
     if failures := [e for e in gather_object([error]) if e]:
         raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
     if tokenizer is not None:
-        align_generation_ids(model, tokenizer)
+        _align_generation_ids(model, tokenizer)
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
         # tokens added to its vocabulary (checks.tokenizer_fits): new rows at the mean of the
         # loaded ones (shapes only: prepare brings rank 0's)

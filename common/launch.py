@@ -27,7 +27,7 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def host_nvidia_gpus(
+def _host_nvidia_gpus(
     proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0
 ) -> tuple[int, str]:
     """NVIDIA GPUs on this host, even those torch cannot see: (count, where seen) or (0, ""), from
@@ -59,7 +59,7 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
         raise Stop(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
     # Read the opt-in before ddp_ranks_on_cpu sets ACCELERATE_USE_CPU.
     opted_in = _env_true("ACCELERATE_RECIPES_ALLOW_CPU") or _env_true("ACCELERATE_USE_CPU")
-    if not _has_accelerator() and not opted_in and (found := host_nvidia_gpus())[0]:
+    if not _has_accelerator() and not opted_in and (found := _host_nvidia_gpus())[0]:
         n_gpus, seen_by = found
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         hiding = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"

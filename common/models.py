@@ -115,19 +115,6 @@ def for_inference(obj):
     return obj
 
 
-def lora_copy(peft_model, state_dict: dict) -> torch.nn.Module:
-    """A fresh fp32 peft model in host memory holding `state_dict` (the live one's gathered state,
-    base and adapters), loaded strictly: an adapter exported empty (seen under FSDP1) stops here.
-    Its `save_pretrained` writes the adapter, its `merge_and_unload()` the plain model."""
-    from peft import get_peft_model
-
-    config = peft_model.get_base_model().config
-    fresh = get_peft_model(causal_lm_class(config)(config), peft_model.peft_config["default"])
-    fresh.load_state_dict({k: v.float() for k, v in state_dict.items()})
-    fresh.get_base_model().generation_config = peft_model.get_base_model().generation_config
-    return fresh
-
-
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The `ModuleList` of `config.num_hidden_layers` decoder blocks (`model.layers` in Llama,
     `transformer.h` in GPT-2), of a bare or FSDP-wrapped model; None if there is none."""

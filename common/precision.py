@@ -38,7 +38,7 @@ def onednn_cap() -> str | None:
     return isa if isa in below else None
 
 
-def cpu_native_dtypes() -> set[str]:
+def _cpu_native_dtypes() -> set[str]:
     """The low precisions this CPU computes natively: its hardware's, none under `onednn_cap`."""
     return set() if onednn_cap() else cpu_hardware_dtypes()
 
@@ -53,7 +53,7 @@ def cpu_hardware_dtypes() -> set[str]:
     return {name for name, has in (("bf16", bf16), ("fp16", fp16)) if has}
 
 
-def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
+def _device_name(device_type: str, capability: tuple[int, int] | None) -> str:
     """The device in a log line: "compute capability 8.0", or "this CPU (AVX512, AVX512-BF16, AMX)"
     (torch's CPU capability, its bf16 extensions, an `ONEDNN_MAX_CPU_ISA` cap)."""
     if device_type == "cuda" and capability:
@@ -77,11 +77,11 @@ def choose_precision(requested, device_type, capability, n_params, forced=True) 
     """
     if requested not in MODES:
         raise Stop(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
-    cc = device_name(device_type, capability)
+    cc = _device_name(device_type, capability)
     if device_type == "cuda":
         native = {d for d, v in (("bf16", (8, 0)), ("fp16", (7, 0))) if (capability or ()) >= v}
     else:
-        native = cpu_native_dtypes() if device_type == "cpu" else set()
+        native = _cpu_native_dtypes() if device_type == "cpu" else set()
     if requested == "bf16" and device_type == "cuda" and "bf16" not in native:
         raise Stop(
             f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute "

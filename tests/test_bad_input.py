@@ -183,10 +183,10 @@ def test_resume_from_a_checkpoint_that_is_not_there(tmp_path, cache_dir):
     )
     # ... and the same function's refusal of a path that does not exist (the recipe's call, without the launch)
     with pytest.raises(Stop, match="--resume_from_checkpoint /nonexistent/ckpt: no such directory"):
-        checkpoint.resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
+        checkpoint._resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
 
 
-# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py launch_config_from_env), on 2 CPU ranks.
+# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py _launch_config_from_env), on 2 CPU ranks.
 DEEPSPEED_ZERO2_ENV = {
     "ACCELERATE_USE_DEEPSPEED": "true",
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
@@ -632,7 +632,7 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
     # a global batch above the one --learning_rate was tuned at, without --scale_lr: said, LR unchanged
     assert "warning: global batch 8 > 2 without --scale_lr" in proc.stderr
     assert info["args"]["learning_rate"] == 3e-3
-    native = "bf16" in precision.cpu_native_dtypes()
+    native = "bf16" in precision._cpu_native_dtypes()
     assert info["mixed_precision"] == info["precision"]["used"] == ("bf16" if native else "no")
     assert info["precision"]["requested"] == "bf16"
     capped = (

@@ -193,7 +193,7 @@ def test_dynamo_checks(tmp_path):
     )
     assert problem.severity == "error" and "does not support torch.compile" in problem.text
 
-    # launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
+    # _launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
     def parent(*argv):
         proc = subprocess.Popen(
             ["accelerate", "-c", "import time; time.sleep(30)", *map(str, argv)],
@@ -201,7 +201,7 @@ def test_dynamo_checks(tmp_path):
         )
         time.sleep(0.3)
         try:
-            return checks.launcher_dynamo_backend(proc.pid)
+            return checks._launcher_dynamo_backend(proc.pid)
         finally:
             proc.kill()
             proc.wait()

@@ -418,7 +418,7 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     model = models.causal_lm_class(small)(small)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (7, None)
     causal_lm.set_token_ids(model.config, tokenizer, from_scratch=False)
-    causal_lm.align_generation_ids(model, tokenizer)
+    causal_lm._align_generation_ids(model, tokenizer)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
         eos,
         pad,
