@@ -9,7 +9,7 @@ import math
 import os
 from typing import NamedTuple
 
-from common import errors, launch, models, precision
+from common import errors, models, precision
 from common.errors import Stop
 
 # `accelerate launch`'s DeepSpeed flags: the JSON key each fills, DeepSpeed's default. Accelerate
@@ -680,22 +680,50 @@ class Startup:
         """After `prepare`: each decoder block its own FSDP unit (else every rank gathers the whole
         model at once), DeepSpeed stepping the recipe's global batch. Returns {"fsdp_units",
         "deepspeed"} for run_info."""
-        units = (
-            models.fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
-        )
+        units = _fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
         if units and units["units"] != units["blocks"]:
             raise Stop(
                 f"FSDP made {units['units']} of the {units['blocks']} {units['block_class']} blocks their "
                 f"own unit (the model's _no_split_modules is {model_cls._no_split_modules}); set "
                 f"fsdp_transformer_layer_cls_to_wrap: {units['block_class']} in the accelerate config"
             )
-        ds_used = launch.deepspeed_in_use(accelerator)
+        ds_used = _deepspeed_in_use(accelerator)
         if ds_used and ds_used["train_batch_size"] != global_batch:  # (causes refused earlier)
             raise Stop(
                 f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
                 f"counts {global_batch}: {ds_used}"
             )
         return {"fsdp_units": units, "deepspeed": ds_used}
+
+
+def _fsdp_block_units(model) -> dict:
+    """{"block_class", "blocks": n, "units": k}: k of the prepared model's n decoder blocks are FSDP
+    units of their own (FSDP2: an `FSDPModule`; FSDP1: in a wrapper)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    blocks = models.decoder_blocks(model)
+    if blocks is None:
+        return {"block_class": None, "blocks": 0, "units": 0}
+    inner = getattr(blocks[0], "_fsdp_wrapped_module", blocks[0])  # FSDP1 wrapper -> the block
+    name = type(inner).__name__
+    name = name.removeprefix("FSDP") if isinstance(inner, FSDPModule) else name
+    units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
+    return {"block_class": name, "blocks": len(blocks), "units": units}
+
+
+def _deepspeed_in_use(accelerator) -> dict | None:
+    """What DeepSpeed runs with after `prepare` ("auto" keys filled), None off DeepSpeed."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    zero = ds.get("zero_optimization") or {}
+    keys = ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+    return {
+        "zero_stage": zero.get("stage", 0),
+        "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
+        "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
+        **{key: ds.get(key) for key in keys},
+    }
 
 
 def model_class_names(model_cls, config) -> set[str]:
