@@ -226,7 +226,7 @@ def _resolve_checkpoint(
 ) -> tuple[Path | None, dict]:
     """(path, marker) of the verified checkpoint `--resume_from_checkpoint {PATH|latest|auto}`
     names, or (None, {"step": 0}). `latest`/`auto`: the newest that verifies; with none, `latest`
-    stops and `auto` starts fresh. With `accelerator`, a collective."""
+    stops and `auto` starts fresh, unless all are damaged. With `accelerator`, a collective."""
     if not resume_from_checkpoint:
         return None, {"step": 0}
     if resume_from_checkpoint not in ("latest", "auto"):
@@ -234,11 +234,18 @@ def _resolve_checkpoint(
         if not path.is_dir():
             raise Stop(f"--resume_from_checkpoint {resume_from_checkpoint}: no such directory")
         return path, verify_checkpoint(path, accelerator)
-    for path in reversed(complete_checkpoints(Path(output_dir))):
+    found = complete_checkpoints(Path(output_dir))
+    for path in reversed(found):
         try:
             return path, verify_checkpoint(path, accelerator)
         except (OSError, Stop) as err:
             errors.warn(f"skipping damaged checkpoint: {err}")
+    if found:
+        raise Stop(
+            f"--resume_from_checkpoint {resume_from_checkpoint}: every checkpoint in {output_dir} "
+            f"is damaged ({', '.join(p.name for p in found)}); pass --overwrite_output_dir "
+            "to delete them and start over"
+        )
     if resume_from_checkpoint == "auto":
         return None, {"step": 0}
     raise Stop(

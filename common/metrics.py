@@ -9,10 +9,14 @@ import os
 import resource
 import sys
 import time
+import traceback
 
 import torch
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import broadcast_object_list
 
 from common import launch
+from common.errors import Stop
 
 # Peak dense bf16 FLOP/s per device, from torchtitan's `get_peak_flops`. "H100 NVL" before "H100".
 PEAK_BF16_FLOPS = [
@@ -46,10 +50,12 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
         id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
     }
     params = {id(p): p for p in model.parameters()}
-    n = sum(numel(p) for i, p in params.items() if i not in lookups)
+    counted = [p for i, p in params.items() if i not in lookups]
     head = model.get_output_embeddings()
     if head is not None and id(head.weight) in lookups:  # tied: the head matmul is still done
-        n += numel(head.weight)
+        counted.append(head.weight)
+    n = sum(numel(p) for p in counted)
+    frozen = sum(numel(p) for p in counted if not p.requires_grad)
     config = model.config
     layers, heads, hidden = (
         getattr(config, k, None)
@@ -73,7 +79,9 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, 
         if attention is not None
         else ", attention term left out (the config names no layers/heads/hidden size)"
     )
-    return float(6 * n + (attention or 0)), f"PaLM 6N + 12LHQT: {how}"
+    if frozen:  # LoRA: a frozen weight's backward computes input gradients only, 4 not 6
+        how += f", {frozen:,} frozen weights at 4 FLOPs per token"
+    return float(6 * n - 2 * frozen + (attention or 0)), f"PaLM 6N + 12LHQT: {how}"
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
@@ -189,7 +197,18 @@ class RunLog:
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         purge = {"tensorboard": {"purge_step": 0 if resumed_step is None else resumed_step + 1}}
         flags = {k: v for k, v in vars(args).items() if v is not None}
-        accelerator.init_trackers(project, config=flags, init_kwargs=purge)
+        problem = None
+        try:  # on the main process: no login, no network, no store would end in a traceback
+            accelerator.init_trackers(project, config=flags, init_kwargs=purge)
+        except Exception as err:  # (those that started end at exit, as their libraries do)
+            tb = (frame.f_locals.get("self") for frame, _ in traceback.walk_tb(err.__traceback__))
+            name = next((t.name for t in tb if isinstance(t, GeneralTracker)), args.report_to)
+            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            problem = f"--report_to {args.report_to}: {name} failed to start: {why}"
+        if args.report_to != "none" and accelerator.num_processes > 1:  # every rank stops
+            problem = broadcast_object_list([problem])[0]
+        if problem:
+            raise Stop(problem)
         if not accelerator.is_main_process:
             return
         if run_info is not None:  # the trackers started (main process only), not just asked for
@@ -363,20 +382,6 @@ def end_figures(accelerator, model) -> dict:
         out["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     floats = [(n, b) for n, b in unwrapped.named_buffers() if b.is_floating_point()]
     return {**out, "buffer_dtypes": {n: str(b.dtype).removeprefix("torch.") for n, b in floats}}
-
-
-OADER_KEYS = [
-    "rank",
-    "shards",
-    "loader_tokens_per_second",
-    "step_tokens_per_second",
-    "loader_to_step_ratio",
-    "data_wait_share",
-    "rss_bytes",
-    "uss_bytes",
-    "workers_uss_bytes",
-    "workers",
-]  # a row of recipes/sharded_data.py's summary
 
 
 def weight_decay_line(optimizer) -> str:

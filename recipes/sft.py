@@ -232,14 +232,9 @@ def main() -> int:
         )
         ids = causal_lm.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
         lm_data = data.pack_dataset(
-            raw,
-            tokenizer,
-            args.max_length,
-            args.cache_dir,
-            args.packing,
-            to_rows,
-            "--max_length",
+            raw, tokenizer, args.max_length, args.cache_dir, args.packing, to_rows, "--max_length"
         ).with_format("torch")
+    full_blocks = False  # the labels say which tokens train (the assistant's): count them
     data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
@@ -247,11 +242,8 @@ def main() -> int:
         lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids
     )
     updates_per_epoch = len(train_set) // global_batch
-    max_steps = (
-        args.max_steps
-        if args.max_steps > 0
-        else math.ceil(args.num_train_epochs * updates_per_epoch)
-    )
+    epoch_steps = math.ceil(args.num_train_epochs * updates_per_epoch)  # --num_train_epochs
+    max_steps = args.max_steps if args.max_steps > 0 else epoch_steps  # --max_steps wins
     # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
     guard.data_ready(
         train_size=len(train_set),
@@ -369,7 +361,9 @@ def main() -> int:
         applied += checkpoint.load_checkpoint(accelerator, resume_path, model, optimizer, step)
         accelerator.print(causal_lm.record_resume(run_info, resume_path, step, saved))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
-    log = metrics.RunLog(accelerator, args, "sft", step if resume_path else None, run_info, saved)
+    log = metrics.RunLog(
+        accelerator, args, Path(__file__).stem, step if resume_path else None, run_info, saved
+    )
 
     # ---- Training loop: one iteration = one optimizer step = one accumulation window ---------
     model.train()
@@ -396,19 +390,22 @@ def main() -> int:
             window = [next(batches) for _ in range(args.gradient_accumulation_steps)]
             log.count(data_wait=time.perf_counter() - t0)
             seen.take(epoch, window)  # --record_sample_ids: pops the ids, kept on the device
+            # >>> shared: loss
             # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
             # window on all ranks, so the gradient is the full global batch's even with padding.
             # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
-            # The labels say which tokens train (the assistant's): count them on every rank (one
-            # sync a step: a window may hold none)
-            local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
-            # a tensor: a changing int would recompile a compiled model each step
-            num_items = launch.data_parallel_sum(accelerator, local_items)
-            has_targets = num_items.item() > 0
+            if full_blocks:  # block length - 1 targets a block: no collective, no sync
+                num_items, has_targets = global_batch * (window[0]["labels"].shape[1] - 1), True
+            else:  # padding, masks, document starts: count on every rank (one sync a step)
+                local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
+                # a tensor: a changing int would recompile a compiled model each step
+                num_items = launch.data_parallel_sum(accelerator, local_items)  # (tp: once)
+                has_targets = num_items.item() > 0
             # No targets: a loss of 0/0 would step AdamW on zero gradients (its moments and weight
             # decay still move the weights). Skip the window whole; its loss is NaN.
             loss_total = torch.full((), 0.0 if has_targets else float("nan"), device=device)
             norm_before_clip = float("nan")
+            # <<< shared
             for batch in window if has_targets else []:
                 with accelerator.accumulate(model):
                     loss = model(**batch, num_items_in_batch=num_items).loss  # sum / num_items
@@ -455,16 +452,14 @@ def main() -> int:
             # a non-finite loss or norm stops before any checkpoint or export of its weights
             problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
+                hf_config = accelerator.unwrap_model(model, keep_torch_compile=False).config
                 saved_to = checkpoint.save_checkpoint(
                     accelerator,
                     args.output_dir,
                     step,
                     args.save_total_limit,
                     {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
-                    hf_files=(
-                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
-                        tokenizer,
-                    ),
+                    hf_files=(hf_config, tokenizer),
                 )
             if preempt and not problem:
                 accelerator.print(

@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from accelerate.utils import gather_object
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
 from tqdm.auto import tqdm
@@ -60,10 +60,10 @@ class Args:
     adam_epsilon: float = 1e-8
     eval_steps: int = flag(100, "evaluate every N optimizer steps, and at the end", low=1)
     save_total_limit: int = flag(None, "keep only the newest N complete checkpoints", low=1)
+    peak_tflops: float = flag(None, "device peak for MFU; default from a GPU table")
     ddp_timeout: int = flag(1800, "collective timeout in seconds", low=1)
     record_sample_ids: bool = flag(False, "each rank writes the block ids it trained on")
-    # DataLoader (transformers.TrainingArguments names)
-    dataloader_num_workers: int = flag(2, low=0)
+    dataloader_num_workers: int = flag(2, low=0)  # DataLoader flags: TrainingArguments names
     dataloader_prefetch_factor: int = flag(4, "batches queued per worker", low=1)
     dataloader_persistent_workers: bool = True
     dataloader_pin_memory: bool = flag(True, "applies only where a GPU exists")
@@ -238,8 +238,7 @@ def main() -> int:
     )
     tokenizer = AutoTokenizer.from_pretrained(data_dir / "tokenizer")
     block_size, batch = manifest["block_size"], args.per_device_train_batch_size
-    model_cls = LlamaForCausalLM
-    config = models.llama_config(args.model_config, vocab_size=len(tokenizer))
+    model_cls, config = LlamaForCausalLM, models.llama_config(args.model_config, len(tokenizer))
     config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     if block_size > config.max_position_embeddings:
         raise Stop(
@@ -258,6 +257,7 @@ def main() -> int:
     held_out = pq.read_table(data_dir / "validation.parquet")[: args.max_eval_samples]
     eval_ids = torch.tensor(held_out.column("input_ids").to_pylist())  # [blocks, block_size]
     eval_set = [{"input_ids": x, "labels": x} for x in eval_ids]  # the model shifts the labels
+    full_blocks = True  # prepared as full blocks: every position a target, no count
     guard.facts["flags"]["block_size"] = block_size  # (for the ZeRO-3 check)
     # the data against the global batch, warmup against the run, FSDP and ZeRO-3 against the model
     guard.data_ready(
@@ -322,9 +322,8 @@ def main() -> int:
     )
     accelerator.print(metrics.weight_decay_line(optimizer))
     lr_scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)  # then constant
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it cannot see our loader
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = batch
+    if accelerator.deepspeed_plugin:  # DeepSpeed cannot see our loader: its micro batch
+        accelerator.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch
 
     order = {  # what fixes each rank's data order: its shards (the world size), the reading
         "global_batch": global_batch,
@@ -370,7 +369,7 @@ def main() -> int:
         accelerator.print(checkpoint.resumed_line(resume_path, step))
     run_info["workarounds"] = applied  # the library workarounds that ran, in order
     log = metrics.RunLog(
-        accelerator, args, "sharded_data", step if resume_path else None, run_info, saved
+        accelerator, args, Path(__file__).stem, step if resume_path else None, run_info, saved
     )
     # The loader alone: the tokens/s it delivers with nothing else running (start-up excluded).
     stream = iter(train_loader)
@@ -385,10 +384,10 @@ def main() -> int:
     progress = tqdm(
         total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process
     )
-    t_start = log.start_clock(device, flops_per_token)  # tokens/s, MFU
+    t_start = log.start_clock(device, flops_per_token, args.peak_tflops)  # tokens/s, MFU
     epoch, done = saved.get("data_position", [[0, 0]] * world_size)[rank]  # this rank's own
     health = precision.StepHealth(accelerator, model, saved)  # skipped steps, inf/NaN: stop
-    seen = metrics.SampleIds(args.record_sample_ids)  # ids stay tensors until the end
+    seen = metrics.SampleIds(args.record_sample_ids, epoch)  # epochs before a resume stay empty
     preempted = checkpoint.stop_on_signal(accelerator, args.ddp_timeout)  # SIGTERM, Ctrl-C, SIGHUP
     problem = preempt = None  # why the loop ends early: one error line, or a signal's name
     batches, start, wait_s, t_last = epochs(epoch, done), step, 0.0, t_start
@@ -402,12 +401,23 @@ def main() -> int:
             for epoch, done, batch in window:  # an epoch may end inside a window
                 seen.take(epoch, [batch])  # --record_sample_ids: pops the ids, kept on the device
             window = [batch for *_, batch in window]  # and [epoch, done]: this rank's position
+            # >>> shared: loss
             # ADAPT: loss. Token-weighted accumulation: normalise by the target tokens of the whole
             # window on all ranks, so the gradient is the full global batch's even with padding.
             # Scaling by (accumulation x world size) undoes backward's and the all-reduce's means.
-            num_items, has_targets = global_batch * (block_size - 1), True  # full blocks
-            loss_total = torch.zeros((), device=device)
-            for batch in window:
+            if full_blocks:  # block length - 1 targets a block: no collective, no sync
+                num_items, has_targets = global_batch * (window[0]["labels"].shape[1] - 1), True
+            else:  # padding, masks, document starts: count on every rank (one sync a step)
+                local_items = sum((b["labels"][:, 1:] != -100).sum() for b in window)
+                # a tensor: a changing int would recompile a compiled model each step
+                num_items = launch.data_parallel_sum(accelerator, local_items)  # (tp: once)
+                has_targets = num_items.item() > 0
+            # No targets: a loss of 0/0 would step AdamW on zero gradients (its moments and weight
+            # decay still move the weights). Skip the window whole; its loss is NaN.
+            loss_total = torch.full((), 0.0 if has_targets else float("nan"), device=device)
+            norm_before_clip = float("nan")
+            # <<< shared
+            for batch in window if has_targets else []:
                 with accelerator.accumulate(model):
                     loss = model(**batch, num_items_in_batch=num_items).loss  # sum / num_items
                     loss_total += loss.detach()
@@ -456,16 +466,14 @@ def main() -> int:
             # a non-finite loss or norm stops before any checkpoint or export of its weights
             problem = health.problem(save or step >= max_steps or step % args.logging_steps == 0)
             if save and not problem:
+                hf_config = accelerator.unwrap_model(model, keep_torch_compile=False).config
                 saved_to = checkpoint.save_checkpoint(
                     accelerator,
                     args.output_dir,
                     step,
                     args.save_total_limit,
                     {**run_state, **health.state(), **log.tokens_seen()},  # (a collective)
-                    hf_files=(
-                        accelerator.unwrap_model(model, keep_torch_compile=False).config,
-                        tokenizer,
-                    ),
+                    hf_files=(hf_config, tokenizer),
                 )
             if preempt and not problem:
                 accelerator.print(

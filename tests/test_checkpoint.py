@@ -681,6 +681,23 @@ def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path, 
         verify_checkpoint(tmp_path / "checkpoint-8")
 
 
+def test_auto_with_only_damaged_checkpoints_stops_rather_than_delete_them(accelerator, tmp_path):
+    """`auto` starts fresh where there is no checkpoint; where every one is damaged, a fresh
+    start would delete them (resume_or_start clears old checkpoint folders): it stops instead."""
+    assert _resolve_checkpoint(str(tmp_path), "auto") == (None, {"step": 0})
+    save_checkpoint(accelerator, tmp_path, 4)
+    marker = tmp_path / "checkpoint-4" / "COMPLETE.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "step": 5}))
+    for how in ("auto", "latest"):
+        with pytest.raises(Stop) as err:
+            _resolve_checkpoint(str(tmp_path), how)
+        assert str(err.value) == (
+            f"--resume_from_checkpoint {how}: every checkpoint in {tmp_path} is damaged "
+            "(checkpoint-4); pass --overwrite_output_dir to delete them and start over"
+        )
+    assert marker.is_file()
+
+
 def test_the_export_is_replaced_whole_or_not_at_all(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "model.safetensors").write_text("old")

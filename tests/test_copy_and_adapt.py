@@ -383,6 +383,12 @@ def test_flops_per_token_of_any_model(arch):
         assert "Llama fields" in how
     else:
         assert "counted" in how
+    for p in (
+        model.model.layers.parameters() if arch != "gpt2" else model.transformer.h.parameters()
+    ):
+        p.requires_grad_(False)  # as under LoRA: their backward computes input gradients only
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert metrics.model_flops_per_token(model, 64)[0] == 6 * n - 2 * frozen + attention
 
 
 def test_token_ids_from_the_tokenizer(small_corpus):

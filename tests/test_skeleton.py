@@ -52,7 +52,16 @@ def drift(texts: dict[str, str]) -> list[str]:
 
 # The causal-LM training recipes: llama.py and a lesson each. They share the whole skeleton.
 TRAINING = ["llama.py", "mixed_precision.py", "sharded_data.py", "sft.py"]
-SKELETON = {"accelerator", "run state", "step", "end of step", "save or stop", "evaluate", "export"}
+SKELETON = {
+    "accelerator",
+    "run state",
+    "loss",
+    "step",
+    "end of step",
+    "save or stop",
+    "evaluate",
+    "export",
+}
 
 
 def test_the_shared_blocks_are_the_same_text_in_every_recipe():
@@ -61,7 +70,7 @@ def test_the_shared_blocks_are_the_same_text_in_every_recipe():
     blocks = {name: set(shared_blocks(text, name)) for name, text in texts.items()}
     # the Accelerator, its checks and workarounds: the same block in every recipe
     assert all("accelerator" in found for found in blocks.values()), blocks
-    # the training skeleton: loaders, step, end of step, evaluation, export, resume
+    # the training skeleton: loaders, the loss normaliser, step, end of step, evaluation, export
     assert all(SKELETON <= blocks[name] for name in TRAINING), blocks
     loaders = {name for name, found in blocks.items() if "loaders" in found}
     assert loaders == {"llama.py", "mixed_precision.py", "sft.py", "ddp_classifier.py"}, loaders
@@ -69,16 +78,18 @@ def test_the_shared_blocks_are_the_same_text_in_every_recipe():
 
 
 # `diff a b | grep -c '^[<>]'` between two training recipes: what one teaches beyond the other.
-# The goal is 350 for every pair. sharded_data.py's own reader, loader and per-rank table (about
-# 200 lines), and sft.py's chat rendering (`chat_rows`), keep their pairs above it: each bound
-# is the pair's measured count, rounded up, so that the skeleton cannot drift apart unseen.
+# The goal is 350 for every pair; llama.py's pairs with mixed_precision.py and sft.py meet it.
+# sharded_data.py's own reader, loader, resume position and per-rank table (about 240 lines),
+# mixed_precision.py's --compare launcher and summary row (about 90), and sft.py's chat rendering
+# and LoRA keep the other pairs above it: each bound is the pair's measured count, so that the
+# skeleton cannot drift apart unseen.
 DIFF_BUDGET = {
-    ("llama.py", "mixed_precision.py"): 350,
-    ("llama.py", "sft.py"): 350,
-    ("llama.py", "sharded_data.py"): 460,
-    ("mixed_precision.py", "sharded_data.py"): 500,
-    ("mixed_precision.py", "sft.py"): 410,
-    ("sharded_data.py", "sft.py"): 535,
+    ("llama.py", "mixed_precision.py"): 288,
+    ("llama.py", "sft.py"): 213,
+    ("llama.py", "sharded_data.py"): 412,
+    ("mixed_precision.py", "sharded_data.py"): 470,
+    ("mixed_precision.py", "sft.py"): 369,
+    ("sharded_data.py", "sft.py"): 483,
 }
 
 
