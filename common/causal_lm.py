@@ -197,7 +197,7 @@ def load_pretrained_on_ranks(
     if tokenizer is not None:
         _align_generation_ids(model, tokenizer)
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        # tokens added to its vocabulary (checks.tokenizer_fits): new rows at the mean of the
+        # tokens added to its vocabulary (tokenizer_fits): new rows at the mean of the
         # loaded ones (shapes only: prepare brings rank 0's)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not shapes_only)
     return tensor_parallel(accelerator, model)

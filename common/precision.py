@@ -131,7 +131,7 @@ def loss_scale(accelerator, model=None) -> float | None:
     return None
 
 
-def loss_scale_verdict(
+def _loss_scale_verdict(
     scale: float | None, skipped_in_a_row: int, step: int, min_scale: float = MIN_LOSS_SCALE
 ) -> str | None:
     """After step `step` (every rank): why the run must stop (the scale below `min_scale`: it
@@ -227,7 +227,7 @@ class StepHealth:
         self.skipped_steps += skipped
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         scale = loss_scale(self.accelerator, self.model)
-        error = loss_scale_verdict(scale, self.skipped_in_a_row, step, self.min_scale)
+        error = _loss_scale_verdict(scale, self.skipped_in_a_row, step, self.min_scale)
         self.scale_error = f"step {step}: {error}" if error else None
         self.nonfinite.record(step, loss, norm)
 
