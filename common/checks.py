@@ -820,20 +820,6 @@ def classifier_flags(args) -> None:
         )
 
 
-def same_data(accelerator, lm_data) -> str:
-    """Stop unless every rank packed the same train and validation blocks (a collective); returns
-    their digest, which the checkpoints record."""
-    from common import data
-
-    digest = "-".join(
-        data.pack_stats(lm_data)[split]["digest"] for split in ("train", "validation")
-    )
-    same_on_every_rank(
-        accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
-    )
-    return digest
-
-
 def sharded_data_flags(args) -> None:
     """recipes/sharded_data.py's refusals of core flags: it counts steps only."""
     from common.args import unsupported

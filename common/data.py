@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from common import checks
 from common.errors import Stop, warn
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -343,6 +344,16 @@ def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     files = lm_data["train"].cache_files
     stats = Path(files[0]["filename"]).parent.parent / "stats.json" if files else None
     return json.loads(stats.read_text()) if stats and stats.is_file() else {}
+
+
+def same_data(accelerator, lm_data) -> str:
+    """Stop unless every rank packed the same train and validation blocks (a collective); returns
+    their digest, which the checkpoints record."""
+    digest = "-".join(pack_stats(lm_data)[split]["digest"] for split in ("train", "validation"))
+    checks.same_on_every_rank(
+        accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
+    )
+    return digest
 
 
 def pack_dataset(

@@ -185,7 +185,7 @@ def main() -> int:
             raw, tokenizer, args.block_size, args.cache_dir, args.packing
         ).with_format("torch")
     full_blocks = args.packing == "stream"  # every position a target: the loss need not count
-    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
+    data_digest = data.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids and (args.config_name or args.model_name_or_path):  # (presets: nothing to report)
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids

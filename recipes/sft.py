@@ -235,7 +235,7 @@ def main() -> int:
             raw, tokenizer, args.max_length, args.cache_dir, args.packing, to_rows, "--max_length"
         ).with_format("torch")
     full_blocks = False  # the labels say which tokens train (the assistant's): count them
-    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
+    data_digest = data.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
