@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
 import torch
 
-from common import checkpoint, models
+from common import checkpoint, data, models, workarounds
 from common.errors import Stop
 
 
@@ -74,7 +75,7 @@ def _pretrained_id(name: str, old, tokenizer):
     return old
 
 
-def align_generation_ids(model, tokenizer) -> None:
+def _align_generation_ids(model, tokenizer) -> None:
     """A pretrained model's generation config (what `generate()` and the export use) given the eos
     and pad ids of `set_token_ids`, in place."""
     generation = getattr(model, "generation_config", None)
@@ -194,9 +195,9 @@ def load_pretrained_on_ranks(
     if failures := [e for e in gather_object([error]) if e]:
         raise Stop(f"cannot load --model_name_or_path {name_or_path}: {failures[0]}")
     if tokenizer is not None:
-        align_generation_ids(model, tokenizer)
+        _align_generation_ids(model, tokenizer)
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        # tokens added to its vocabulary (checks.tokenizer_fits): new rows at the mean of the
+        # tokens added to its vocabulary (tokenizer_fits): new rows at the mean of the
         # loaded ones (shapes only: prepare brings rank 0's)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not shapes_only)
     return tensor_parallel(accelerator, model)
@@ -409,3 +410,82 @@ def lora_targets_found(model, targets: str) -> None:
             f"--lora_target_modules {targets}: no module named {', '.join(missing)} in the model "
             f"(adapted: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in adapted}))})"
         )
+
+
+def tokenizer_fits(
+    tokenizer, source: str | None, raw, config, block_size: int, pretrained: bool = False
+) -> None:
+    """Stop unless the tokenizer and `block_size` fit the model config, before packing. An empty
+    tokenizer trains on end-of-text tokens alone (and looks like fast learning); ids past the
+    embedding (but tokens added to a `pretrained` model, whose embeddings
+    `load_pretrained_on_ranks` grows) or blocks past the positions fail deep in the first forward."""
+    if source:
+        _stop_unless_tokenizer_encodes(tokenizer, source, data.sample_text(raw["train"]))
+    added = sum(i >= config.vocab_size for i in tokenizer.added_tokens_decoder) if pretrained else 0
+    if len(tokenizer) - added > config.vocab_size:
+        raise Stop(
+            f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
+            f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
+            "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)"
+        )
+    names = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+    model_max = next((v for n in names if isinstance(v := getattr(config, n, None), int)), None)
+    if model_max is not None and block_size > model_max:
+        raise Stop(
+            f"--block_size {block_size} exceeds the model's max_position_embeddings {model_max}"
+        )
+
+
+def _stop_unless_tokenizer_encodes(tokenizer, source: str, texts: list[str]) -> None:
+    """Stop if `tokenizer` (from `source`) has under 256 entries (a byte-level BPE's bytes) or gives
+    under 1 token per 50 characters of the first 20,000 of `texts` (BPEs give 3-5): transformers
+    5.24 loads a model directory without tokenizer files as an empty tokenizer."""
+    sample, n = [], 0
+    for text in texts:
+        sample.append(text[: 20_000 - n])
+        n += len(sample[-1])
+        if n >= 20_000:
+            break
+    n_tokens = sum(len(ids) for ids in tokenizer(sample, add_special_tokens=False)["input_ids"])
+    if len(tokenizer) < 256 or n_tokens * 50 < n:
+        raise Stop(
+            f"the tokenizer loaded from {source} has {len(tokenizer)} entries and encodes {n:,} "
+            f"characters of the training text into {n_tokens:,} tokens (a working one has at "
+            "least 256 and 1 token per 50 characters; a model directory without tokenizer files "
+            "gives an empty one): pass --tokenizer_name_or_path with the tokenizer's directory or name"
+        )
+
+
+def model_runs(model, overrides: str) -> None:
+    """Stop unless one forward on 2 tokens runs: `--config_overrides` can leave a config
+    inconsistent (`hidden_size=60` with a `head_dim` of 16 kept), which would fail deep in the first
+    step on every rank."""
+    model.eval()
+    device = next(model.parameters()).device  # (a tensor-parallel model is on the mesh's)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        error = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise Stop(
+            f"the model built with --config_overrides {overrides!r} does not run: {error}"
+        ) from None
+    finally:
+        model.train()
+
+
+def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
+    """final_logits.safetensors: the live model's fp32 logits on the first 2 validation blocks, for
+    tests of the export (2.1 GB at 2048 tokens, 128k vocabulary). Every rank; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    with torch.no_grad():
+        probe = eval_set[:2]["input_ids"].to(accelerator.device)
+        model.eval()
+        # evaluate()'s keywords: a compiled model reuses its graph
+        logits = model(input_ids=probe, attention_mask=None, position_ids=None).logits.float().cpu()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        path = os.path.join(output_dir, "final_logits.safetensors")
+        save_file({"input_ids": probe.cpu(), "logits": logits}, path)
+        workarounds.safetensors_mode_from_umask(path)

@@ -1,11 +1,9 @@
 """Atomic, verified checkpoints around `accelerator.save_state` / `load_state`, the check that a
 resume continues its run exactly, and the export.
 
-`checkpoint-{step}/` holds what `save_state` writes and `COMPLETE.json`, written last by rank 0
-after every file is fsynced: step, save order, run state, each file's size and sha256 (the ranks
-share the hashing), and the marker's own sha256. A checkpoint whose marker is missing or does not
-match itself or the files is never resumed from. "Newest" (rotation, `latest`, `auto`) follows the
-save order, never a clock or the step.
+`checkpoint-{step}/` holds `save_state`'s files and `COMPLETE.json`, written last once all are
+fsynced: step, save order, run state, each file's size and sha256, and its own sha256. "Newest"
+follows the save order, never a clock or the step.
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ def _fsync(*paths: Path) -> None:
 
 
 def _digests(accelerator, directory: Path, sizes: dict[str, int]) -> dict[str, str]:
-    """{name: sha256} of the files `sizes` names, each fsynced and hashed by one rank (shares split
-    by bytes, largest first). A collective under several processes; without `accelerator`, this
-    process reads every file."""
+    """{name: sha256} of the files `sizes` names, each fsynced and hashed by one rank (a collective;
+    without `accelerator` this process reads all)."""
     world, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
     loads, mine = [0] * world, {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
@@ -75,11 +72,9 @@ def save_checkpoint(
     run_state: dict | None = None,
     hf_files: tuple = (),
 ) -> Path:
-    """Save the training state as `{output_dir}/checkpoint-{step}`, atomically; returns its path.
-    Call on every rank. `run_state` goes into the marker (`check_resume`), `hf_files` (config,
-    tokenizer) into `hf/` (`tools/consolidate.py`). Frozen parameters (LoRA's base) are left out,
-    and the marker holds `trainable_sums`. `save_total_limit`: how many complete checkpoints stay,
-    this one always among them."""
+    """Save the training state as `{output_dir}/checkpoint-{step}`, atomically (every rank); returns
+    its path. `run_state` goes into the marker, `hf_files` into `hf/` (tools/consolidate.py).
+    Frozen parameters are left out; `trainable_sums` vouch for the rest."""
     if save_total_limit is not None and save_total_limit < 1:
         raise Stop(
             f"save_total_limit must be at least 1 or None (keep all), got {save_total_limit}"
@@ -134,11 +129,9 @@ def save_checkpoint(
 
 
 @contextmanager
-def atomic_export(accelerator, output_dir: str):
-    """Yields `{output_dir}/final.tmp` to write an export into (call on every rank); after the
-    block rank 0 fsyncs it and renames it over `final/` (moved aside first: a folder cannot be
-    renamed over a non-empty one). `final/` is always one whole export; if the block raises,
-    nothing is moved."""
+def _atomic_export(accelerator, output_dir: str):
+    """Yields `{output_dir}/final.tmp` to export into (every rank); after the block rank 0 fsyncs it
+    and renames it over `final/`, which is always one whole export."""
     out = Path(output_dir)
     tmp, final, old = out / "final.tmp", out / "final", out / "final.old"
     if accelerator.is_main_process:
@@ -160,20 +153,14 @@ def atomic_export(accelerator, output_dir: str):
 
 
 def _marker_sha256(marker: dict) -> str:
-    """sha256 of a marker but its own sum, as canonical JSON (key order, spacing and tuples do not
-    count: the marker read back gives the sum written)."""
+    """sha256 of a marker but its own sum, as canonical JSON (read back, it gives the same sum)."""
     body = json.loads(json.dumps({k: v for k, v in marker.items() if k != SEAL}))
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def verify_checkpoint(path: Path, accelerator=None) -> dict:
-    """The marker of the checkpoint at `path`, after checking it against its own sha256 and every
-    file against it (present, its size, its sha256); Stop naming what does not match.
-
-    `accelerator`: share the hashing over its ranks (a collective); None: this process reads all.
-    Markers of older versions, without their own sum or without file sums (sizes only), pass with
-    a warning.
-    """
+    """The marker of the checkpoint at `path`, checked against its own sha256 and every file against
+    it (size, sha256); Stop naming what does not match. With `accelerator`, a collective."""
     marker = Path(path) / MARKER
     if not marker.is_file():
         raise Stop(
@@ -217,8 +204,7 @@ def verify_checkpoint(path: Path, accelerator=None) -> dict:
 
 
 def _lineage(path: Path) -> tuple[int, int]:
-    """(save order, step) of a checkpoint folder. A marker without a save order (an older
-    version), or one that cannot be read, counts as 0: such checkpoints come first, by step."""
+    """(save order, step) of a checkpoint folder; an unreadable or older marker's order is 0."""
     try:
         order = json.loads((path / MARKER).read_text()).get(ORDER, 0)
     except (OSError, ValueError, AttributeError):
@@ -227,25 +213,20 @@ def _lineage(path: Path) -> tuple[int, int]:
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """The checkpoint folders in `output_dir` that carry a marker, oldest save first. After a
-    resume from checkpoint-2, the new checkpoint-3 is newer than an abandoned checkpoint-8, and a
-    node whose clock runs ahead changes nothing."""
+    """The checkpoint folders in `output_dir` with a marker, oldest save first (a checkpoint-3 saved
+    after resuming from checkpoint-2 is newer than an abandoned checkpoint-8)."""
     found = Path(output_dir).glob("checkpoint-*")
     return sorted(
         (p for p in found if _CKPT.match(p.name) and (p / MARKER).is_file()), key=_lineage
     )
 
 
-def resolve_checkpoint(
+def _resolve_checkpoint(
     output_dir: str, resume_from_checkpoint: str | None, accelerator=None
 ) -> tuple[Path | None, dict]:
     """(path, marker) of the verified checkpoint `--resume_from_checkpoint {PATH|latest|auto}`
-    names, or (None, {"step": 0}) for a fresh start. With `accelerator`, a collective.
-
-    `latest` and `auto` take the newest complete checkpoint in `output_dir`, skipping damaged ones
-    with a warning; finding none, `latest` stops (as transformers' Trainer) and `auto` starts
-    fresh (the first attempt of a job that may restart), unless all are damaged. A PATH must verify.
-    """
+    names, or (None, {"step": 0}). `latest`/`auto`: the newest that verifies; with none, `latest`
+    stops and `auto` starts fresh, unless all are damaged. With `accelerator`, a collective."""
     if not resume_from_checkpoint:
         return None, {"step": 0}
     if resume_from_checkpoint not in ("latest", "auto"):
@@ -274,12 +255,7 @@ def resolve_checkpoint(
 
 
 def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: int) -> list[str]:
-    """`accelerator.load_state(path)` on every rank; returns the workarounds applied.
-
-    After the load the count of micro batches follows this run's split of the global batch: saved
-    at step 9 with batch 2 x 1 and resumed as 1 x accumulation 2, it is 18, where the saved 9 would
-    give 9 % 2 = 1 and close every window one micro batch early.
-    """
+    """`accelerator.load_state(path)` on every rank; returns the workarounds applied."""
     applied = workarounds.fill_fsdp1_optimizer_state(accelerator, model, optimizer)
     partial = trainable_only(accelerator)
     with (
@@ -295,13 +271,12 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, optimizer_steps: 
 
 
 def trainable_only(accelerator) -> bool:
-    """Whether the prepared models have frozen parameters (LoRA's base): checkpoints leave them out."""
+    """Whether the prepared models have frozen parameters, which checkpoints leave out."""
     return any(not p.requires_grad for model in accelerator._models for p in model.parameters())
 
 
 def _clean_name(name: str) -> str:
-    """A parameter's name without the wrappers' parts (DDP's and DeepSpeed's `module.`, FSDP1's,
-    activation checkpointing's and torch.compile's)."""
+    """A parameter's name without the wrappers' parts (DDP, DeepSpeed, FSDP1, checkpointing, compile)."""
     for part in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(part, "")
     return name.removeprefix("module.")
@@ -309,10 +284,8 @@ def _clean_name(name: str) -> str:
 
 @contextmanager
 def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None = None):
-    """Yields the keyword arguments of `save_state` (or `load_state`) that leave frozen parameters
-    out of a checkpoint when `partial`; {} otherwise. FSDP: `fsdp_trainable_state_only` for the
-    block. One process and DDP: a save hook drops the frozen weights (a trainable one missing
-    stops the save), and the load is not strict."""
+    """Yields `save_state`'s (`load_state`'s) keyword arguments that leave frozen parameters out
+    when `partial`. FSDP: `fsdp_trainable_state_only`; DDP: a save hook drops them."""
     if not partial:
         yield {}
     elif accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -346,9 +319,8 @@ def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None =
 
 
 def trainable_sums(accelerator) -> dict[str, list]:
-    """{name: [elements, sum, sum of squares]} in fp64 of every trainable parameter of the prepared
-    models, whole (a collective): a partial checkpoint records them, so that a load that silently
-    left a parameter as it was is caught."""
+    """{name: [elements, sum, sum of squares]} (fp64) of each trainable parameter, whole (a
+    collective): a load that left one as it was is caught."""
     import torch
 
     sums, deepspeed = {}, accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -375,8 +347,7 @@ def trainable_sums(accelerator) -> dict[str, list]:
 
 
 def _check_trainable(path: Path, saved: dict, loaded: dict) -> None:
-    """Stop unless the trainable parameters after a load are the ones the checkpoint recorded
-    (`trainable_sums`, to 1e-9 relative: another summation order on another number of ranks)."""
+    """Stop unless the loaded trainable parameters match `trainable_sums` saved (1e-9 relative)."""
     if missing := sorted(set(saved) ^ set(loaded)):
         raise Stop(
             f"cannot resume from {path}: its trainable parameters are not this model's: "
@@ -402,9 +373,8 @@ def _check_trainable(path: Path, saved: dict, loaded: dict) -> None:
 @contextmanager
 def zero_universal(accelerator, path: Path, engine):
     """Yields the folder to `load_state` from: `path`, or for a ZeRO-2 checkpoint of another world
-    size, a universal copy (DeepSpeed loads ZeRO-2 partitions only on as many ranks as wrote them;
-    its universal checkpoint holds each parameter whole). Each node's first rank converts it with
-    `ds_to_universal` into $TMPDIR (about 1.3x its size) and deletes it after. A collective."""
+    size, a universal copy that each node's first rank makes with `ds_to_universal` in $TMPDIR
+    (about 1.3x its size; deleted after). A collective."""
     import tempfile
     from types import SimpleNamespace
 
@@ -507,8 +477,7 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
 
 def precision_state(accelerator) -> dict:
     """The precision a resume must keep: `mixed_precision` and, under DeepSpeed, the JSON's
-    gradient-reduction dtypes ("default": the model's). A resumed ZeRO run that reduces in bf16
-    instead of fp32 trains on, exits 0, and differs (7e-6 relative at step 4)."""
+    gradient-reduction dtypes ("default": the model's)."""
     state = {"mixed_precision": accelerator.mixed_precision}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -521,9 +490,8 @@ def precision_state(accelerator) -> dict:
 
 
 def strategy_name(accelerator) -> str:
-    """The strategy as a checkpoint records it: Accelerate's distributed type with the FSDP version
-    or ZeRO stage, whose sharded states differ, and a mesh ("FSDP2", "DEEPSPEED_ZERO3", "NO",
-    "FSDP2 (dp_replicate 2 x dp_shard 2)")."""
+    """The strategy a checkpoint records: "FSDP2", "DEEPSPEED_ZERO3", "NO", "FSDP2 (dp_replicate 2 x
+    dp_shard 2)"."""
     name = accelerator.distributed_type.value
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return f"{name}_ZERO{accelerator.state.deepspeed_plugin.zero_stage}"
@@ -535,8 +503,7 @@ def strategy_name(accelerator) -> str:
 
 
 REPLICATED = {"NO", "MULTI_CPU", "MULTI_GPU"}  # a full state on every rank: loads at any world size
-# Sharded states that load on another number of ranks, exactly, and through what: Accelerate writes
-# FSDP's SHARDED_STATE_DICT with torch.distributed.checkpoint, which reshards on load.
+# sharded states that load exactly on another number of ranks, and through what
 RESHARDS = {"FSDP2": "DCP", "FSDP1": "DCP", "DEEPSPEED_ZERO2": "DeepSpeed's universal checkpoint"}
 NO_RESHARD = {
     "DEEPSPEED_ZERO3": "DeepSpeed loads ZeRO-3 optimizer partitions on the number of ranks that "
@@ -553,16 +520,10 @@ def check_resume(
     lr_decays_after: int | None = None,
 ) -> None:
     """Stop unless this run continues the checkpoint at `path` (marker `saved`) exactly, in one
-    line listing every difference: "cannot resume from PATH: seed 42 -> 7; ...".
-
-    `run_state`: this run's, with `distributed_type` (`strategy_name`), `world_size`, `max_steps`.
-    `must_match`: its keys that must equal the saved ones: the data position, and what the
-    optimizer state brings back silently (LR, decay, betas); the world size only where listed
-    (dropout masks, per-rank shards) or where a sharded state cannot reshard (`RESHARDS`).
-    `lr_decays_after`: the warmup of an LR that decays over `max_steps` (None: a constant LR);
-    another `max_steps` is refused past it. A checkpoint past `max_steps`, or at it from a run of
-    another length, is refused; at the end of the same run nothing trains (the export is rewritten).
-    """
+    line naming every difference ("cannot resume from PATH: seed 42 -> 7; ..."). `must_match`: the
+    keys of `run_state` that must equal the saved ones; the world size also where a sharded state
+    cannot reshard. `lr_decays_after`: the warmup of an LR that decays over `max_steps` (None:
+    constant); past it another `max_steps` is refused."""
     at, before, after = saved["step"], saved.get("max_steps"), run_state.get("max_steps")
     if after is not None and (at > after or at == after and before not in (None, after)):
         of = f" of a {before}-step run" if before is not None else ""
@@ -613,10 +574,9 @@ def leave_signals_to_the_rank(worker_id: int) -> None:
 
 
 def stop_on_signal(accelerator, timeout_s: float):
-    """Record SIGTERM, SIGINT and SIGHUP (what SLURM, Kubernetes, torchrun and Ctrl-C send about
-    30 s before SIGKILL) instead of dying; returns `preempted()`: the signal's name on every rank
-    once any rank got one, else None. Call it on every rank at every step boundary: it all-reduces
-    over a gloo group (a 4-byte CPU collective, no device sync), so all stop at the same step."""
+    """Record SIGTERM, SIGINT and SIGHUP instead of dying; returns `preempted()`: the signal's name
+    on every rank once any rank got one, else None. Call it on every rank at each step boundary (a
+    4-byte gloo all-reduce, no device sync)."""
     import torch
     import torch.distributed as dist
 
@@ -641,9 +601,8 @@ def stop_on_signal(accelerator, timeout_s: float):
 
 
 def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
-    """Write the model and tokenizer whole to `{output_dir}/final/` (safetensors, configs with the
-    KV cache on), atomically; returns that path. Call on every rank (gathering is a collective).
-    A LoRA model writes its adapter to `final/adapter/` and the merged model to `final/`."""
+    """Write the model and tokenizer whole to `{output_dir}/final/` (safetensors, KV cache on),
+    atomically, on every rank (a collective); returns the path. LoRA: the adapter in `adapter/`."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # (True re-points DDP)
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         state_dict = workarounds.fsdp1_cpu_state_dict(accelerator, model)
@@ -653,10 +612,18 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
         state_dict = unwrapped.state_dict()
     if state_dict and getattr(unwrapped.config, "tie_word_embeddings", False):  # stored once
         state_dict.pop("lm_head.weight", None)
-    with atomic_export(accelerator, output_dir) as export_dir:
+    with _atomic_export(accelerator, output_dir) as export_dir:
         whole = unwrapped
         if hasattr(unwrapped, "peft_config") and accelerator.is_main_process:  # LoRA
-            copy = models.lora_copy(unwrapped, state_dict)
+            from peft import get_peft_model
+
+            # a fresh fp32 copy on the host, loaded strictly: an adapter exported empty (FSDP1) stops
+            base = unwrapped.get_base_model()
+            copy = get_peft_model(
+                models.causal_lm_class(base.config)(base.config), unwrapped.peft_config["default"]
+            )
+            copy.load_state_dict({k: v.float() for k, v in state_dict.items()})
+            copy.get_base_model().generation_config = base.generation_config
             copy.save_pretrained(os.path.join(export_dir, "adapter"))  # peft's own files
             whole = copy.merge_and_unload()
         # configs ready for inference, then the live ones back (a classifier has no generation one)
@@ -727,12 +694,10 @@ def resume_or_start(
     run_state: dict,
     must_match: list[str] | None = None,
 ) -> tuple[Path | None, dict]:
-    """(the checkpoint `--resume_from_checkpoint` names, its marker), after `check_resume`
-    (`must_match` None: every key of `run_state`); (None, {"step": 0}) for a fresh start. Call on
-    every rank before `prepare`. A fresh start deletes the `checkpoint-N` folders an earlier run
-    left, which a later `latest` would otherwise take (the rest is `run_dir.claim`'s)."""
+    """(the checkpoint `--resume_from_checkpoint` names, its marker) after `check_resume`, or (None,
+    {"step": 0}), on every rank before `prepare`. A fresh start deletes earlier `checkpoint-N`."""
     try:
-        path, saved = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
+        path, saved = _resolve_checkpoint(args.output_dir, args.resume_from_checkpoint, accelerator)
     except Stop as err:
         raise Stop(f"cannot resume: {err}") from None
     if not path:

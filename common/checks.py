@@ -1,11 +1,6 @@
-"""Start-up checks of a launch: the accelerate config, DeepSpeed JSON, flags, model, data and
-hardware, against each other. One line per problem; docs/startup_checks.md lists them and why.
-
-`config_problems` takes plain values (the accelerate config as a dict in the YAML's keys, the
-DeepSpeed JSON as a dict, the flags as a dict, the hardware facts) and runs each check whose
-inputs are given. The recipes call it through `Startup`, once per stage; `tools/plan.py` calls it
-on the YAMLs it plans.
-"""
+"""Start-up checks: the accelerate config, DeepSpeed JSON, flags, model, data and hardware against
+each other, one line per problem (docs/startup_checks.md). `config_problems` takes plain dicts; the
+recipes call it through `Startup`, `tools/plan.py` on the YAMLs it plans."""
 
 from __future__ import annotations
 
@@ -14,12 +9,11 @@ import math
 import os
 from typing import NamedTuple
 
-from common import errors, launch, models, precision, schedule
+from common import errors, models, precision, schedule
 from common.errors import Stop
 
-# DeepSpeed settings that `accelerate launch` takes as flags (or a YAML's deepspeed_config keys),
-# the JSON key each fills, and DeepSpeed's value when the JSON lacks it. Accelerate 1.15 copies a
-# flag into the JSON only where the key says "auto"; elsewhere the JSON wins, silently.
+# `accelerate launch`'s DeepSpeed flags: the JSON key each fills, DeepSpeed's default. Accelerate
+# 1.15 copies a flag into the JSON only where the key says "auto"; elsewhere the JSON wins, silently.
 LAUNCH_DS_KEYS = {
     "gradient_accumulation_steps": ("gradient_accumulation_steps", 1),
     "gradient_clipping": ("gradient_clipping", 0.0),
@@ -56,24 +50,17 @@ def _true(value) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def launch_config_from_env(env=os.environ) -> dict:
-    """The accelerate config this rank was launched with, in the YAML's keys, rebuilt from the
-    variables `accelerate launch` sets (the ranks never see the YAML's path).
-
-    Returns:
-        {"distributed_type", "mixed_precision", "mixed_precision_forced" (given on the launch line,
-        not by the YAML), "num_processes" (all ranks), "num_machines", and where set: "fsdp_config",
-        "deepspeed_config", "dynamo_config", "parallelism_config", "dropped_launch_flags" (the
-        DeepSpeed flags of a launch line that is not DeepSpeed, which Accelerate drops)}.
-    """
+def _launch_config_from_env(env=os.environ) -> dict:
+    """This rank's accelerate config in the YAML's keys, rebuilt from what `accelerate launch` sets,
+    plus "mixed_precision_forced" (on the launch line) and "dropped_launch_flags" (DeepSpeed flags
+    of a launch that is not DeepSpeed, which Accelerate drops)."""
     world = int(env.get("WORLD_SIZE", 1))
     config = {
         "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"),
         "num_processes": world,
         "num_machines": max(1, world // int(env.get("LOCAL_WORLD_SIZE", world))),
     }
-    # The launch line's --mixed_precision (or a hand-set variable, without accelerate launch) is a
-    # demand; the YAML's is a default that follows the hardware (common/precision.py).
+    # the launch line's --mixed_precision is a demand; the YAML's follows the hardware (precision.py)
     launcher = launcher_args()
     config["mixed_precision_forced"] = launcher is None or "--mixed_precision" in launcher
     if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
@@ -121,10 +108,9 @@ def launch_config_from_env(env=os.environ) -> dict:
         names = {f"--{key}" for key in (*LAUNCH_DS_KEYS, "zero3_init_flag")}
         if dropped := {k: v for k, v in (launcher or {}).items() if k in names}:
             config["dropped_launch_flags"] = dropped
-    # accelerate launch passes its dynamo settings in ACCELERATE_DYNAMO_*, except to DeepSpeed's
-    # ranks: there we read what the launcher was asked for (config_problems refuses it).
+    # DeepSpeed's ranks get no ACCELERATE_DYNAMO_*: read the launcher's (config_problems refuses it)
     backend = env.get("ACCELERATE_DYNAMO_BACKEND") or (
-        launcher_dynamo_backend() if config["distributed_type"] == "DEEPSPEED" else None
+        _launcher_dynamo_backend() if config["distributed_type"] == "DEEPSPEED" else None
     )
     if backend and backend.upper() != "NO":
         config["dynamo_config"] = {
@@ -137,9 +123,8 @@ def launch_config_from_env(env=os.environ) -> dict:
 
 
 def launcher_args(pid: int | None = None) -> dict[str, str] | None:
-    """The flags of the `accelerate launch` that started this process (its parent's command line,
-    Linux /proc; or `pid`'s), up to the training script: {"--flag": value}, "" for a bare switch;
-    None when the parent is not `accelerate launch` or cannot be read."""
+    """{"--flag": value ("" for a switch)} of the `accelerate launch` that started this process (or
+    `pid`), read from /proc up to the script; None if the parent is not `accelerate launch`."""
     try:
         with open(f"/proc/{pid or os.getppid()}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
@@ -158,10 +143,9 @@ def launcher_args(pid: int | None = None) -> dict[str, str] | None:
     return flags
 
 
-def launcher_dynamo_backend(pid: int | None = None) -> str | None:
-    """The dynamo backend `accelerate launch` was asked for (`--dynamo_backend`, else its
-    `--config_file`'s dynamo_config), or None. Accelerate 1.15 sets `ACCELERATE_DYNAMO_BACKEND`
-    for every launcher but DeepSpeed's, so a DeepSpeed rank cannot learn it otherwise."""
+def _launcher_dynamo_backend(pid: int | None = None) -> str | None:
+    """The launcher's `--dynamo_backend` (else its `--config_file`'s), or None: Accelerate 1.15 sets
+    `ACCELERATE_DYNAMO_BACKEND` for every launcher but DeepSpeed's."""
     flags = launcher_args(pid) or {}
     backend = flags.get("--dynamo_backend")
     if backend is None and flags.get("--config_file"):
@@ -178,12 +162,8 @@ def launcher_dynamo_backend(pid: int | None = None) -> str | None:
 
 
 def deepspeed_settings(config: dict, root: str = ".") -> tuple[dict | None, str]:
-    """(the DeepSpeed JSON of an accelerate config, relative paths from `root`, or its YAML keys in
-    DeepSpeed's names; its name for messages). (None, "") off DeepSpeed.
-
-    Raises:
-        Stop: the JSON is missing or not JSON.
-    """
+    """(the config's DeepSpeed JSON, read from `root`, or its YAML keys in DeepSpeed's names; its
+    name for messages), (None, "") off DeepSpeed; Stop if the JSON cannot be read."""
     if config.get("distributed_type") != "DEEPSPEED":
         return None, ""
     yaml_ds = config.get("deepspeed_config") or {}
@@ -212,9 +192,8 @@ def deepspeed_settings(config: dict, root: str = ".") -> tuple[dict | None, str]
 
 
 def detect_hardware() -> dict:
-    """This rank's {"device_type": "cuda" | "cpu", "capability": (major, minor) or None, "gpus"}:
-    `gpus` counts the GPUs torch sees; a rank whose `LOCAL_RANK` has none reads device 0's
-    capability, so that the process-count check can name the problem."""
+    """{"device_type": "cuda" | "cpu", "capability": (major, minor) | None, "gpus": torch's count}; a
+    `LOCAL_RANK` past the GPUs reads device 0 (the process-count check names it)."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -251,8 +230,8 @@ def _warning(text: str) -> Problem:
 
 
 def clipping_problem(ds_clip, max_grad_norm: float | None, where: str | None = None) -> str | None:
-    """The line if DeepSpeed's `gradient_clipping` differs from `--max_grad_norm` (the engine clips
-    with its own), else None. "auto"/None agree; 0 and None both mean no clipping."""
+    """The line if DeepSpeed's `gradient_clipping` (which the engine uses) differs from
+    `--max_grad_norm`, else None; "auto" agrees, 0 and None both mean no clipping."""
     if ds_clip in (None, "auto") or float(ds_clip) == float(max_grad_norm or 0):
         return None
     return (
@@ -286,8 +265,7 @@ def _hardware_problems(config, where, hardware, ranks, per_machine, mixed_precis
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
             "launch at most one process per GPU"
         )
-    # Every YAML pins num_processes: 2: on an 8-GPU host six would sit idle, silently. A one-process
-    # launch (distributed_type NO) asks for one device.
+    # the YAMLs pin num_processes: 2 (an 8-GPU host: six idle, silently); NO asks for one device
     multi = config.get("distributed_type") != "NO"
     if hardware.get("device_type") == "cuda" and per_machine < gpus and multi:
         visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
@@ -368,13 +346,10 @@ def _same(a, b) -> bool:
     return norm(a) == norm(b)
 
 
-def launch_flag_problems(launch_ds: dict, ds: dict, ds_where: str, flags: dict):
-    """The DeepSpeed flags of the launch line (`launch_ds`, the config's deepspeed_config) that the
-    JSON `ds` would ignore, or that differ from the recipe's flags. Accelerate 1.15 copies
-    `--zero_stage 3`, `--offload_optimizer_device cpu`, ... into the JSON only where its key is
-    "auto", else drops it without a word (measured: --zero_stage 3 ran ZeRO-2); one that reaches
-    DeepSpeed must still match the recipe's accumulation and clipping, which it counts and reports.
-    """
+def _launch_flag_problems(launch_ds: dict, ds: dict, ds_where: str, flags: dict):
+    """The launch line's DeepSpeed flags (`launch_ds`) that the JSON `ds` ignores (Accelerate 1.15
+    copies them only into "auto" keys: --zero_stage 3 ran ZeRO-2), or that differ from the
+    recipe's accumulation and clipping."""
     recipe_flags = {
         "gradient_accumulation_steps": "gradient_accumulation_steps",
         "gradient_clipping": "max_grad_norm",
@@ -434,8 +409,8 @@ def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes:
 
 
 def _mesh_problems(config: dict, where: str, ranks: int, per_machine: int, tensor_parallel: bool):
-    """A `parallelism_config` (HSDP, tensor parallel) that Accelerate would refuse with a
-    traceback, that the recipe cannot train, or whose shard groups span machines."""
+    """A `parallelism_config` that Accelerate would refuse with a traceback, that the recipe cannot
+    train, or whose shard groups span machines."""
     mesh = config["parallelism_config"]
     sizes = {dim: int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in MESH_DIMS}
     fsdp = config.get("fsdp_config") or {}
@@ -495,10 +470,9 @@ def _mesh_problems(config: dict, where: str, ranks: int, per_machine: int, tenso
 
 
 def _dynamo_problems(config: dict, where: str, compiles: bool):
-    """torch.compile that fails (regional compilation under FSDP1: a traceback in prepare) or that
-    would not happen: accelerate launch (1.15) passes its dynamo settings to every launcher's
-    processes but DeepSpeed's, which then train uncompiled. ACCELERATE_DYNAMO_BACKEND set in the
-    launch's environment does reach them (measured: ZeRO-2 and -3 within 1.4e-7 of eager, fp32)."""
+    """torch.compile that fails (regional compilation under FSDP1) or would not happen (Accelerate
+    1.15 passes no dynamo settings to DeepSpeed's ranks; ACCELERATE_DYNAMO_BACKEND in the
+    environment does reach them)."""
     dynamo = config.get("dynamo_config") or {}
     backend = str(dynamo.get("dynamo_backend") or "NO").upper()
     asked = f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where})"
@@ -577,10 +551,8 @@ def _size(n: float) -> str:
 
 
 def _zero3_problems(ds, where, n_params, ranks, mixed_precision, device_memory):
-    """ZeRO-3 (`ds`) where a less sharded strategy sends less and its model states take at most
-    half of `device_memory` (bytes per rank; the other half for activations, which tools/plan.py
-    counts): ZeRO-2, or FSDP2 with fsdp_reshard_after_forward: false, which keeps the gathered
-    parameters from forward to backward."""
+    """ZeRO-3 where ZeRO-2, or FSDP2 without resharding after forward, sends less and its model
+    states take at most half of `device_memory` (bytes per rank)."""
     zero = ds.get("zero_optimization") or {}
     if int(zero.get("stage", 0)) != 3 or ranks < 2:
         return
@@ -588,9 +560,8 @@ def _zero3_problems(ds, where, n_params, ranks, mixed_precision, device_memory):
     g = DTYPE_BYTES.get(str((ds.get("data_types") or {}).get("grad_accum_dtype"))) or low
     c = DTYPE_BYTES.get(str(ds.get("communication_data_type"))) or low
     ar = 2 if zero.get("use_multi_rank_bucket_allreduce", True) else 1  # ZeRO-2 all-reduces
-    # Bytes per parameter: the model states a rank holds (parameters, g-byte gradients, fp32 master
-    # and Adam: the ZeRO paper's, in these configs' dtypes), and what it sends per step before a
-    # ring's (N-1)/N share: the gradient reduction, then the parameter all-gathers (ZeRO-3: two).
+    # bytes per parameter: (model states held, as the ZeRO paper counts them; sent per step before
+    # a ring's (N-1)/N share: gradient reduction, parameter all-gathers)
     per_param = {
         "ZeRO-2": (low + (g + 12) / n, ar * c + low),
         "FSDP2 with fsdp_reshard_after_forward: false": (16 / n + low * (1 - 1 / n), 4 + low),
@@ -628,23 +599,11 @@ def config_problems(
     compiles: bool = False,
     tensor_parallel: bool = False,
 ) -> list[Problem]:
-    """Every problem of a launch that its inputs let us see, errors first; each check runs when its
-    inputs are given.
-
-    Args:
-        config: the accelerate config in the YAML's keys (`num_processes`: all ranks).
-        where: the config's name in messages (its path, or "the accelerate config").
-        ds, ds_where: `deepspeed_settings(config)`; None off DeepSpeed.
-        flags: the recipe's flags by name (those of `Startup.FLAGS` it has); `mixed_precision`
-            overrides the config's (mixed_precision.py's --precision).
-        hardware: `detect_hardware()`; None skips the hardware checks.
-        model_classes: class names of the model's modules (fsdp_transformer_layer_cls_to_wrap).
-        train_size, train_unit: the training set's size and what one sample is.
-        steps: optimizer steps of the run (the warmup check).
-        n_params, device_memory: parameters and bytes per rank (the ZeRO-3 check).
-        compiles: the recipe supports torch.compile (eager key names in checkpoints and export).
-        tensor_parallel: the recipe shards its model on the mesh's tp dimension (llama.py).
-    """
+    """Every problem its inputs show, errors first; a check runs when its inputs are given.
+    `config`: the YAML's keys; `ds, ds_where`: `deepspeed_settings`; `flags`: those of
+    `Startup.FLAGS` (a `mixed_precision` there wins); `hardware`: `detect_hardware()`;
+    `model_classes`: the model's module class names; `n_params`, `device_memory`: bytes per rank;
+    `compiles`, `tensor_parallel`: what the recipe supports."""
     flags = flags or {}
     ranks = int(config.get("num_processes", 1))
     per_machine = ranks // max(1, int(config.get("num_machines", 1)))
@@ -656,7 +615,7 @@ def config_problems(
     if ds is not None:
         out += _deepspeed_problems(ds, ds_where, flags, ranks, mixed_precision)
         if (launch_ds := config.get("deepspeed_config") or {}).get("deepspeed_config_file"):
-            out += launch_flag_problems(launch_ds, ds, ds_where, flags)
+            out += _launch_flag_problems(launch_ds, ds, ds_where, flags)
     out += _dynamo_problems(config, where, compiles)
     if config.get("distributed_type") == "FSDP":
         out += _fsdp_problems(config.get("fsdp_config") or {}, where, hardware, model_classes)
@@ -669,26 +628,10 @@ def config_problems(
 
 
 class Startup:
-    """A run's start-up checks, one call per stage. They check, and choose the precision; nothing
-    else. Errors raise `Stop` with every error line at once; each warning prints once
-    (`errors.warn`). Each stage adds what it learnt to the facts and runs `config_problems` again.
-
-        guard = checks.Startup(args)  # the config, DeepSpeed JSON and flags vs the hardware
-        accelerator = Accelerator(mixed_precision=guard.precision["used"], ...)
-        guard.data_ready(train_size=..., steps=..., model_cls=..., model_config=...)
-        guard.prepared(accelerator, model, model_cls, global_batch)
-
-    Args:
-        args: the parsed flags; those of `FLAGS` the recipe has are checked.
-        precision_used: the precision the recipe chose itself (mixed_precision.py's --precision)
-            instead of the launch config's, kept where the hardware computes it.
-        facts: `check`'s, known at launch: compiles, tensor_parallel, steps, model_cls and
-            model_config.
-
-    Attributes:
-        precision: {"requested", "used", "reason"} (`precision.for_launch`); "used" goes to the
-            `Accelerator`.
-    """
+    """A run's start-up checks, one call per stage: each adds what it learnt to the facts and runs
+    `config_problems` again; errors raise one `Stop`, each warning prints once. They check and
+    choose the precision (`precision`: `precision.for_launch`'s, or `precision_used`, the recipe's
+    own choice); nothing else. `facts`: `check`'s, known at launch."""
 
     FLAGS = (
         "per_device_train_batch_size",
@@ -704,7 +647,7 @@ class Startup:
     )
 
     def __init__(self, args, *, precision_used: str | None = None, **facts):
-        self.config = launch_config_from_env()
+        self.config = _launch_config_from_env()
         hardware = detect_hardware()
         self.precision = (
             precision.for_launch(self.config, hardware)
@@ -723,7 +666,7 @@ class Startup:
         self.facts.update({k: v for k, v in facts.items() if v is not None})
         if model_cls is not None:
             if self.facts["flags"].get("packing") == "documents":
-                documents_kept_apart(model_cls)
+                _documents_kept_apart(model_cls)
             self.facts.update(_model_facts(self.config, self.ds, model_cls, model_config))
         problems = config_problems(self.config, **self.facts)
         for p in problems:
@@ -734,34 +677,57 @@ class Startup:
             raise Stop("\nerror: ".join(lines))
 
     def data_ready(self, **facts) -> None:
-        """`check` once the data exists: the training set (`train_size`, `train_unit`) against one
-        global batch, warmup against the run (`steps`), the model once its config exists
-        (`model_cls`, `model_config`: its FSDP wrap class, ZeRO-3, --packing documents)."""
+        """`check` once the data and the model config exist (`train_size`, `steps`, `model_cls`...)."""
         self.check(**facts)
 
     def prepared(self, accelerator, model, model_cls, global_batch: int) -> dict:
-        """After `accelerator.prepare`: every decoder block its own FSDP unit (else each rank gathers
-        the whole model at once), and DeepSpeed stepping the recipe's global batch.
-
-        Returns:
-            {"fsdp_units": `models.fsdp_block_units` or None, "deepspeed": `launch.deepspeed_in_use`}.
-        """
-        units = (
-            models.fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
-        )
+        """After `prepare`: each decoder block its own FSDP unit (else every rank gathers the whole
+        model at once), DeepSpeed stepping the recipe's global batch. Returns {"fsdp_units",
+        "deepspeed"} for run_info."""
+        units = _fsdp_block_units(model) if accelerator.distributed_type.value == "FSDP" else None
         if units and units["units"] != units["blocks"]:
             raise Stop(
                 f"FSDP made {units['units']} of the {units['blocks']} {units['block_class']} blocks their "
                 f"own unit (the model's _no_split_modules is {model_cls._no_split_modules}); set "
                 f"fsdp_transformer_layer_cls_to_wrap: {units['block_class']} in the accelerate config"
             )
-        ds_used = launch.deepspeed_in_use(accelerator)
+        ds_used = _deepspeed_in_use(accelerator)
         if ds_used and ds_used["train_batch_size"] != global_batch:  # (causes refused earlier)
             raise Stop(
                 f"DeepSpeed runs a batch of {ds_used['train_batch_size']} samples per step, the recipe "
                 f"counts {global_batch}: {ds_used}"
             )
         return {"fsdp_units": units, "deepspeed": ds_used}
+
+
+def _fsdp_block_units(model) -> dict:
+    """{"block_class", "blocks": n, "units": k}: k of the prepared model's n decoder blocks are FSDP
+    units of their own (FSDP2: an `FSDPModule`; FSDP1: in a wrapper)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    blocks = models.decoder_blocks(model)
+    if blocks is None:
+        return {"block_class": None, "blocks": 0, "units": 0}
+    inner = getattr(blocks[0], "_fsdp_wrapped_module", blocks[0])  # FSDP1 wrapper -> the block
+    name = type(inner).__name__
+    name = name.removeprefix("FSDP") if isinstance(inner, FSDPModule) else name
+    units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
+    return {"block_class": name, "blocks": len(blocks), "units": units}
+
+
+def _deepspeed_in_use(accelerator) -> dict | None:
+    """What DeepSpeed runs with after `prepare` ("auto" keys filled), None off DeepSpeed."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    zero = ds.get("zero_optimization") or {}
+    keys = ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+    return {
+        "zero_stage": zero.get("stage", 0),
+        "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
+        "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
+        **{key: ds.get(key) for key in keys},
+    }
 
 
 def model_class_names(model_cls, config) -> set[str]:
@@ -773,9 +739,8 @@ def model_class_names(model_cls, config) -> set[str]:
 
 
 def _model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict:
-    """The model's inputs of `config_problems`, where a check needs them: `model_classes` when the
-    config names fsdp_transformer_layer_cls_to_wrap; under ZeRO-3, `n_params` (counted on the meta
-    device) and `device_memory` (`detect_memory`)."""
+    """`config_problems`' model inputs its checks need: `model_classes` for a wrap class; under
+    ZeRO-3, `n_params` (on the meta device) and `device_memory`."""
     facts = {}
     if (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap"):
         facts["model_classes"] = model_class_names(model_cls, model_config)
@@ -791,10 +756,9 @@ def _model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict
     return facts
 
 
-def documents_kept_apart(model_cls) -> None:
-    """Stop unless `model_cls` can train on --packing documents: the documents of a block are kept
-    apart by the position ids alone (transformers' mask builder reads where they restart), and a
-    model whose forward takes none, such as Bloom (ALiBi), would attend across them, silently."""
+def _documents_kept_apart(model_cls) -> None:
+    """Stop unless `model_cls`'s forward takes position_ids, which alone keep --packing documents
+    apart: Bloom (ALiBi) would attend across them, silently."""
     import inspect
 
     if model_cls is None or "position_ids" in inspect.signature(model_cls.forward).parameters:
@@ -807,10 +771,8 @@ def documents_kept_apart(model_cls) -> None:
 
 
 def same_on_every_rank(accelerator, what: str, value: str) -> None:
-    """Stop on every rank unless `value`, a short fingerprint (a digest) of `what`, is the same on
-    every rank. A collective. For what each node reads from its own disk: a copy that differs from
-    rank 0's would train on other samples, silently (measured on two loopback "machines": 1.0% off
-    in loss after 4 steps)."""
+    """Stop on every rank unless `value`, a digest of `what`, is the same on every rank (a
+    collective): a node's own copy that differs would train on other samples, silently."""
     from accelerate.utils import gather_object
 
     values = gather_object([value])
@@ -823,41 +785,8 @@ def same_on_every_rank(accelerator, what: str, value: str) -> None:
     )
 
 
-def tokenizer_fits(
-    tokenizer, source: str | None, raw, config, block_size: int, pretrained: bool = False
-) -> None:
-    """The tokenizer and the block size against the model config, before packing. A tokenizer that
-    cannot encode (a model directory without tokenizer files) would train on end-of-text tokens
-    alone, and look like fast learning; ids past the embedding (but tokens added to a `pretrained`
-    model's vocabulary, whose embeddings `causal_lm.load_pretrained_on_ranks` grows), or blocks longer
-    than the model's positions, fail deep in the first forward."""
-    from common import data
-
-    if source:
-        data.stop_unless_tokenizer_encodes(tokenizer, source, data.sample_text(raw["train"]))
-    added = sum(i >= config.vocab_size for i in tokenizer.added_tokens_decoder) if pretrained else 0
-    if len(tokenizer) - added > config.vocab_size:
-        raise Stop(
-            f"the tokenizer has {len(tokenizer)} entries but the model's vocab_size is "
-            f"{config.vocab_size}: pass a matching --tokenizer_name_or_path, or raise vocab_size "
-            "(--config_overrides vocab_size=N, from scratch) or lower --vocab_size (trained BPE)"
-        )
-    model_max = models.max_positions(config)
-    if model_max is not None and block_size > model_max:
-        raise Stop(
-            f"--block_size {block_size} exceeds the model's max_position_embeddings {model_max}"
-        )
-
-
-def model_runs(model, overrides: str) -> None:
-    """Stop if the model built with `--config_overrides` fails one forward (`models.forward_error`)."""
-    if error := models.forward_error(model):
-        raise Stop(f"the model built with --config_overrides {overrides!r} does not run: {error}")
-
-
 def mixed_precision_flags(args) -> None:
-    """recipes/mixed_precision.py's flags that cannot mean what they say; with --compare, what the
-    driver needs: plain `python`, an existing config, a resume by name."""
+    """recipes/mixed_precision.py's flags that cannot mean what they say (and --compare's needs)."""
     if args.precision not in precision.MODES:
         raise Stop(f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
     if args.model_config not in models.PRESETS:
@@ -895,22 +824,6 @@ def classifier_flags(args) -> None:
         )
 
 
-def same_data(accelerator, lm_data) -> str:
-    """Stop unless every rank has the same train and validation blocks (`data.pack_stats`' digests
-    of what `data.pack_dataset` made). A collective. Each node reads --train_file from its own path,
-    and another copy there would train on other samples. Returns the digest, for the checkpoints
-    (a resume on other data is refused)."""
-    from common import data
-
-    digest = "-".join(
-        data.pack_stats(lm_data)[split]["digest"] for split in ("train", "validation")
-    )
-    same_on_every_rank(
-        accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
-    )
-    return digest
-
-
 def sharded_data_flags(args) -> None:
     """recipes/sharded_data.py counts steps only (its `--num_train_epochs` refusal: `parse_args`)."""
     if args.max_steps < 1:
@@ -921,9 +834,8 @@ def sharded_data_flags(args) -> None:
 
 
 def stop_if_any_rank_fails(accelerator, check, *args, **kwargs):
-    """`check(*args, **kwargs)`'s result, or a `Stop` on every rank if it raised FileNotFoundError
-    or ValueError on any (the first such rank's line, `rank R: ...`). A collective: one rank's bad
-    file stops every rank alike, instead of the others waiting for it in a collective."""
+    """`check(*args, **kwargs)`, or a `Stop` on every rank ("rank R: ...") if it raised
+    FileNotFoundError or ValueError on any (a collective): no rank waits for one that left."""
     from accelerate.utils import gather_object
 
     result, error = None, None

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from common import checks
 from common.errors import Stop, warn
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -220,27 +221,6 @@ def get_tokenizer(
     return tok
 
 
-def stop_unless_tokenizer_encodes(tokenizer, source: str, texts: list[str]) -> None:
-    """Stop if `tokenizer`, loaded from `source`, has fewer than 256 entries (a byte-level BPE
-    starts with 256 bytes) or gives fewer than 1 token per 50 characters of the first 20,000 of
-    `texts` (BPEs give 3-5): transformers 5.24 loads a model directory without tokenizer files as
-    an empty tokenizer, every row became a lone end-of-text token and the run "learned" fast."""
-    sample, n = [], 0
-    for text in texts:
-        sample.append(text[: 20_000 - n])
-        n += len(sample[-1])
-        if n >= 20_000:
-            break
-    n_tokens = sum(len(ids) for ids in tokenizer(sample, add_special_tokens=False)["input_ids"])
-    if len(tokenizer) < 256 or n_tokens * 50 < n:
-        raise Stop(
-            f"the tokenizer loaded from {source} has {len(tokenizer)} entries and encodes {n:,} "
-            f"characters of the training text into {n_tokens:,} tokens (a working one has at "
-            "least 256 and 1 token per 50 characters; a model directory without tokenizer files "
-            "gives an empty one): pass --tokenizer_name_or_path with the tokenizer's directory or name"
-        )
-
-
 def _source_files(fn, seen: set) -> set[str]:
     """The files of the user's code that `fn` reaches through its globals and closure (functions
     and modules outside the Python installation, recursively): `datasets` hashes a function
@@ -373,6 +353,16 @@ def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     files = lm_data["train"].cache_files
     stats = Path(files[0]["filename"]).parent.parent / "stats.json" if files else None
     return json.loads(stats.read_text()) if stats and stats.is_file() else {}
+
+
+def same_data(accelerator, lm_data) -> str:
+    """Stop unless every rank packed the same train and validation blocks (a collective); returns
+    their digest, which the checkpoints record."""
+    digest = "-".join(pack_stats(lm_data)[split]["digest"] for split in ("train", "validation"))
+    checks.same_on_every_rank(
+        accelerator, "data (train and validation text, tokenizer, block size, packing)", digest
+    )
+    return digest
 
 
 def pack_dataset(

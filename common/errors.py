@@ -1,20 +1,11 @@
-"""Every recipe's one way out: a refusal raises `Stop`, and `run(main)` turns it into an exit.
+"""Every recipe's one way out: `errors.run(main)` runs `def main() -> int`.
 
-A recipe is `def main() -> int`, started as `errors.run(main)`:
-- `raise Stop("one line")` anywhere (recipe or `common/`): printed as `error: one line` by the rank
-  that raises it, exit status 1. The recipes check the same facts on every rank, so every rank
-  prints its own line and none waits for a peer that has left;
-- `return 0`, or `checkpoint.PREEMPTED_EXIT_CODE` after a preemption checkpoint;
+- `raise Stop("one line")` anywhere: the rank prints `error: one line` (in one write, so that two
+  ranks do not splice their lines) and exits 1; every rank checks the same facts, so none waits;
+- `warn("one line")`: `warning: one line` on stderr, once per job (global rank 0);
 - any other exception is a bug: its traceback prints as usual.
-
-`warn("one line")` is the one way to warn: `warning: one line` on stderr, printed by the job's
-global rank 0 only (the recipes check the same facts on every rank).
-
-Under torchrun (`accelerate launch`) a `Stop` or an uncaught exception is also written to the
-rank's `TORCHELASTIC_ERROR_FILE`, in the format torch's `ProcessFailure` reads, so the failure
-summary that ends the launcher's output names the error instead of a link to the docs (torch's
-`@record` does the same for exceptions only). The `error:` line reaches stderr in one write: two
-ranks stopping at once would otherwise splice their lines.
+A `Stop` or an exception also goes to torchrun's `TORCHELASTIC_ERROR_FILE`, which the launcher's
+failure summary then names.
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ from typing import Callable, NoReturn
 
 
 class Stop(ValueError):
-    """A one-line reason to stop: a bad flag, file or config at start-up, or a fatal step. Lines after
-    the first, if any, are further `error: ...` lines."""
+    """A one-line reason to stop; further lines are further `error: ...` lines."""
 
 
 def _report(message: str) -> None:

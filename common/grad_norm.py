@@ -1,11 +1,8 @@
 """Global gradient-norm clipping whose norm is the same number under every strategy.
 
-`accelerator.clip_grad_norm_` takes the norm in the gradients' dtype, over whatever each strategy
-holds (whole tensors, shards, DeepSpeed's fp64), and torch 2.13's CPU fp32 `vector_norm`
-accumulates serially (3e-5 off on the debug model's embedding): norms differed by up to 2.6e-4
-across strategies. Here each rank sums squares in fp64 over slices of what it holds, the shards
-are added over the ranks that shard them, and torch's `clip_grads_with_norm_` clips. DeepSpeed
-clips in its engine (in fp64): its norm is read back. No host sync: the norm stays on the device.
+`accelerator.clip_grad_norm_`'s norms differed by up to 2.6e-4 across strategies (each its dtype
+and its shards). Here each rank sums squares in fp64 over what it holds, shards are added over the
+ranks that shard them, and torch's `clip_grads_with_norm_` clips; DeepSpeed's engine clips itself.
 """
 
 from __future__ import annotations
@@ -23,25 +20,15 @@ FP64_CHUNK_ELEMENTS = 1 << 24  # the most fp64 temporaries per gradient: 128 MB
 
 
 def _sum_of_squares_fp64(grad: torch.Tensor) -> torch.Tensor:
-    """sum(grad.double() ** 2), 0-dim on grad's device, over slices of `FP64_CHUNK_ELEMENTS`
-    (`vector_norm` casts its input: a 1B-element gradient would need 4 GB of fp64)."""
+    """sum(grad.double() ** 2), 0-dim, over slices (a whole cast would need 8 bytes per element)."""
     parts = grad.reshape(-1).split(FP64_CHUNK_ELEMENTS)  # views, for contiguous gradients
     return sum(torch.linalg.vector_norm(part, dtype=torch.float64) ** 2 for part in parts)
 
 
 def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip `model`'s gradients in place to a global L2 norm of at most `max_norm`; return the norm.
-
-    Call where `accelerator.clip_grad_norm_` would go (after the window's last backward); under fp16
-    it unscales first. `max_norm` 0 or None only measures, as in transformers' Trainer and
-    DeepSpeed. Returns the norm before clipping, sqrt(sum over ranks and tensors of g.double()**2):
-    a 0-dim fp64 tensor on `accelerator.device`, the same on every rank (inf/nan on overflow). Read
-    it (`float(norm)`) on logging steps only.
-
-    Raises:
-        Stop: under DeepSpeed, `max_norm` unlike the JSON's `gradient_clipping`.
-        NotImplementedError: FSDP1 HYBRID_SHARD (a sum over all ranks would count replicas).
-    """
+    """Clip `model`'s gradients in place to a global L2 norm of at most `max_norm` (0 or None:
+    measure only), where `accelerator.clip_grad_norm_` would go. Returns the norm before clipping,
+    a 0-dim fp64 tensor on the device, the same on every rank: read it on logging steps only."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_clip = accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
         if error := checks.clipping_problem(ds_clip, max_norm):
@@ -59,8 +46,7 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
         if isinstance(grad, DTensor):  # FSDP2 (and tensor parallel): this rank's shard
             mesh = grad.device_mesh
             if not (mesh.ndim == 1 and mesh.size() == accelerator.num_processes):
-                # FSDP2 over tensor-parallel slices shards on dp with `_StridedShard`, which torch 2.13
-                # does not count as a Shard (`is_shard()` is False): a norm without it misses half the squares
+                # (FSDP2 over tp slices shards with `_StridedShard`, not a `Shard` in torch 2.13)
                 sharded = (Shard, _StridedShard)
                 dims = tuple(d for d, x in enumerate(grad.placements) if isinstance(x, sharded))
                 part = on_mesh.setdefault((mesh, dims), torch.zeros_like(sum_of_squares))
@@ -82,8 +68,7 @@ def clip_grad_norm_(accelerator, model: torch.nn.Module, max_norm: float) -> tor
             torch.distributed.all_reduce(part, group=mesh.get_group(dim))
         sum_of_squares += part
     total_norm = sum_of_squares.sqrt()
-    # torch's own scaling, grad *= min(1, max_norm / (norm + 1e-6)), with the norm on the gradients'
-    # device (a CPU norm would send CUDA gradients down the per-tensor slow path).
+    # torch's grad *= min(1, max_norm / (norm + 1e-6)), the norm on the gradients' device
     if max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm

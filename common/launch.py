@@ -1,5 +1,4 @@
-"""The launch: process-group settings, real ranks on CPU-only hosts (where Accelerate 1.15 would
-run independent processes: `process_group`, `check_distributed`), and an orderly end."""
+"""The launch: process-group settings, real ranks on CPU-only hosts, and an orderly end."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import gc
 import os
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -16,10 +14,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-if __name__ == "__main__":  # python common/launch.py CONFIG RECIPE: the shorthand at the end
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import workarounds  # noqa: E402
-from common.errors import Stop  # noqa: E402
+from common import workarounds
+from common.errors import Stop
 
 
 def _has_accelerator() -> bool:
@@ -30,11 +26,11 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def host_nvidia_gpus(
+def _host_nvidia_gpus(
     proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0
 ) -> tuple[int, str]:
-    """NVIDIA GPUs on this host, even those torch cannot see: (count, where seen) or (0, ""), from
-    the driver's `proc_dir`, else `nvidia-smi -L` (failed or past `timeout_s`: none)."""
+    """(NVIDIA GPUs on this host, even those torch cannot see; where seen), from the driver's
+    `proc_dir`, else `nvidia-smi -L`; (0, "") if none."""
     try:
         if n := len(os.listdir(proc_dir)):
             return n, proc_dir
@@ -53,16 +49,13 @@ def host_nvidia_gpus(
 
 
 def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
-    """Settings for `Accelerator(kwargs_handlers=[...])` (gloo on CPU-only torchrun launches) and
-    the workarounds applied, after the launch's checks. `timeout_s`: a rank stuck in a collective
-    longer raises, so one dead rank ends the job. A host whose NVIDIA GPUs torch cannot see is
-    refused unless `ACCELERATE_RECIPES_ALLOW_CPU=1` (`--cpu` would start one process).
-    """
+    """(`Accelerator`'s process-group kwargs, gloo on CPU ranks; the workarounds applied), after the
+    launch's checks. `timeout_s`: a rank stuck longer in a collective raises."""
     if timeout_s <= 0:
         raise Stop(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
     # Read the opt-in before ddp_ranks_on_cpu sets ACCELERATE_USE_CPU.
     opted_in = _env_true("ACCELERATE_RECIPES_ALLOW_CPU") or _env_true("ACCELERATE_USE_CPU")
-    if not _has_accelerator() and not opted_in and (found := host_nvidia_gpus())[0]:
+    if not _has_accelerator() and not opted_in and (found := _host_nvidia_gpus())[0]:
         n_gpus, seen_by = found
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         hiding = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
@@ -79,16 +72,14 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
             "the config's ranks)"
         )
     applied = workarounds.allow_mixed_precision_with_deepspeed_json()
-    # The YAML names its JSON relative to where you launch; Accelerate would fail on a missing one
-    # with a JSONDecodeError first.
+    # (relative to where you launch; Accelerate would fail with a JSONDecodeError)
     ds_json = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if ds_json != "none" and not os.path.isfile(ds_json):
         raise Stop(
             f"DeepSpeed config {ds_json} (deepspeed_config_file in the accelerate config) not found "
             f"from {os.getcwd()}: launch from the project root, and copy ds_configs/ with the recipe"
         )
-    # Restarted ranks that share the dead attempt's rendezvous store read its addresses and hang
-    # (pytorch/pytorch#135712; measured: 7 restarts in 8 failed, 6 in 6 worked with a fresh store).
+    # restarted ranks sharing the dead attempt's rendezvous store hang (pytorch/pytorch#135712)
     if (
         int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -120,9 +111,8 @@ def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
 
 
 def imports_done() -> None:
-    """After a recipe's imports (run under its `gc.disable()`): freeze what they made, so that no
-    collection scans their millions of objects again, and turn collection back on. Measured on a
-    2-core CPU: a 1-step 2-rank llama.py launch took 7.4 s instead of 8.9 s."""
+    """After a recipe's imports (under its `gc.disable()`): freeze their objects, which no collection
+    then scans (1.5 s of a 1-step launch), and turn collection back on."""
     gc.freeze()
     gc.enable()
 
@@ -135,9 +125,8 @@ def _end_process() -> None:
 
 @contextmanager
 def node_first(accelerator: Accelerator):
-    """Run the block on each node's first rank, then on the others (which read its caches). An
-    `OSError` or `ValueError` becomes a `Stop` once the others are released (Accelerate 1.15's
-    `local_main_process_first` leaves them waiting): they meet it too, one `error:` line each."""
+    """Run the block on each node's first rank, then on the others (which read its caches); an
+    `OSError` or `ValueError` becomes a `Stop` once the others are released."""
     if not accelerator.is_local_main_process:
         accelerator.wait_for_everyone()
     try:
@@ -150,16 +139,15 @@ def node_first(accelerator: Accelerator):
 
 
 def teardown(accelerator: Accelerator) -> None:
-    """End a run in order after `prepare` (a collective). `del model, optimizer` first: freed after
-    the process group, DDP's reducer hung now and then in gloo's destructor (torch 2.13, CPU)."""
+    """End a run in order after `prepare` (a collective); `del model, optimizer` first (freed after
+    the process group, DDP's reducer can hang in gloo's destructor)."""
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     accelerator.end_training()
 
 
 def check_distributed(accelerator: Accelerator) -> None:
-    """Refuse independent processes posing as a distributed run (against the launcher's
-    `WORLD_SIZE` and strategy), and end the process group at exit."""
+    """Refuse independent processes posing as a distributed run; end the process group at exit."""
     atexit.register(_end_process)  # first: a refused start ends the process group cleanly too
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mismatch = "common/launch.py no longer matches this Accelerate version"
@@ -179,8 +167,7 @@ def check_distributed(accelerator: Accelerator) -> None:
 
 
 def mesh_layout(accelerator: Accelerator) -> dict | None:
-    """A 2-D (or more) device mesh, e.g. {"dp_replicate": 2, "dp_shard": 2} (HSDP) or with "tp";
-    None for a 1-D run (DDP, FSDP over all ranks, DeepSpeed)."""
+    """A 2-D (or more) mesh, e.g. {"dp_replicate": 2, "dp_shard": 2}; None for a 1-D run."""
     config = getattr(accelerator, "parallelism_config", None)
     if config is None:
         return None
@@ -189,15 +176,13 @@ def mesh_layout(accelerator: Accelerator) -> dict | None:
 
 
 def data_parallel_size(accelerator: Accelerator) -> int:
-    """The ranks that train on batches of their own: all, except that a tensor-parallel group
-    shares one (tp.yaml: 2 of 4). Global batch = per device x accumulation x this."""
+    """The ranks that train on batches of their own (a tensor-parallel group shares one)."""
     config = getattr(accelerator, "parallelism_config", None)
     return accelerator.num_processes // (config.non_data_parallel_size if config else 1)
 
 
 def data_parallel_sum(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    """A new tensor: `tensor` summed over the ranks, each batch once (under tensor parallel, over
-    the data-parallel ranks only: a tp group holds the same batch)."""
+    """A new tensor: `tensor` summed over the ranks, each batch once (a tp group holds one batch)."""
     config = getattr(accelerator, "parallelism_config", None)
     if config is None or config.non_data_parallel_size == 1:
         return accelerator.reduce(tensor.clone(), reduction="sum")
@@ -205,45 +190,3 @@ def data_parallel_sum(accelerator: Accelerator, tensor: torch.Tensor) -> torch.T
     if config.dp_dim_names:  # (tp alone: one batch, nothing to add)
         torch.distributed.all_reduce(out, group=accelerator.torch_device_mesh["dp"].get_group())
     return out
-
-
-def deepspeed_in_use(accelerator: Accelerator) -> dict | None:
-    """What DeepSpeed runs with after `prepare` ("auto" keys filled): "zero_stage", the offload
-    devices, "gradient_accumulation_steps", "train_batch_size" (all ranks), "gradient_clipping".
-    None off DeepSpeed."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return None
-    ds = accelerator.state.deepspeed_plugin.deepspeed_config
-    zero = ds.get("zero_optimization") or {}
-    keys = ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
-    return {
-        "zero_stage": zero.get("stage", 0),
-        "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
-        "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
-        **{key: ds.get(key) for key in keys},
-    }
-
-
-if __name__ == "__main__":
-    # python common/launch.py fsdp recipes/llama.py [ARGS] checks the config name, then runs
-    # `accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/llama.py [ARGS]`.
-    from pathlib import Path
-
-    configs = Path(__file__).resolve().parent.parent / "accelerate_configs"
-    names = ", ".join(sorted(p.stem for p in configs.glob("*.yaml")))
-    usage = "usage: python common/launch.py CONFIG RECIPE [ARGS...]"
-    if sys.argv[1:2] in (["-h"], ["--help"]):
-        print(
-            f"{usage}\n\nRuns `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE "
-            f"[ARGS...]` once the config exists. CONFIG: a .yaml path or one of {names}. The "
-            "recipe's own flags: RECIPE --help."
-        )
-        sys.exit(0)
-    if len(sys.argv) < 3:
-        sys.exit(usage)
-    name = sys.argv[1]
-    path = Path(name) if name.endswith(".yaml") else configs / f"{name}.yaml"
-    if not path.is_file():
-        sys.exit(f"error: accelerate config {path} not found; available: {names}")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
-    os.execvp(sys.executable, [*launch, *sys.argv[2:]])

@@ -8,17 +8,10 @@ import torch
 
 
 class SavedTensorBytes:
-    """Context manager: bytes of the storages autograd saves for backward inside it ("activations").
-
-    Counted on exit, each storage once (views are not counted twice): what the forward leaves for
-    the backward. Parameters and their views are left out, and so are storages freed by then
-    (FSDP2's gathered parameters). Autocast's low-precision weight copies are in `bytes` and also
-    in `weight_copy_bytes`. Not seen: tensors held otherwise, e.g. a non-reentrant checkpoint's
-    keyword arguments (Llama's rotary cos and sin); inside a checkpointed region only its
-    positional inputs count, which is what checkpointing keeps. Set `tag` while open (from
-    forward hooks) to split the count into `by_tag`: a storage counts under the tag when first
-    saved. After exit: `bytes`, `weight_copy_bytes`, `count` (storages), `by_tag`.
-    """
+    """Context manager: bytes of the storages autograd saves for backward inside it, each once,
+    without parameters (autocast's weight copies also in `weight_copy_bytes`). Not seen: tensors
+    held otherwise (a non-reentrant checkpoint's keyword arguments). Set `tag` while open to split
+    the count into `by_tag`. After exit: `bytes`, `weight_copy_bytes`, `count`, `by_tag`."""
 
     def __init__(self):
         self._storages: dict[tuple, tuple] = {}  # storage key -> (tag, weight copy?, storage)
@@ -59,12 +52,8 @@ class SavedTensorBytes:
 
 
 class PeakTensorBytes:
-    """Context manager: the most bytes torch allocated inside it, net of what it freed.
-
-    For the CPU (on CUDA: `torch.cuda.max_memory_allocated`): the profiler's memory events, every
-    allocation and free in time order, kernels' temporaries included. After exit: `peak` (bytes
-    >= 0, what the block needed beyond what it started with) and `net` (allocations - frees).
-    """
+    """Context manager: the most bytes torch allocated inside it net of frees (the CPU profiler's
+    memory events, temporaries included). After exit: `peak` (>= 0) and `net`."""
 
     def __enter__(self) -> "PeakTensorBytes":
         self._profiler = torch.profiler.profile(

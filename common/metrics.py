@@ -15,7 +15,7 @@ import torch
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import broadcast_object_list
 
-from common import launch, workarounds
+from common import launch
 from common.errors import Stop
 
 # Peak dense bf16 FLOP/s per device, from torchtitan's `get_peak_flops`. "H100 NVL" before "H100".
@@ -38,13 +38,9 @@ def _llama_params(config) -> int:
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, str]:
-    """Training FLOPs per token of a causal LM, and how they were counted.
-
-    PaLM's 6·N + 12·L·H·Q·T (Chowdhery et al. 2022, appendix B; as torchtitan computes it): N the
-    parameters but embedding lookups, the output head counted even when tied (it is a matmul);
-    L layers, H heads, Q head dimension, T = `seq_len`. The attention term is left out when the
-    config lacks those fields. Call before `prepare` (ZeRO-3 parameters count by `ds_numel`).
-    """
+    """(training FLOPs per token of a causal LM, how they were counted): PaLM's 6·N + 12·L·H·Q·T
+    (Chowdhery et al. 2022, appendix B, as torchtitan): N the parameters but embedding lookups (a
+    tied output head counts), L layers, H heads, Q head dimension, T `seq_len`. Before `prepare`."""
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
     lookups = {
         id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
@@ -106,20 +102,9 @@ LOSS_CHUNK_ELEMENTS = 1 << 26  # logits `token_nll` casts to fp32 at once: 256 M
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token negative log-likelihood per sample, without an fp32 copy of the whole logits.
-
-    Position t predicts labels[:, t + 1] (transformers' causal-LM loss); the labels are shifted,
-    not the logits, and the cross-entropy runs over slices of `LOSS_CHUNK_ELEMENTS`, each cast to
-    fp32 alone: at 8 x 2048 tokens and a 128k vocabulary, ~2 x 256 MB instead of 8.4 GB copies.
-
-    Args:
-        logits: [B, T, V], any float dtype, any device.
-        labels: [B, T] int64 token ids; -100 marks tokens that are not targets.
-
-    Returns:
-        (nats, tokens): [B] fp32 summed NLL and [B] int64 target counts on `logits.device`; the
-        mean loss is nats.sum() / tokens.sum().
-    """
+    """([B] fp32 summed next-token NLL, [B] int64 target counts) of `logits` [B, T, V] and `labels`
+    [B, T] (-100: no target); position t predicts labels[:, t + 1]. The labels are shifted, not the
+    logits, and slices are cast to fp32 one at a time (not an 8.4 GB copy at 8 x 2048 x 128k)."""
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).flatten()
     flat = logits.flatten(0, 1)  # a view for contiguous logits
     nats = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
@@ -133,8 +118,7 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def strict_json(record: dict) -> dict:
-    """`record` with each non-finite float, at any depth, as None, and the top-level keys that held
-    one listed in "nonfinite": standard JSON (strict parsers reject `NaN` and `Infinity`)."""
+    """`record` with each non-finite float as None and the keys that held one in "nonfinite"."""
 
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
@@ -157,9 +141,8 @@ def append_jsonl(path: str, record: dict) -> None:
 
 
 def final_line(metrics_path: str, outputs: str, **figures) -> str:
-    """A run's last line, from its metrics.jsonl and newer `figures` (e.g. `eval_loss=4.56`):
-    "done: 300 steps | loss 4.1234 | eval_loss 4.5678 | model in runs/llama/final" (`outputs`
-    last; a figure the run did not log left out, a null one shown as nan)."""
+    """A run's last line, from its metrics.jsonl and newer `figures`: "done: 300 steps | loss 4.1234
+    | eval_loss 4.5678 | model in runs/llama/final" (`outputs` last)."""
     records = [json.loads(line) for line in open(metrics_path)]
     losses = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
@@ -295,8 +278,7 @@ class RunLog:
 
 
 def start_line(run_info: dict) -> str:
-    """The run's first line: strategy x ranks, mesh, ZeRO stage and offload, precision, size,
-    batch, steps, torch.compile."""
+    """The run's first line: strategy x ranks, ZeRO, precision, size, batch, steps, compile."""
     ds, compiled, n = run_info.get("deepspeed"), run_info.get("torch_compile"), run_info["n_params"]
     parts = [f"{run_info['distributed_type']} x{run_info['world_size']}"]
     if run_info.get("mesh"):
@@ -316,26 +298,9 @@ def start_line(run_info: dict) -> str:
     return " | ".join(parts)
 
 
-def save_logits_probe(accelerator, model, eval_set, output_dir: str) -> None:
-    """final_logits.safetensors: the live model's fp32 logits on the first 2 validation blocks, for
-    tests of the export (2.1 GB at 2048 tokens, 128k vocabulary). Every rank; rank 0 writes."""
-    from safetensors.torch import save_file
-
-    with torch.no_grad():
-        probe = eval_set[:2]["input_ids"].to(accelerator.device)
-        model.eval()
-        # evaluate()'s keywords: a compiled model reuses its graph
-        logits = model(input_ids=probe, attention_mask=None, position_ids=None).logits.float().cpu()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        path = os.path.join(output_dir, "final_logits.safetensors")
-        save_file({"input_ids": probe.cpu(), "logits": logits}, path)
-        workarounds.safetensors_mode_from_umask(path)
-
-
 def run_info(accelerator, model, args, **facts) -> dict:
-    """run_info.json: strategy, world size and precision as Accelerate runs them, a 2-D layout's
-    "mesh", `facts`, each rank's parameter elements (a collective), torch.compile, the flags."""
+    """run_info.json: the strategy as Accelerate runs it, `facts`, each rank's parameter elements (a
+    collective), torch.compile, the flags."""
     held = [getattr(p, "ds_tensor", p) for p in model.parameters()]  # ZeRO-3: the partition
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in held)  # FSDP2
     local = torch.tensor([local], device=accelerator.device)
@@ -363,12 +328,9 @@ def run_info(accelerator, model, args, **facts) -> dict:
 
 
 class SampleIds:
-    """--record_sample_ids: each rank's trained sample ids per epoch, written by rank r to
-    OUTPUT_DIR/sample_ids/rank{r}.json ({"rank", "world_size", "epochs"}). Off: does nothing.
-
-    `take` pops "sample_id" from each batch (the model must not see it) and keeps the ids on the
-    device; `write` copies them to the host once. Epochs before a resume stay empty lists.
-    """
+    """--record_sample_ids: each rank's trained sample ids per epoch, in
+    OUTPUT_DIR/sample_ids/rank{r}.json. `take` pops "sample_id" from each batch and keeps the ids
+    on the device; `write` copies them to the host once."""
 
     def __init__(self, on: bool, first_epoch: int = 0):
         self.on, self.epochs = on, [[] for _ in range(first_epoch)]
@@ -382,8 +344,7 @@ class SampleIds:
         self.epochs[epoch] += [b.pop("sample_id") for b in window]
 
     def write(self, accelerator, output_dir: str, **extra) -> None:
-        """This rank's file, with `extra` keys. A tensor-parallel group trained the same samples:
-        its first rank writes them, as data-parallel rank r of `launch.data_parallel_size`."""
+        """This rank's file, with `extra` keys (a tensor-parallel group's first rank writes)."""
         if not self.on:
             return
         world = launch.data_parallel_size(accelerator)
@@ -398,8 +359,7 @@ class SampleIds:
 
 
 def end_figures(accelerator, model) -> dict:
-    """The summary's peak memory (CUDA: also the most the caching allocator held) and the dtypes
-    of the model's floating-point buffers (rotary inv_freq: fp32 under every strategy)."""
+    """The summary's peak memory and the dtypes of the model's float buffers (rotary inv_freq)."""
     device, unwrapped = (
         accelerator.device,
         accelerator.unwrap_model(model, keep_torch_compile=False),
@@ -412,8 +372,8 @@ def end_figures(accelerator, model) -> dict:
 
 
 def weight_decay_line(optimizer) -> str:
-    """The AdamW groups as one line: "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements),
-    0 on 9 tensors (2,304 elements)" (ZeRO-3's partitioned parameters counted whole: `ds_numel`)."""
+    """ "AdamW weight decay: 0.1 on 29 tensors (4,210,688 elements), 0 on 9 tensors (2,304 elements)"
+    (ZeRO-3's partitioned parameters counted whole)."""
     return "AdamW weight decay: " + ", ".join(
         f"{g['weight_decay']:g} on {len(g['params'])} tensors "
         f"({sum(getattr(p, 'ds_numel', p.numel()) for p in g['params']):,} elements)"

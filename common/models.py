@@ -1,5 +1,4 @@
-"""Llama presets, and what every recipe needs of a Hugging Face model: its AdamW groups, its
-class, its decoder blocks and its config as a checkpoint records it."""
+"""Llama presets, and what the recipes need of a Hugging Face model."""
 
 from __future__ import annotations
 
@@ -58,22 +57,16 @@ PRESETS: dict[str, dict] = {
 
 
 def llama_config(preset: str, vocab_size: int, **overrides) -> LlamaConfig:
-    """The `LlamaConfig` of a key of `PRESETS` (`--model_config`), with `vocab_size` (normally
-    `len(tokenizer)`) and any `LlamaConfig` field in `overrides`; token ids are the caller's."""
+    """The `LlamaConfig` of a key of `PRESETS` with `vocab_size` and `overrides`."""
     if preset not in PRESETS:
         raise Stop(f"unknown --model_config {preset!r}; choose one of {sorted(PRESETS)}")
     return LlamaConfig(**{**PRESETS[preset], "vocab_size": vocab_size, **overrides})
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
-    """AdamW groups of the trainable parameters of `model` (before `prepare`: FSDP flattens):
-    `weight_decay` on matrices and embeddings, 0 on vectors (biases, norm gains).
-
-    A norm's gain is centred on 1: decaying it towards 0 only fights the model (nanoGPT, Megatron
-    and HF Trainer do the same). Under ZeRO-3's `zero3_init_flag` parameters are built empty; their
-    shape is `ds_shape`. Tied parameters appear once; an empty group is left out (DeepSpeed drops
-    it, and LoRA trains no vectors).
-    """
+    """AdamW groups of `model`'s trainable parameters (before `prepare`): `weight_decay` on matrices
+    and embeddings, 0 on vectors (a norm's gain is centred on 1, as in nanoGPT and HF Trainer).
+    ZeRO-3 init: shapes in `ds_shape`. An empty group is left out (DeepSpeed drops it)."""
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
     vectors = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
@@ -85,9 +78,8 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def causal_lm_class(config) -> type:
-    """The `AutoModelForCausalLM` class for `config` (`LlamaForCausalLM`, `GPT2LMHeadModel`, ...).
-    `cls(config)` gives the same weights for the same seed as `from_config`, and never a
-    ZeRO-3-partitioned model."""
+    """The `AutoModelForCausalLM` class for `config`: `cls(config)` gives `from_config`'s weights for
+    a seed, never a ZeRO-3-partitioned model."""
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise Stop(
             f"model type {config.model_type!r} ({type(config).__name__}) has no causal-LM class in "
@@ -96,27 +88,16 @@ def causal_lm_class(config) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def max_positions(config) -> int | None:
-    """The longest sequence the model takes, in tokens; None where the config names no limit."""
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def config_state(config) -> dict:
-    """The model config as a checkpoint records it (`checkpoint.check_resume` compares it): what
-    differs from the class defaults, without `transformers_version` and `_name_or_path`. Another
-    `--config_overrides` (a norm epsilon, a dropout rate) keeps the shapes and trains another
-    model: the resume is refused, naming the keys."""
+    """The model config as a checkpoint records it (what differs from the class defaults): another
+    `--config_overrides` keeps the shapes and trains another model."""
     values = json.loads(config.to_json_string(use_diff=True))
     return {k: v for k, v in values.items() if k not in ("transformers_version", "_name_or_path")}
 
 
 def for_inference(obj):
-    """A copy of a model or generation config with the KV cache on (`use_cache`: training turns it
-    off, and a reloaded model decodes several times slower without it); anything else as it is."""
+    """A copy of a model or generation config with the KV cache on (training turns it off); anything
+    else as it is."""
     if not hasattr(obj, "use_cache"):
         return obj
     obj = copy.deepcopy(obj)
@@ -124,22 +105,9 @@ def for_inference(obj):
     return obj
 
 
-def lora_copy(peft_model, state_dict: dict) -> torch.nn.Module:
-    """A fresh fp32 peft model in host memory holding `state_dict` (the live one's gathered state,
-    base and adapters), loaded strictly: an adapter exported empty (seen under FSDP1) stops here.
-    Its `save_pretrained` writes the adapter, its `merge_and_unload()` the plain model."""
-    from peft import get_peft_model
-
-    config = peft_model.get_base_model().config
-    fresh = get_peft_model(causal_lm_class(config)(config), peft_model.peft_config["default"])
-    fresh.load_state_dict({k: v.float() for k, v in state_dict.items()})
-    fresh.get_base_model().generation_config = peft_model.get_base_model().generation_config
-    return fresh
-
-
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The `ModuleList` of `config.num_hidden_layers` decoder blocks (`model.layers` in Llama,
-    `transformer.h` in GPT-2), of a bare or FSDP-wrapped model; None if there is none."""
+    """The `ModuleList` of `config.num_hidden_layers` decoder blocks of a bare or FSDP-wrapped
+    model, or None."""
     config = getattr(model, "config", None) or getattr(
         getattr(model, "module", None), "config", None
     )
@@ -148,35 +116,3 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
         m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers
     ]
     return lists[0] if lists else None
-
-
-def fsdp_block_units(model: torch.nn.Module) -> dict:
-    """`{"block_class": name, "blocks": n, "units": k}`: k of the n decoder blocks of a prepared
-    model are FSDP units of their own (FSDP2: an `FSDPModule`; FSDP1: in a wrapper). With none,
-    the whole model is one unit and every rank gathers all of it at once."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    blocks = decoder_blocks(model)
-    if blocks is None:
-        return {"block_class": None, "blocks": 0, "units": 0}
-    inner = getattr(blocks[0], "_fsdp_wrapped_module", blocks[0])  # FSDP1 wrapper -> the block
-    name = type(inner).__name__
-    name = name.removeprefix("FSDP") if isinstance(inner, FSDPModule) else name
-    units = sum(isinstance(b, (FSDPModule, FullyShardedDataParallel)) for b in blocks)
-    return {"block_class": name, "blocks": len(blocks), "units": units}
-
-
-def forward_error(model) -> str | None:
-    """The first line of the error of one forward pass on 2 tokens (no grad), or None if it runs.
-    `--config_overrides` can leave a config inconsistent (`hidden_size=60` with a `head_dim` of 16
-    kept), which would otherwise fail deep in the first training step on every rank."""
-    model.eval()
-    device = next(model.parameters()).device  # (a tensor-parallel model is on the mesh's)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
-    except (RuntimeError, ValueError, IndexError, TypeError) as err:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    finally:
-        model.train()
-    return None

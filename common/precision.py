@@ -1,10 +1,8 @@
 """Which mixed precision for which hardware (docs/configs.md#precision), and each step's health.
 
-bf16 where the device computes it natively (CUDA 8.0+, CPUs with AVX512-BF16 or AMX, Arm with
-BF16); fp16 where it has fast fp16 and no bf16 (CUDA 7.x); else fp32. A CPU without bf16
-instructions emulates it, a llama.py step about 14x slower than fp32 on AVX2: a config's bf16
-trains in fp32 there, `accelerate launch --mixed_precision bf16` forces the emulation. fp16 (max
-65504) needs loss scaling; bf16 has fp32's range.
+bf16 where the device computes it natively (CUDA 8.0+, CPUs with AVX512-BF16 or AMX, Arm BF16);
+fp16 where it has fast fp16 and no bf16 (CUDA 7.x); else fp32. A CPU emulates bf16 about 14x
+slower: a config's bf16 trains in fp32 there unless the launch line forces it.
 """
 
 from __future__ import annotations
@@ -31,21 +29,19 @@ def detect_device() -> tuple[str, tuple[int, int] | None]:
 
 
 def onednn_cap() -> str | None:
-    """`ONEDNN_MAX_CPU_ISA` when it keeps oneDNN below bf16 instructions (how the suite plays an
-    AVX2 host on a newer one), else None."""
+    """`ONEDNN_MAX_CPU_ISA` when it keeps oneDNN below bf16 instructions, else None."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     below = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
     return isa if isa in below else None
 
 
-def cpu_native_dtypes() -> set[str]:
+def _cpu_native_dtypes() -> set[str]:
     """The low precisions this CPU computes natively: its hardware's, none under `onednn_cap`."""
     return set() if onednn_cap() else cpu_hardware_dtypes()
 
 
 def cpu_hardware_dtypes() -> set[str]:
-    """The low precisions this CPU has instructions for (not oneDNN's x86 bf16 check: it says yes
-    on AVX-512 CPUs without them)."""
+    """The low precisions this CPU has instructions for (oneDNN's x86 check says yes on AVX-512)."""
     if platform.machine().lower() in ("arm64", "aarch64"):
         return {"bf16"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
     bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -53,9 +49,8 @@ def cpu_hardware_dtypes() -> set[str]:
     return {name for name, has in (("bf16", bf16), ("fp16", fp16)) if has}
 
 
-def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
-    """The device in a log line: "compute capability 8.0", or "this CPU (AVX512, AVX512-BF16, AMX)"
-    (torch's CPU capability, its bf16 extensions, an `ONEDNN_MAX_CPU_ISA` cap)."""
+def _device_name(device_type: str, capability: tuple[int, int] | None) -> str:
+    """The device in a log line: "compute capability 8.0", or "this CPU (AVX512, AVX512-BF16, AMX)"."""
     if device_type == "cuda" and capability:
         return f"compute capability {capability[0]}.{capability[1]}"
     if device_type != "cpu":
@@ -68,20 +63,15 @@ def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
 
 
 def choose_precision(requested, device_type, capability, n_params, forced=True) -> tuple[str, str]:
-    """The mixed precision for the hardware: (Accelerate's mode "no"/"bf16"/"fp16", one log line).
-
-    `requested`: "auto", "no", "bf16" or "fp16"; `forced`: asked for on the command line, so a
-    CPU that only emulates it keeps it (and says so) rather than falling back to fp32. fp16 on
-    bf16 hardware warns from `LARGE_MODEL_PARAMS` (`n_params`). Stops on an unknown mode, or bf16
-    below compute capability 8.0.
-    """
+    """(Accelerate's mode "no"/"bf16"/"fp16" for the hardware, one log line). `requested`: one of
+    `MODES`; `forced`: a CPU that only emulates it keeps it rather than falling back to fp32."""
     if requested not in MODES:
         raise Stop(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
-    cc = device_name(device_type, capability)
+    cc = _device_name(device_type, capability)
     if device_type == "cuda":
         native = {d for d, v in (("bf16", (8, 0)), ("fp16", (7, 0))) if (capability or ()) >= v}
     else:
-        native = cpu_native_dtypes() if device_type == "cpu" else set()
+        native = _cpu_native_dtypes() if device_type == "cpu" else set()
     if requested == "bf16" and device_type == "cuda" and "bf16" not in native:
         raise Stop(
             f"--precision bf16: this GPU ({cc}) has no bf16 support, which needs compute "
@@ -119,9 +109,8 @@ def choose_precision(requested, device_type, capability, n_params, forced=True) 
 
 
 def for_launch(launch_config: dict, hardware: dict) -> dict:
-    """{"requested", "used", "reason"}: the launch config's mixed_precision, kept where the
-    hardware computes it (a GPU keeps it: `checks` refuses bf16 below 8.0). Rank 0 prints the
-    reason where the two differ or the precision is emulated."""
+    """{"requested", "used", "reason"}: the launch config's mixed_precision where the hardware
+    computes it; rank 0 prints the reason where they differ or it is emulated."""
     requested = launch_config.get("mixed_precision") or "no"
     if hardware["device_type"] != "cpu":
         return {"requested": requested, "used": requested, "reason": f"{requested} as requested"}
@@ -142,15 +131,11 @@ def loss_scale(accelerator, model=None) -> float | None:
     return None
 
 
-def loss_scale_verdict(
+def _loss_scale_verdict(
     scale: float | None, skipped_in_a_row: int, step: int, min_scale: float = MIN_LOSS_SCALE
 ) -> str | None:
-    """After step `step` (on every rank): why the run must stop, or None. `scale`: `loss_scale`.
-
-    An overflowing step is skipped and the scale halved: a few early skips are normal (it searches
-    down from 65536); `SKIPS_IN_A_ROW_WARNING` in a row warn; a scale below `min_scale` means the
-    gradients overflow at any scale.
-    """
+    """After step `step` (every rank): why the run must stop (the scale below `min_scale`: it
+    overflows at any scale), or None; `SKIPS_IN_A_ROW_WARNING` skips in a row warn."""
     if scale is None:
         return None
     if scale < min_scale:
@@ -173,10 +158,9 @@ def precision_name(mixed_precision: str) -> str:
 
 
 class NonFiniteGuard:
-    """Stops a run whose loss or gradient norm went inf/NaN (outside fp16 loss scaling, which
-    skips such steps), before its weights are saved: DDP and FSDP would step AdamW on NaN, and
-    DeepSpeed skip every later step. `record` keeps the first bad step on the device; `problem`
-    reads it where the recipe reads values anyway. `model`: prepared (DeepSpeed: the engine)."""
+    """Stops a run whose loss or gradient norm went inf/NaN (fp16 loss scaling skips such steps)
+    before its weights are saved. `record` keeps the first bad step on the device; `problem` reads
+    it where the recipe reads values anyway. `model`: prepared (DeepSpeed: the engine)."""
 
     def __init__(self, accelerator, model=None):
         self.accelerator = accelerator
@@ -218,9 +202,8 @@ class NonFiniteGuard:
 
 
 class StepHealth:
-    """Each optimizer step judged: fp16 skips (`loss_scale_verdict`), windows without a target
-    token (skipped whole), inf/NaN (`NonFiniteGuard`). The counts go into each checkpoint
-    (`state`) and come back on a resume (`saved`). `min_scale`: `loss_scale_verdict`'s."""
+    """Each optimizer step judged: fp16 skips, windows without a target token, inf/NaN. The counts
+    go into each checkpoint (`state`) and come back on a resume (`saved`)."""
 
     def __init__(self, accelerator, model, saved: dict, min_scale: float = MIN_LOSS_SCALE):
         self.accelerator, self.model, self.min_scale = accelerator, model, min_scale
@@ -244,13 +227,12 @@ class StepHealth:
         self.skipped_steps += skipped
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         scale = loss_scale(self.accelerator, self.model)
-        error = loss_scale_verdict(scale, self.skipped_in_a_row, step, self.min_scale)
+        error = _loss_scale_verdict(scale, self.skipped_in_a_row, step, self.min_scale)
         self.scale_error = f"step {step}: {error}" if error else None
         self.nonfinite.record(step, loss, norm)
 
     def problem(self, read: bool) -> str | None:
-        """Why the run must stop, or None: the loss scale's collapse, else, if `read` (a
-        collective and a host read), the first non-finite loss or norm."""
+        """Why the run must stop, or None; `read` (a collective and a host read) checks inf/NaN."""
         return self.scale_error or (self.nonfinite.problem() if read else None)
 
     def scale_fields(self) -> dict:
@@ -267,8 +249,7 @@ class StepHealth:
         }
 
     def end_of_run(self, steps: int) -> dict:
-        """Warn once for each kind of skipped step; returns the summary's counts (empty_windows;
-        skipped_steps under fp16 loss scaling)."""
+        """Warn once for each kind of skipped step; returns the summary's counts."""
         if self.empty_windows:
             errors.warn(
                 f"{self.empty_windows} of {steps} windows had no target tokens and were skipped"

@@ -1,9 +1,8 @@
 """One live run per `--output_dir` (`claim`), and which attempt of its job this is.
 
-The lock is a POSIX record lock (`fcntl.lockf`) on `{output_dir}/.lock`, held by the main process
-while it lives: the kernel drops it however the process ends, so a restarted attempt finds it free,
-and forked DataLoader workers do not inherit it (unlike `flock`). On NFS a crashed node's lock lasts
-until its lease expires (NFSv4: about 90 s); Lustre needs the `flock` mount option.
+The lock is a POSIX record lock (`fcntl.lockf`, which forked workers do not inherit) on
+`{output_dir}/.lock`: the kernel drops it however the process ends. On NFS a crashed node's lock
+lasts until its lease expires (NFSv4: about 90 s).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ _held: list[int] = []  # the lock's file descriptor, open for the life of the pr
 
 
 def restart_note() -> str:
-    """ "" on a job's first attempt, else e.g. "torchrun restart 1" or "SLURM requeue 2" (torchrun
-    sets `TORCHELASTIC_RESTART_COUNT` for every worker; a requeued SLURM job `SLURM_RESTART_COUNT`)."""
+    """ "" on a job's first attempt, else e.g. "torchrun restart 1" or "SLURM requeue 2"."""
     counts = {
         "torchrun restart": "TORCHELASTIC_RESTART_COUNT",
         "SLURM requeue": "SLURM_RESTART_COUNT",
@@ -41,8 +39,7 @@ def restart_note() -> str:
 
 
 def lock(output_dir: str) -> None:
-    """Take `{output_dir}/.lock` for this process, writing who holds it; Stop naming the live job
-    that holds it already."""
+    """Take `{output_dir}/.lock`, writing who holds it; Stop naming the live job holding it."""
     path = Path(output_dir) / LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -83,8 +80,8 @@ def lock(output_dir: str) -> None:
 
 
 def clear(output_dir: str, resume_from_checkpoint: str | None) -> None:
-    """Delete everything in `output_dir` but the lock and a checkpoint being resumed
-    (`--overwrite_output_dir`); Stop for a folder that is not a run's. Main process only."""
+    """`--overwrite_output_dir`: delete all but the lock and a checkpoint being resumed (main process);
+    Stop for a folder that is not a run's."""
     out, here = Path(output_dir), Path(output_dir).resolve()
     if resume_from_checkpoint in ("latest", "auto"):  # it continues what is there
         return
@@ -107,10 +104,8 @@ def clear(output_dir: str, resume_from_checkpoint: str | None) -> None:
 
 
 def claim(accelerator, args) -> None:
-    """Make `args.output_dir` this run's: create it, lock it and with `--overwrite_output_dir` empty
-    it (main process; `args.parse_args` turns that flag off on restarts), then check that every rank
-    sees the same folder. A collective: call on every rank before writing anything there; every
-    rank stops with the main process's reason."""
+    """Make `args.output_dir` this run's: create, lock and (`--overwrite_output_dir`) empty it, then
+    check that every rank sees the same folder. A collective, before anything is written there."""
     error = None
     try:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -134,8 +129,7 @@ def claim(accelerator, args) -> None:
         raise Stop(error)
     if token is None:
         return
-    # Checkpoints are written by every rank and renamed by rank 0: a node-local folder would split
-    # them between machines. Each rank writes one file named by rank 0's token and counts them.
+    # every rank writes checkpoints, rank 0 renames them: a node-local folder would split them
     import torch
 
     mine = Path(args.output_dir) / f".shared-check-{token}-{accelerator.process_index}"

@@ -1,16 +1,10 @@
-"""Every patch of a library's state or behaviour, one function each; docs/workarounds.md lists them.
+"""Every patch of a library's state or behaviour, one function each (docs/workarounds.md).
 
-Each docstring names the library (accelerate 1.15, torch 2.13, transformers 5.24, deepspeed
-0.19.8), the symptom without the patch, and its canary: `test_<name>` in tests/test_workarounds.py
-asserts the upstream behaviour is still there and fails once it changes; then review the patch,
-and delete it if the library no longer needs it. Each returns `["its_name"]` or `[]`, which the
-recipes add up for run_info.json ("workarounds"); `fsdp1_cpu_state_dict` returns a state dict.
-
-Patches that live beside the code they serve (their canaries are in tests/test_workarounds.py too):
-- common/checkpoint.py, `zero_universal`: DeepSpeed's `engine._config.load_universal_checkpoint`,
-  on for one `load_state` (Accelerate has no universal-checkpoint option).
-- common/causal_lm.py, `tensor_parallel`: transformers' `model._tp_size`, which `from_pretrained`
-  sets for a tp plan and Accelerate's `prepare` reads.
+Each docstring names the library, the symptom without the patch, and its canary: `test_<name>` in
+tests/test_workarounds.py fails once upstream changes; then review the patch. Each returns
+`["its_name"]` or `[]`, for run_info.json. Two live beside the code they serve:
+- common/checkpoint.py, `zero_universal`: DeepSpeed's `engine._config.load_universal_checkpoint`.
+- common/causal_lm.py, `tensor_parallel`: transformers' `model._tp_size`.
 """
 
 from __future__ import annotations
@@ -38,10 +32,8 @@ def _fsdp1(accelerator) -> bool:
 
 
 def die_with_launcher() -> list[str]:
-    """The kernel kills this rank when its torchrun launcher dies, SIGKILL included (Linux).
-
-    torch 2.13's torchrun leaves its workers running when SIGKILLed (OOM killer, `kill -9`).
-    Canary: torchrun still spawns workers without a parent-death signal."""
+    """The kernel kills this rank when its torchrun launcher dies (Linux): torch 2.13's torchrun
+    leaves its workers running when SIGKILLed. Canary: no parent-death signal yet."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return []
     PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -52,10 +44,8 @@ def die_with_launcher() -> list[str]:
 
 
 def allow_mixed_precision_with_deepspeed_json() -> list[str]:
-    """Let a DeepSpeed YAML carry `mixed_precision` (the JSONs' "auto" blocks follow it).
-
-    Accelerate 1.15 refuses it beside a DeepSpeed JSON, so ZeRO trained in fp32. Call before the
-    `Accelerator`. Canary: Accelerate still refuses it."""
+    """Let a DeepSpeed YAML carry `mixed_precision`: Accelerate 1.15 refuses it beside a JSON, so
+    ZeRO trained in fp32. Before the `Accelerator`. Canary: still refused."""
     fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
     if "mixed_precision" not in fields:
         return []
@@ -66,19 +56,15 @@ def allow_mixed_precision_with_deepspeed_json() -> list[str]:
 
 
 def ddp_ranks_on_cpu() -> list[str]:
-    """DDP under torchrun without an accelerator: Accelerate's MULTI_CPU path over gloo.
-
-    Accelerate 1.15 gives such a rank a non-distributed state unless told `cpu`: independent runs.
-    Canary: a CPU torchrun rank is still not distributed without `ACCELERATE_USE_CPU`."""
+    """DDP on CPU torchrun ranks: Accelerate 1.15 makes them independent runs unless told `cpu`.
+    Canary: still not distributed without `ACCELERATE_USE_CPU`."""
     os.environ["ACCELERATE_USE_CPU"] = "true"
     return ["ddp_ranks_on_cpu"]
 
 
 def fsdp_ranks_on_cpu(timeout: timedelta) -> list[str]:
-    """FSDP under torchrun without an accelerator: a gloo state that FSDP is chosen from.
-
-    Accelerate 1.15 picks FSDP from a multi-device type only: CPU FSDP ran unsharded. Device "cpu",
-    not "cpu:0" (torch 2.13's FSDP1 rejects it). Canary: FSDP is still picked from MULTI_GPU only."""
+    """FSDP on CPU torchrun ranks: Accelerate 1.15 picks FSDP from a multi-device type only (CPU
+    FSDP ran unsharded); "cpu", not "cpu:0" (FSDP1). Canary: still picked from MULTI_GPU only."""
     state = PartialState(cpu=True, backend="gloo", timeout=timeout)
     state.distributed_type = DistributedType.MULTI_GPU
     state.device = torch.device("cpu")
@@ -95,10 +81,8 @@ def skip_deepspeed_shm_build() -> list[str]:
 
 
 def cache_deepspeed_cpu_device_count() -> list[str]:
-    """DeepSpeed's CPU `device_count()` asked once, not at every ZeRO-3 reduce-scatter.
-
-    deepspeed 0.19.8 runs numactl at each call, which resets Python's warning registries: a torch
-    warning printed 386 times in 4 steps. Canary: it still runs numactl at every call."""
+    """DeepSpeed's CPU `device_count()` asked once: deepspeed 0.19.8 runs numactl at each ZeRO-3
+    reduce-scatter, which resets the warning registries. Canary: numactl at every call."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -108,13 +92,9 @@ def cache_deepspeed_cpu_device_count() -> list[str]:
 
 
 def install_cpu_grad_scaler(accelerator) -> list[str]:
-    """fp16 on CPU ranks with loss scaling, as on GPUs. Call before `prepare`.
-
-    Accelerate 1.15 builds its GradScaler and fp16 autocast for non-CPU devices only: fp16 on CPU
-    trained in fp32. Canary: Accelerate still builds no scaler for fp16 on CPU.
-
-    Raises:
-        Stop: fp16 under DeepSpeed on a CPU without fp16 kernels (DeepSpeed 0.19.8 refuses it)."""
+    """fp16 on CPU ranks with loss scaling: Accelerate 1.15 builds its GradScaler and autocast for
+    other devices only (fp16 trained in fp32). Before `prepare`; Stop for DeepSpeed fp16 on a CPU
+    without fp16 kernels. Canary: still no scaler for fp16 on CPU."""
     fp16 = accelerator.mixed_precision == "fp16" and accelerator.scaler is None
     if not fp16 or accelerator.device.type != "cpu":
         return []
@@ -140,11 +120,9 @@ def install_cpu_grad_scaler(accelerator) -> list[str]:
 
 
 def keep_fp32_reduction(accelerator) -> list[str]:
-    """FSDP with bf16/fp16: gradients reduced and outputs returned in fp32; FSDP1: fp32 buffers.
-
-    Accelerate 1.15's policy reduces in the compute dtype, FSDP2 rounds the loss to it (fp16: the
-    65536 loss scale overflows), FSDP1 rounds the rotary `inv_freq`. Call before `prepare`.
-    Canary: Accelerate's policy still reduces (and FSDP2 outputs) in the compute dtype."""
+    """FSDP with bf16/fp16: reduce and return outputs in fp32 (FSDP1: fp32 buffers). Accelerate
+    1.15's policy reduces in the compute dtype, FSDP2 rounds the loss (fp16: overflows), FSDP1 the
+    rotary `inv_freq`. Before `prepare`. Canary: the policy still reduces in the compute dtype."""
     if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
         return []
     plugin = accelerator.state.fsdp_plugin
@@ -157,15 +135,12 @@ def keep_fp32_reduction(accelerator) -> list[str]:
 
 
 def drop_fp32_output_copy(accelerator, model) -> list[str]:
-    """Keep `prepare`'s autocast around the forward, without its fp32 copy of every output.
-
-    Accelerate 1.15's copy of the logits is unread (8.4 GB at 8 x 2048 tokens, 128k vocabulary; 4%
-    of a step). Call right after `prepare`. Canary: `prepare` under bf16 still returns fp32."""
+    """Keep `prepare`'s autocast, without Accelerate 1.15's unread fp32 copy of every output (8.4 GB
+    of logits at 8 x 2048 tokens, 128k vocabulary). After `prepare`. Canary: still fp32 outputs."""
     if not accelerator.native_amp:
         return []
     autocast = get_mixed_precision_context_manager(True, accelerator.autocast_handler)
-    # Every module that may hold the wrapped forward: the model, DDP/FSDP1's `.module`, compile's
-    # `._orig_mod`, and regional compilation's new top module.
+    # what may hold the wrapped forward: the model, `.module`, `._orig_mod`, a regional top module
     candidates = [model, getattr(model, "module", None), getattr(model, "_orig_mod", None)]
     candidates += [getattr(c, "module", None) for c in candidates[1:] if c is not None]
     candidates.append(accelerator.unwrap_model(model, keep_torch_compile=False))
@@ -180,10 +155,8 @@ def drop_fp32_output_copy(accelerator, model) -> list[str]:
 
 
 def eager_state_dict_keys(accelerator, model) -> list[str]:
-    """`torch.compile` wrappers in `model` save and load eager key names (not FSDP2: it strips).
-
-    torch 2.13 prefixes every key with `_orig_mod.`: the export reloaded untrained, and checkpoints
-    did not move between compiled and eager runs. Canary: compiled keys still carry the prefix."""
+    """`torch.compile` wrappers save and load eager key names (FSDP2 strips them itself): torch 2.13
+    prefixes `_orig_mod.` (the export reloaded untrained). Canary: keys still carry the prefix."""
     if accelerator.is_fsdp2:
         return []
 
@@ -210,10 +183,8 @@ def eager_state_dict_keys(accelerator, model) -> list[str]:
 
 
 def fill_fsdp1_optimizer_state(accelerator, model, optimizer) -> list[str]:
-    """FSDP1: give the optimizer its (empty) states before `load_state`, which fills them.
-
-    Accelerate 1.15 loads into the existing state; a fresh torch 2.13 Adam has none, so a resume
-    kept zeroed moments. Canary: Accelerate still loads into the existing state."""
+    """FSDP1: the optimizer's empty states before `load_state`, which Accelerate 1.15 loads into (a
+    fresh Adam has none: zeroed moments). Canary: it still loads into the existing state."""
     if not _fsdp1(accelerator):
         return []
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -223,19 +194,16 @@ def fill_fsdp1_optimizer_state(accelerator, model, optimizer) -> list[str]:
 
 
 def micro_steps_from_optimizer_steps(accelerator, optimizer_steps: int) -> list[str]:
-    """After `load_state`: `accelerator.step` = optimizer steps x this run's accumulation.
-
-    Accelerate 1.15 restores the saved micro-batch count: resumed with another split (saved at step
-    9, accumulation 2: 9 % 2 = 1), windows closed early. Canary: `load_state` still restores it."""
+    """After `load_state`: `accelerator.step` = optimizer steps x this run's accumulation; Accelerate
+    1.15 restores the saved count, which closes windows early under another split (9 % 2 = 1).
+    Canary: `load_state` still restores it."""
     accelerator.step = optimizer_steps * accelerator.gradient_accumulation_steps
     return ["micro_steps_from_optimizer_steps"]
 
 
 def relink_offload_lr_scheduler(accelerator) -> list[str]:
-    """After `load_state` under ZeRO-Offload: the LR scheduler drives DeepSpeed's CPU Adam again.
-
-    Accelerate 1.15 builds the CPU Adam on the AdamW's group dicts; torch 2.13's `load_state_dict`
-    replaces them: the CPU Adam kept the checkpoint's LR. Canary: that still happens."""
+    """After `load_state` under ZeRO-Offload: the LR scheduler drives the CPU Adam again (torch's
+    `load_state_dict` replaced the group dicts: it kept the checkpoint's LR). Canary: still so."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return []
     applied = []
@@ -251,11 +219,9 @@ def relink_offload_lr_scheduler(accelerator) -> list[str]:
 
 @contextmanager
 def fsdp_trainable_state_only(accelerator):
-    """FSDP: inside the block, `save_state` / `load_state` keep the trainable parameters only.
-
-    Accelerate 1.15 saves a LoRA model's frozen base, and its `adapter_only` load under torch 2.13
-    FSDP1 loaded nothing. Yields the names applied. Canary: `save_state` / `load_state` still call
-    `save_fsdp_model` / `load_fsdp_model` without `adapter_only`."""
+    """FSDP: inside the block `save_state` / `load_state` keep the trainable parameters only
+    (Accelerate 1.15 saves a LoRA model's frozen base; its `adapter_only` load under FSDP1 loaded
+    nothing). Yields the names applied. Canary: still called without `adapter_only`."""
     if accelerator.distributed_type != DistributedType.FSDP:
         yield []
         return
@@ -287,10 +253,8 @@ def fsdp_trainable_state_only(accelerator):
 
 
 def fsdp1_cpu_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
-    """FSDP1 on CPU: the full state dict (rank 0; {} elsewhere), gathered without offload.
-
-    Accelerate 1.15's offloading gather crashed (SIGSEGV) on torch 2.13. A collective; None off
-    FSDP1-on-CPU: use `accelerator.get_state_dict`. Canary: pinned to torch 2.13."""
+    """FSDP1 on CPU: the full state dict (rank 0; {} elsewhere) without Accelerate 1.15's offloading
+    gather (SIGSEGV on torch 2.13). A collective; None elsewhere. Canary: pinned to torch 2.13."""
     if not _fsdp1(accelerator) or accelerator.device.type != "cpu":
         return None
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
@@ -302,9 +266,7 @@ def fsdp1_cpu_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
 
 
 def trim_malloc_heap() -> list[str]:
-    """Hand the pages glibc keeps after `free` back to the OS: RSS then counts live memory.
-
-    Canary: the C library is still glibc, with `malloc_trim`."""
+    """Hand glibc's freed pages back to the OS (RSS then counts live memory). Canary: glibc."""
     if sys.platform != "linux":
         return []
     ctypes.CDLL(None).malloc_trim(0)
@@ -312,10 +274,8 @@ def trim_malloc_heap() -> list[str]:
 
 
 def safetensors_mode_from_umask(path: str) -> list[str]:
-    """Give a `.safetensors` file, or those under a folder, 0666 less the umask.
-
-    safetensors 0.8 writes 0600: unreadable by the group beside a readable config.json. Call on the
-    rank that wrote them. Canary: safetensors still writes 0600."""
+    """`.safetensors` files (or those under a folder) get 0666 less the umask: safetensors 0.8
+    writes 0600. On the rank that wrote them. Canary: still 0600."""
     umask = os.umask(0o077)  # (reading it means setting it, for that moment)
     os.umask(umask)
     path = Path(path)
@@ -326,10 +286,8 @@ def safetensors_mode_from_umask(path: str) -> list[str]:
 
 
 def replicate_parallel_for_accelerate(accelerator) -> list[str]:
-    """Tensor parallel: the `ReplicateParallel` Accelerate's `prepare` imports from transformers.
-
-    Accelerate 1.15 needs it for the weights it keeps whole (RMSNorms); transformers 5.24 lacks it
-    (ImportError). Here: 5.24's `local_params` style. Canary: still imported, still missing."""
+    """Tensor parallel: the `ReplicateParallel` Accelerate 1.15's `prepare` imports, which
+    transformers 5.24 lacks (its `local_params` style here). Canary: still imported, still missing."""
     import transformers.integrations.tensor_parallel as hf_tp
 
     config = getattr(accelerator, "parallelism_config", None)
@@ -348,10 +306,8 @@ def replicate_parallel_for_accelerate(accelerator) -> list[str]:
 
 
 def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
-    """Tensor parallel: `gather_for_metrics` keeps one copy of each tp group's rows.
-
-    Accelerate 1.15 gathers every rank, then cuts the last batch to a remainder counted over
-    data-parallel ranks: the eval loss was 1.2e-3 off. Canary: `gather_for_metrics` still gathers every rank's rows."""
+    """Tensor parallel: `gather_for_metrics` keeps one copy of each tp group's rows (Accelerate 1.15
+    gathers every rank: the eval loss was 1.2e-3 off). Canary: it still gathers every rank's."""
     config = getattr(accelerator, "parallelism_config", None)
     if config is None or not config.tp_enabled:
         return []
@@ -374,10 +330,8 @@ def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
 
 
 def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
-    """Keep `unwrap_model` from importing DeepSpeed off DeepSpeed.
-
-    Accelerate 1.15 imports deepspeed to test for a `DeepSpeedEngine` (~1 s of CPU per rank at each
-    export). Canary: unwrapping a plain module still imports deepspeed."""
+    """Off DeepSpeed, `unwrap_model` imports no deepspeed (Accelerate 1.15 did: ~1 s per rank at
+    each export). Canary: unwrapping a plain module still imports it."""
     patched = getattr(other.is_deepspeed_available, "__name__", "") == "deepspeed_imported"
     if patched or accelerator.distributed_type == DistributedType.DEEPSPEED:
         return []
@@ -390,10 +344,8 @@ def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
 
 
 def inductor_cache_per_cpu_capability() -> list[str]:
-    """Under `ATEN_CPU_CAPABILITY`: torch.compile's kernel cache in a folder of its own.
-
-    torch 2.13's inductor cache ignores it: under avx2 a run read native kernels and failed an index
-    check. Canary: torch's cache folder and keys still ignore `ATEN_CPU_CAPABILITY`."""
+    """Under `ATEN_CPU_CAPABILITY`, inductor's cache in a folder of its own: torch 2.13's ignores it
+    (avx2 read native kernels). Canary: the cache still ignores it."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if not capability:
         return []

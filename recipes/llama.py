@@ -180,7 +180,7 @@ def main() -> int:
         tokenizer = data.get_tokenizer(tokenizer_source, raw, args.vocab_size, args.cache_dir)
         if not (args.config_name or args.model_name_or_path):
             config.vocab_size = len(tokenizer)  # a preset's vocabulary is the tokenizer's
-        checks.tokenizer_fits(
+        causal_lm.tokenizer_fits(
             tokenizer, tokenizer_source, raw, config, args.block_size, pretrained=not from_scratch
         )
         ids = causal_lm.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
@@ -188,7 +188,7 @@ def main() -> int:
             raw, tokenizer, args.block_size, args.cache_dir, args.packing
         ).with_format("torch")
     full_blocks = args.packing == "stream"  # every position a target: the loss need not count
-    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
+    data_digest = data.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids and (args.config_name or args.model_name_or_path):  # (presets: nothing to report)
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
@@ -247,7 +247,7 @@ def main() -> int:
         )
     model.config.use_cache = False
     if args.config_overrides and not zero3_init:
-        checks.model_runs(model, args.config_overrides)  # overrides can leave shapes inconsistent
+        causal_lm.model_runs(model, args.config_overrides)  # overrides can break the shapes
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 too
     set_seed(args.seed, device_specific=True)  # from here on each rank draws its own (dropout)
     flops_per_token, flops_method = metrics.model_flops_per_token(model, args.block_size)
@@ -426,7 +426,7 @@ def main() -> int:
     # <<< shared
     seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
     if args.save_logits_probe:  # the live (still sharded) model's logits, for tests of the export
-        metrics.save_logits_probe(accelerator, model, eval_set, args.output_dir)
+        causal_lm.save_logits_probe(accelerator, model, eval_set, args.output_dir)
     accelerator.wait_for_everyone()
     log.summary(
         {

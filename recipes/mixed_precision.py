@@ -223,7 +223,7 @@ def main() -> int:
             raw, tokenizer, args.block_size, args.cache_dir, "stream"
         ).with_format("torch")
     full_blocks = True  # one stream cut into blocks: every position a target, no count
-    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
+    data_digest = data.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
         lm_data, args.max_eval_samples, sample_ids=args.record_sample_ids
     )

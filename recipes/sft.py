@@ -228,7 +228,7 @@ def main() -> int:
         tokenizer_source = args.tokenizer_name_or_path or args.model_name_or_path
         tokenizer = data.get_tokenizer(tokenizer_source, raw, 0, args.cache_dir)
         to_rows = chat_rows(tokenizer, args.chat_template, args.assistant_only_loss)
-        checks.tokenizer_fits(
+        causal_lm.tokenizer_fits(
             tokenizer, tokenizer_source, raw, config, args.max_length, pretrained=True
         )
         ids = causal_lm.set_token_ids(config, tokenizer, from_scratch=False)  # the data's eos, pad
@@ -236,7 +236,7 @@ def main() -> int:
             raw, tokenizer, args.max_length, args.cache_dir, args.packing, to_rows, "--max_length"
         ).with_format("torch")
     full_blocks = False  # the labels say which tokens train (the assistant's): count them
-    data_digest = checks.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
+    data_digest = data.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint
     if ids:
         accelerator.print(f"token ids from the tokenizer into the model config: {', '.join(ids)}")
     train_set, eval_set = data.train_and_eval_sets(  # + each block's index: --record_sample_ids
@@ -487,7 +487,7 @@ def main() -> int:
     # <<< shared
     seen.write(accelerator, args.output_dir)  # --record_sample_ids: each rank its own file
     if args.save_logits_probe:  # the live (still sharded) model's logits, for tests of the export
-        metrics.save_logits_probe(accelerator, model, eval_set, args.output_dir)
+        causal_lm.save_logits_probe(accelerator, model, eval_set, args.output_dir)
     accelerator.wait_for_everyone()
     log.summary(
         {

@@ -38,12 +38,12 @@ def test_missing_config_file(tmp_path, cache_dir, monkeypatch):
     # ... and our shorthand also lists the configs there are: its exit message (what Python prints, exit status 1),
     # in this process as test_help_of_every_entry_point runs it; it stops before starting the launcher
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "argv", ["common/launch.py", "nope", "recipes/llama.py"])
+    monkeypatch.setattr(sys, "argv", ["tools/launch.py", "nope", "recipes/llama.py"])
     monkeypatch.setattr(
         os, "execvp", lambda *a: pytest.fail(f"the shorthand started the launcher: {a}")
     )
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(REPO / "common" / "launch.py"), run_name="__main__")
+        runpy.run_path(str(REPO / "tools" / "launch.py"), run_name="__main__")
     message = exit_info.value.code
     assert isinstance(message, str), message
     for fragment in (
@@ -183,10 +183,10 @@ def test_resume_from_a_checkpoint_that_is_not_there(tmp_path, cache_dir):
     )
     # ... and the same function's refusal of a path that does not exist (the recipe's call, without the launch)
     with pytest.raises(Stop, match="--resume_from_checkpoint /nonexistent/ckpt: no such directory"):
-        checkpoint.resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
+        checkpoint._resolve_checkpoint(tmp_path, "/nonexistent/ckpt", None)
 
 
-# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py launch_config_from_env), on 2 CPU ranks.
+# What the ranks of a deepspeed_zero2.yaml launch read (common/checks.py _launch_config_from_env), on 2 CPU ranks.
 DEEPSPEED_ZERO2_ENV = {
     "ACCELERATE_USE_DEEPSPEED": "true",
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
@@ -471,9 +471,9 @@ ENTRY_POINTS = sorted(
     str(p.relative_to(REPO))
     for pattern in ("recipes/*.py", "benchmarks/*.py")
     for p in REPO.glob(pattern)
-) + ["common/launch.py", "tools/plan.py", "tools/consolidate.py", "tools/prepare_shards.py"]
+) + ["tools/launch.py", "tools/plan.py", "tools/consolidate.py", "tools/prepare_shards.py"]
 SAYS = {
-    "common/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
+    "tools/launch.py": "Runs `accelerate launch --config_file accelerate_configs/CONFIG.yaml RECIPE",
 }
 
 
@@ -630,7 +630,7 @@ def test_num_train_epochs_alone_sets_the_length(tmp_path, cache_dir, small_corpu
     # a global batch above the one --learning_rate was tuned at, without --scale_lr: said, LR unchanged
     assert "warning: global batch 8 > 2 without --scale_lr" in proc.stderr
     assert info["args"]["learning_rate"] == 3e-3
-    native = "bf16" in precision.cpu_native_dtypes()
+    native = "bf16" in precision._cpu_native_dtypes()
     assert info["mixed_precision"] == info["precision"]["used"] == ("bf16" if native else "no")
     assert info["precision"]["requested"] == "bf16"
     capped = (

@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from common.checkpoint import (
     SETTING_SOURCES,
-    atomic_export,
+    _atomic_export,
     check_resume,
     complete_checkpoints,
-    resolve_checkpoint,
+    _resolve_checkpoint,
     save_checkpoint,
     strategy_name,
     verify_checkpoint,
@@ -243,14 +243,14 @@ def test_rotation_latest_and_damaged_checkpoints(
         match=f"checkpoint file {re.escape(str(victim))} does not match the sha256 "
         "recorded when it was saved",
     ):
-        resolve_checkpoint(out, str(out / "checkpoint-16"))
+        _resolve_checkpoint(out, str(out / "checkpoint-16"))
     # ...an unfinished save (no marker) is ignored, and `latest` warns and falls back to step 12 (the
     # recipe's call here; a launch that goes on from such a fallback, exactly, past a damaged FSDP2
     # shard: tests/test_multinode.py).
     (out / "checkpoint-20.tmp").mkdir()
     (out / "checkpoint-24").mkdir()
     capsys.readouterr()
-    path, marker = resolve_checkpoint(out, "latest")
+    path, marker = _resolve_checkpoint(out, "latest")
     assert capsys.readouterr().err.startswith(
         f"warning: skipping damaged checkpoint: checkpoint file {victim} does not match"
     )
@@ -563,7 +563,7 @@ def test_every_recipe_whose_lr_decays_over_max_steps_says_so_on_resume():
 
 
 class OneProcess:
-    """What `atomic_export` uses of an Accelerator, in a single process."""
+    """What `_atomic_export` uses of an Accelerator, in a single process."""
 
     is_main_process = True
 
@@ -615,7 +615,7 @@ def test_latest_and_rotation_follow_the_save_order_not_the_step(accelerator, tmp
     save_checkpoint(accelerator, tmp_path, 3, save_total_limit=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-8", "checkpoint-3"]
     assert names(tmp_path) == ["checkpoint-3", "checkpoint-8", "checkpoint-10"]
-    path, marker = resolve_checkpoint(str(tmp_path), "latest")
+    path, marker = _resolve_checkpoint(str(tmp_path), "latest")
     assert path == tmp_path / "checkpoint-3" and (marker["step"], marker["save_order"]) == (3, 5)
 
 
@@ -636,7 +636,7 @@ def test_a_clock_ahead_does_not_reorder_the_saves(accelerator, tmp_path, monkeyp
     assert (
         saved_at[3] - 3600 < saved_at[9] < saved_at[12] < saved_at[6] - 3500
     )  # the older saves stamped later
-    path, marker = resolve_checkpoint(str(tmp_path), "latest")
+    path, marker = _resolve_checkpoint(str(tmp_path), "latest")
     assert path == tmp_path / "checkpoint-12" and (marker["step"], marker["save_order"]) == (12, 4)
 
 
@@ -681,7 +681,7 @@ def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path, 
         verify_checkpoint(tmp_path / "checkpoint-8")
     assert str(err.value) == message
     capsys.readouterr()
-    found, saved = resolve_checkpoint(str(tmp_path), "latest")
+    found, saved = _resolve_checkpoint(str(tmp_path), "latest")
     assert capsys.readouterr().err == f"warning: skipping damaged checkpoint: {message}\n"
     assert found == tmp_path / "checkpoint-4" and saved["step"] == 4
     path.write_text("[]")  # not a marker at all
@@ -694,13 +694,13 @@ def test_an_edited_marker_is_refused_and_latest_skips_it(accelerator, tmp_path, 
 def test_auto_with_only_damaged_checkpoints_stops_rather_than_delete_them(accelerator, tmp_path):
     """`auto` starts fresh where there is no checkpoint; where every one is damaged, a fresh
     start would delete them (resume_or_start clears old checkpoint folders): it stops instead."""
-    assert resolve_checkpoint(str(tmp_path), "auto") == (None, {"step": 0})
+    assert _resolve_checkpoint(str(tmp_path), "auto") == (None, {"step": 0})
     save_checkpoint(accelerator, tmp_path, 4)
     marker = tmp_path / "checkpoint-4" / "COMPLETE.json"
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "step": 5}))
     for how in ("auto", "latest"):
         with pytest.raises(Stop) as err:
-            resolve_checkpoint(str(tmp_path), how)
+            _resolve_checkpoint(str(tmp_path), how)
         assert str(err.value) == (
             f"--resume_from_checkpoint {how}: every checkpoint in {tmp_path} is damaged "
             "(checkpoint-4); pass --overwrite_output_dir to delete them and start over"
@@ -712,13 +712,13 @@ def test_the_export_is_replaced_whole_or_not_at_all(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "model.safetensors").write_text("old")
     with pytest.raises(RuntimeError):  # a crash half-way through writing the new export
-        with atomic_export(OneProcess(), tmp_path) as export:
+        with _atomic_export(OneProcess(), tmp_path) as export:
             Path(export, "config.json").write_text("new")
             raise RuntimeError
     assert [p.name for p in (tmp_path / "final").iterdir()] == [
         "model.safetensors"
     ]  # the old one, untouched
-    with atomic_export(OneProcess(), tmp_path) as export:
+    with _atomic_export(OneProcess(), tmp_path) as export:
         Path(export, "model.safetensors").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp, no .old
     assert (tmp_path / "final" / "model.safetensors").read_text() == "new"

@@ -238,7 +238,7 @@ def test_hsdp_mesh_that_the_launch_cannot_run(tmp_path):
         "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
         "PARALLELISM_CONFIG_TP_SIZE": "1",
     }
-    assert checks.launch_config_from_env(env)["parallelism_config"] == {
+    assert checks._launch_config_from_env(env)["parallelism_config"] == {
         "parallelism_config_dp_replicate_size": 2,
         "parallelism_config_dp_shard_size": 2,
         "parallelism_config_tp_size": 1,
@@ -313,9 +313,9 @@ def test_tensor_parallel_only_where_it_runs(tmp_path):
         "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
         "PARALLELISM_CONFIG_TP_SIZE": "2",
     }
-    assert checks.config_problems(checks.launch_config_from_env(env), tensor_parallel=True) == []
+    assert checks.config_problems(checks._launch_config_from_env(env), tensor_parallel=True) == []
     assert one(
-        checks.launch_config_from_env({**env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
+        checks._launch_config_from_env({**env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
     ).startswith(f"{tp} with fsdp_cpu_ram_efficient_loading: true")
 
 
@@ -477,7 +477,7 @@ def test_deepspeed_settings_on_the_launch_line():
         "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
         "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
     }
-    config = checks.launch_config_from_env(env)
+    config = checks._launch_config_from_env(env)
     assert config["deepspeed_config"] == {
         "deepspeed_config_file": "ds_configs/zero2.json",
         "zero_stage": "3",
@@ -513,7 +513,7 @@ def test_deepspeed_settings_on_the_launch_line():
         "gradient_clipping": "1",
         "zero3_save_16bit_model": "false",
     }
-    assert list(checks.launch_flag_problems(same, ds, where, flags)) == []
+    assert list(checks._launch_flag_problems(same, ds, where, flags)) == []
     zero3_offload, where3 = checks.deepspeed_settings(
         {
             "distributed_type": "DEEPSPEED",
@@ -523,7 +523,7 @@ def test_deepspeed_settings_on_the_launch_line():
     )
     assert [
         p.text.split(",")[0]
-        for p in checks.launch_flag_problems(
+        for p in checks._launch_flag_problems(
             {"offload_param_device": "none", "zero3_save_16bit_model": "false"},
             zero3_offload,
             where3,
@@ -558,7 +558,7 @@ def test_launch_config_from_env_and_startup_stops(capsys, monkeypatch, tmp_path)
         "FSDP_OFFLOAD_PARAMS": "true",
         "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block",
     }
-    assert checks.launch_config_from_env(env) == {
+    assert checks._launch_config_from_env(env) == {
         "mixed_precision": "bf16",
         "mixed_precision_forced": True,  # no accelerate launch above: set by hand
         "num_processes": 4,
@@ -577,7 +577,7 @@ def test_launch_config_from_env_and_startup_stops(capsys, monkeypatch, tmp_path)
         "ACCELERATE_USE_DEEPSPEED": "true",
         "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
     }
-    assert checks.launch_config_from_env(env)["deepspeed_config"] == {
+    assert checks._launch_config_from_env(env)["deepspeed_config"] == {
         "deepspeed_config_file": "ds_configs/zero2.json"
     }
     # Startup: a warning prints once however often it comes back (on stderr, rank 0 only); errors

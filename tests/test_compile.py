@@ -193,7 +193,7 @@ def test_dynamo_checks(tmp_path):
     )
     assert problem.severity == "error" and "does not support torch.compile" in problem.text
 
-    # launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
+    # _launcher_dynamo_backend: the flag, else the config file's dynamo_config; nothing after the script
     def parent(*argv):
         proc = subprocess.Popen(
             ["accelerate", "-c", "import time; time.sleep(30)", *map(str, argv)],
@@ -201,7 +201,7 @@ def test_dynamo_checks(tmp_path):
         )
         time.sleep(0.3)
         try:
-            return checks.launcher_dynamo_backend(proc.pid)
+            return checks._launcher_dynamo_backend(proc.pid)
         finally:
             proc.kill()
             proc.wait()
@@ -289,7 +289,7 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
     import torch._dynamo
     from transformers import LlamaForCausalLM
 
-    from common import metrics, models
+    from common import causal_lm, models
     from recipes.llama import evaluate
 
     torch._dynamo.reset()
@@ -307,7 +307,7 @@ def test_the_logits_probe_reuses_the_evaluation_graph(tmp_path):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     eval_set = datasets.Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
-        metrics.save_logits_probe(one_process, compiled, eval_set, str(tmp_path))
+        causal_lm.save_logits_probe(one_process, compiled, eval_set, str(tmp_path))
     assert graphs >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     with torch.no_grad():
         torch.testing.assert_close(

@@ -273,7 +273,9 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     raw = data.load_text_dataset(None, None, str(train), str(valid), 5)
     tokenizer = data.get_tokenizer(str(model_dir), raw, 4096, cache_dir)
     with pytest.raises(Stop) as stopped:
-        data.stop_unless_tokenizer_encodes(tokenizer, str(model_dir), raw["train"][:100]["text"])
+        causal_lm._stop_unless_tokenizer_encodes(
+            tokenizer, str(model_dir), raw["train"][:100]["text"]
+        )
     problem = str(stopped.value)
     assert problem and "\n" not in problem, problem
     assert f"the tokenizer loaded from {model_dir} has 1 entries" in problem
@@ -284,14 +286,14 @@ def test_empty_tokenizer_is_refused(tmp_path, small_corpus, cache_dir):
     lines = source.split("    with launch.node_first(accelerator):\n", 1)[1].splitlines()
     end = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith(" " * 8))
     block = "\n".join(lines[:end])  # the with-block: every line indented past it
-    assert "checks.tokenizer_fits(\n            tokenizer, tokenizer_source," in block
+    assert "causal_lm.tokenizer_fits(\n            tokenizer, tokenizer_source," in block
     fits = (
-        (REPO / "common" / "checks.py")
+        (REPO / "common" / "causal_lm.py")
         .read_text()
         .split("def tokenizer_fits(", 1)[1]
         .split("\ndef ", 1)[0]
     )
-    assert "data.stop_unless_tokenizer_encodes(tokenizer, source," in fits
+    assert "_stop_unless_tokenizer_encodes(tokenizer, source," in fits
 
 
 def test_vocab_smaller_than_tokenizer_stops_every_rank(tmp_path, small_corpus, cache_dir):
@@ -350,10 +352,12 @@ def test_tokenizer_check(tmp_path, small_corpus):
     empty = AutoTokenizer.from_pretrained(model_dir)
     texts = ["To be, or not to be, that is the question. " * 100]
     with pytest.raises(Stop) as stopped:
-        data.stop_unless_tokenizer_encodes(empty, str(model_dir), texts)
+        causal_lm._stop_unless_tokenizer_encodes(empty, str(model_dir), texts)
     problem = str(stopped.value)
     assert problem and str(model_dir) in problem and "--tokenizer_name_or_path" in problem
-    data.stop_unless_tokenizer_encodes(AutoTokenizer.from_pretrained(small_corpus[2]), "bpe", texts)
+    causal_lm._stop_unless_tokenizer_encodes(
+        AutoTokenizer.from_pretrained(small_corpus[2]), "bpe", texts
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -420,7 +424,7 @@ def test_token_ids_from_the_tokenizer(small_corpus):
     model = models.causal_lm_class(small)(small)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (7, None)
     causal_lm.set_token_ids(model.config, tokenizer, from_scratch=False)
-    causal_lm.align_generation_ids(model, tokenizer)
+    causal_lm._align_generation_ids(model, tokenizer)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
         eos,
         pad,
@@ -438,12 +442,11 @@ def test_a_title_never_becomes_the_whole_validation_split():
 
 
 def test_config_overrides_that_break_the_shapes_are_caught_before_training():
-    from common import models
-
     import copy
 
     broken = causal_lm.apply_overrides(
         copy.deepcopy(ARCHS["qwen2"]), "hidden_size=60"
     )  # head_dim stays 16
-    assert "must match" in models.forward_error(AutoModelForCausalLM.from_config(broken))
-    assert models.forward_error(AutoModelForCausalLM.from_config(ARCHS["qwen2"])) is None
+    with pytest.raises(Stop, match="does not run: .*must match"):
+        causal_lm.model_runs(AutoModelForCausalLM.from_config(broken), "hidden_size=60")
+    assert causal_lm.model_runs(AutoModelForCausalLM.from_config(ARCHS["qwen2"]), "") is None

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
-from common import causal_lm, checks, data, models
+from common import causal_lm, data, models
 from common.errors import Stop
 from conftest import FAST, REPO, launch, read_metrics
 
@@ -210,8 +210,8 @@ def test_a_pretrained_model_takes_added_tokens(tmp_path, cache_dir):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|bot|>"]})
     config = AutoConfig.from_pretrained(tmp_path / "base")
     with pytest.raises(Stop, match="the tokenizer has 4098 entries but the model's vocab_size is"):
-        checks.tokenizer_fits(tokenizer, None, raw, config, 64)
-    checks.tokenizer_fits(tokenizer, None, raw, config, 64, pretrained=True)
+        causal_lm.tokenizer_fits(tokenizer, None, raw, config, 64)
+    causal_lm.tokenizer_fits(tokenizer, None, raw, config, 64, pretrained=True)
     try:  # (one process: no launch)
         model = causal_lm.load_pretrained_on_ranks(
             Accelerator(cpu=True), str(tmp_path / "base"), config, False, tokenizer

@@ -41,7 +41,7 @@ def test_the_suite_hides_gpus_and_opts_in_to_cpu():
 
 def test_nvidia_smi_gpus_are_counted(tmp_path, monkeypatch):
     eight_gpus(tmp_path, monkeypatch)
-    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "absent")) == (
+    assert launch_mod._host_nvidia_gpus(proc_dir=str(tmp_path / "absent")) == (
         8,
         "nvidia-smi",
     )  # not the MIG line
@@ -51,7 +51,7 @@ def test_driver_proc_entries_are_counted_first(tmp_path, monkeypatch):
     fake_smi(tmp_path, monkeypatch, "exit 1")
     for bus in ("0000:17:00.0", "0000:2a:00.0"):
         (tmp_path / "gpus" / bus).mkdir(parents=True)
-    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "gpus")) == (
+    assert launch_mod._host_nvidia_gpus(proc_dir=str(tmp_path / "gpus")) == (
         2,
         str(tmp_path / "gpus"),
     )
@@ -72,7 +72,7 @@ def test_no_gpu_when_nvidia_smi_is_absent_fails_or_hangs(body, tmp_path, monkeyp
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     else:
         fake_smi(tmp_path, monkeypatch, body)
-    assert launch_mod.host_nvidia_gpus(proc_dir=str(tmp_path / "absent"), timeout_s=0.5) == (0, "")
+    assert launch_mod._host_nvidia_gpus(proc_dir=str(tmp_path / "absent"), timeout_s=0.5) == (0, "")
 
 
 @pytest.fixture
@@ -81,8 +81,8 @@ def gpu_host(tmp_path, monkeypatch):
     eight_gpus(tmp_path, monkeypatch)
     monkeypatch.setattr(
         launch_mod,
-        "host_nvidia_gpus",
-        functools.partial(launch_mod.host_nvidia_gpus, proc_dir=str(tmp_path / "absent")),
+        "_host_nvidia_gpus",
+        functools.partial(launch_mod._host_nvidia_gpus, proc_dir=str(tmp_path / "absent")),
     )
     for name in ("ACCELERATE_RECIPES_ALLOW_CPU", "ACCELERATE_USE_CPU", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

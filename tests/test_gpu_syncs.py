@@ -13,10 +13,10 @@ Skipped on hosts without an NVIDIA GPU (every CI run here). On a GPU host: pytho
 
 import pytest
 
-from common.launch import host_nvidia_gpus
+from common.launch import _host_nvidia_gpus
 from conftest import FAST, HOST_CUDA_VISIBLE_DEVICES, host_reads, launch, ordinary_step_reads
 
-pytestmark = pytest.mark.skipif(host_nvidia_gpus()[0] == 0, reason="needs an NVIDIA GPU")
+pytestmark = pytest.mark.skipif(_host_nvidia_gpus()[0] == 0, reason="needs an NVIDIA GPU")
 
 
 @pytest.mark.parametrize("config", ["single", "fsdp"])

@@ -17,10 +17,9 @@ from conftest import REPO
 
 PACKAGES = ("common", "tools", "recipes", "benchmarks", "data")
 RECIPES = sorted((REPO / "recipes").glob("*.py"))
-# The budget: llama.py and sft.py 5,000, the others 4,000. The pattern recipes carry 4,304-4,387
-# today: they are held there until the guards only llama.py and sft.py use leave checks.py.
+# The budget: llama.py and sft.py 5,000, the others 4,000 (3,434-3,997 measured).
 LARGE = {"llama.py": 5000, "sft.py": 5000}  # the others: PATTERN
-PATTERN = 4400
+PATTERN = 4130  # the aim is 4,000: the Trainer flags, --help groups and tracker starts took 124
 
 
 def module_file(name: str):
@@ -134,15 +133,15 @@ def public_names() -> dict:
 
 def test_few_public_names_in_common_have_one_user():
     """Few public names in common/ appear at one place only besides their definition in the
-    product's code (recipes, common, tools, benchmarks, data). The aim is 15, each a guard or
-    workaround; 26 today, of which 13 are helpers a test calls directly."""
+    product's code (recipes, common, tools, benchmarks, data): 14 measured, each a guard or
+    workaround but three helpers (config_state, precision_state, scaled_learning_rate)."""
     texts = [p.read_text() for pkg in PACKAGES for p in (REPO / pkg).glob("*.py")]
     once = sorted(
         name
         for name in public_names()
         if sum(len(re.findall(rf"\b{name}\b", t)) for t in texts) == 2
     )
-    assert len(once) <= 26, once
+    assert len(once) <= 14, once
 
 
 # What reaches the user other than `raise Stop` and `errors.warn`: the pattern and where it is
@@ -152,7 +151,7 @@ OTHER_VOICES = {
     r"sys\.stderr|file=sys\.": ("common/errors.py",),
     r"""["']warning:""": ("common/errors.py",),
     r"os\._exit\(": ("common/workarounds.py:die_with_launcher",),
-    r"sys\.exit\(": ("common/errors.py", "common/launch.py:"),  # and launch.py's command line
+    r"sys\.exit\(": ("common/errors.py",),
 }
 
 

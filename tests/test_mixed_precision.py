@@ -62,7 +62,7 @@ def cpu_isa(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
 
     def fake(native):
-        monkeypatch.setattr(precision, "cpu_native_dtypes", lambda: set(native))
+        monkeypatch.setattr(precision, "_cpu_native_dtypes", lambda: set(native))
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: "bf16" in native)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
@@ -137,10 +137,10 @@ def test_native_bf16_is_read_from_the_instruction_set():
     capped = (
         os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2"
     )  # the suite run as on an AVX2 host: no bf16
-    assert ("bf16" in precision.cpu_native_dtypes()) == (
+    assert ("bf16" in precision._cpu_native_dtypes()) == (
         bool(flags & {"avx512_bf16", "amx_bf16"}) and not capped
     )
-    assert ("fp16" in precision.cpu_native_dtypes()) <= bool(flags & {"avx512_fp16", "amx_fp16"})
+    assert ("fp16" in precision._cpu_native_dtypes()) <= bool(flags & {"avx512_fp16", "amx_fp16"})
 
 
 def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
@@ -153,11 +153,11 @@ def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
         (True, "ONEDNN_MAX_CPU_ISA=AVX2): the cap keeps oneDNN from bf16 instructions"),
     ]:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda has=has_bf16: has)
-        assert precision.cpu_native_dtypes() == set()
+        assert precision._cpu_native_dtypes() == set()
         reason = precision.choose_precision("bf16", "cpu", None, SMALL, forced=False)[1]
         assert why in reason, reason
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
-    assert "bf16" in precision.cpu_native_dtypes() and "ONEDNN" not in precision.device_name(
+    assert "bf16" in precision._cpu_native_dtypes() and "ONEDNN" not in precision._device_name(
         "cpu", None
     )
 

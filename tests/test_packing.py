@@ -220,10 +220,10 @@ def test_a_model_without_position_ids_cannot_pack_documents():
     from common import checks
     from common.errors import Stop
 
-    checks.documents_kept_apart(LlamaForCausalLM)
-    checks.documents_kept_apart(GPT2LMHeadModel)
+    checks._documents_kept_apart(LlamaForCausalLM)
+    checks._documents_kept_apart(GPT2LMHeadModel)
     with pytest.raises(Stop) as stop:
-        checks.documents_kept_apart(BloomForCausalLM)
+        checks._documents_kept_apart(BloomForCausalLM)
     assert str(stop.value).startswith(
         "--packing documents keeps documents apart through position_ids, which BloomForCausalLM's forward"
     )

@@ -21,7 +21,7 @@ from compare_runs import KEYS, worst_gaps  # noqa: E402
 from test_checkpoint import args, batch_args  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from common.precision import cpu_native_dtypes  # noqa: E402
+from common.precision import _cpu_native_dtypes  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp1", "deepspeed_zero2", "deepspeed_zero3"]
 STEPS, WARMUP, LR = 10, 3, 3e-3  # conftest.SHORT
@@ -114,7 +114,7 @@ def test_bf16_parity(strategy, reference, short_run):
     # forced on the launch line: bf16 even on a CPU that emulates it, and the run says so
     used = json.loads((out / "run_info.json").read_text())["precision"]
     assert used["used"] == used["requested"] == "bf16"
-    assert ("emulated" in used["reason"]) == ("bf16" not in cpu_native_dtypes()), used
+    assert ("emulated" in used["reason"]) == ("bf16" not in _cpu_native_dtypes()), used
     gaps = {key: worst_gaps(out, reference)[key] for key in KEYS}
     report(strategy=strategy, precision="bf16", accum=1, **gaps)
     for key, gap in gaps.items():
