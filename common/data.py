@@ -374,6 +374,7 @@ def pack_dataset(
     packing: str = "stream",
     to_rows=None,
     length_flag: str = "--block_size",
+    num_proc: int | None = None,
 ) -> datasets.DatasetDict:
     """`raw`'s train and validation rows as int64 examples of `block_size` tokens: `input_ids`,
     `labels` (unshifted) and, as `packing` says:
@@ -386,7 +387,8 @@ def pack_dataset(
     [[...]], "labels": [[...]]}`, a `datasets` batch of raw rows in, any number of rows out, labels
     -100 where a token is no target. "stream" refuses them: llama.py's loss counts every position
     of its blocks a target. The cache key hashes `to_rows` with the values it closes over: close
-    over what it needs, not `args` (every flag would key the cache).
+    over what it needs, not `args` (every flag would key the cache). `num_proc` processes tokenize
+    contiguous parts of each split (`datasets`' map): the same blocks and cache key for any count.
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
@@ -425,10 +427,20 @@ def pack_dataset(
         }
 
     def build(tmp: Path):
-        tokens = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
+        procs = {s: min(num_proc or 1, len(raw[s])) for s in raw}  # (more than rows: refused)
+        tokens = datasets.DatasetDict(
+            {
+                s: raw[s].map(
+                    tokenize, batched=True, remove_columns=raw[s].column_names, num_proc=n
+                )
+                for s, n in procs.items()
+            }
+        )
         stats = {}
         for split in ("train", "validation"):
-            found = sum((Counter(json.loads(c)) for c in tokens[split]["found"] if c), Counter())
+            found = Counter()  # read in batches: the corpus' rows never all in memory
+            for part in tokens[split].select_columns("found").iter(batch_size=10_000):
+                found += sum((Counter(json.loads(c)) for c in part["found"] if c), Counter())
             lengths = pc.list_value_length(tokens[split].data.column("input_ids")).to_numpy()
             stats[split] = {"rows": len(lengths), "special_text": found}
             if packing == "none":

@@ -119,11 +119,11 @@ def test_the_main_recipe_fits_100_columns_and_marks_what_to_adapt():
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES))
 def test_every_recipe_keeps_its_budget_and_marks_what_to_adapt(recipe):
-    """At most 540 lines after `ruff format` (llama.py 450), 100 columns, one sys.exit; its docstring names the
+    """At most 540 lines after `ruff format` (llama.py 460), 100 columns, one sys.exit; its docstring names the
     `# ADAPT:` markers, and each of data, model and loss has exactly one."""
     text = (REPO / "recipes" / recipe).read_text()
     lines = text.splitlines()
-    assert len(lines) <= (450 if recipe == "llama.py" else 540)
+    assert len(lines) <= (460 if recipe == "llama.py" else 540)
     assert max(map(len, lines)) <= 100 and text.count("sys.exit") <= 1
     assert "`# ADAPT:`" in text.split('"""')[1]
     for part in ("data", "model", "loss"):
