@@ -154,14 +154,13 @@ def prepare(args: Args) -> dict:
         for i in range(args.num_shards)
     ]
     step, total = args.num_shards * args.rows_per_row_group, per_shard * args.num_shards
-    for start in tqdm(range(0, total, step), desc="writing shards", unit_scale=step):
-        ids = np.arange(start, min(start + step, total))
-        columns = read_blocks(train, ids % len(train), dtype, documents)
-        for i, writer in enumerate(writers):
-            writer.write(
-                {k: v[i :: args.num_shards] for k, v in columns.items()}
-                | {"block_id": ids[i :: args.num_shards]}
-            )
+    with tqdm(total=total, desc="writing shards", unit=" blocks") as progress:
+        for start in range(0, total, step):
+            ids = np.arange(start, min(start + step, total))
+            columns = read_blocks(train, ids % len(train), dtype, documents) | {"block_id": ids}
+            for i, writer in enumerate(writers):
+                writer.write({k: v[i :: args.num_shards] for k, v in columns.items()})
+            progress.update(len(ids))
     shards = [writer.close() for writer in writers]
     writer = ShardWriter(out / "validation.parquet", dtype, args.block_size, documents)
     for start in range(0, len(held_out), args.rows_per_row_group):
