@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import data
+from common.errors import Stop
 from conftest import REPO
 
 # 4 shards of 16-row groups of 64-token blocks, from the paragraphs of 2 works (~170 KB of text)
@@ -114,3 +115,11 @@ def test_an_interrupted_run_leaves_no_manifest_and_a_rerun_completes(by_procs, c
         path = out / entry["name"]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
         assert pq.read_metadata(path).num_rows == entry["rows"]
+
+
+def test_sharded_data_refuses_documents_blocks(by_procs):
+    """recipes/sharded_data.py counts every position of a block a target: it refuses the shards of
+    --packing documents (their position_ids) at start-up, before any rank reads a row."""
+    own_shards = runpy.run_path(str(REPO / "recipes/sharded_data.py"), run_name="x")["own_shards"]
+    with pytest.raises(Stop, match="--packing documents blocks; prepare stream ones"):
+        own_shards(str(by_procs[1][0]), 1, 0, verify=False)
