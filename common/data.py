@@ -356,6 +356,38 @@ def _pack_blocks(
     return blocks, stats
 
 
+def tokenize_rows(
+    split: datasets.Dataset, tokenizer, packing: str, to_rows=None, num_proc: int | None = None
+) -> datasets.Dataset:
+    """`pack_dataset`'s token rows of `split`: `input_ids`[, `labels`] and `found` (the special-token
+    strings a batch's text holds, as JSON), on `num_proc` processes. A row's tokens depend on that
+    row alone: contiguous parts of a split, tokenized apart and concatenated in order, are the same
+    rows (slurm/prepare_shards.py tokenizes a part per machine)."""
+
+    def tokenize(batch):
+        if to_rows is None:
+            ids, found = document_ids(tokenizer, batch["text"])
+            if packing != "none":  # an empty row would add a second separator
+                ids = [row for row, text in zip(ids, batch["text"]) if text]
+            found = [json.dumps(found)] + [""] * (len(ids) - 1) if ids else []
+            return {"input_ids": ids, "found": found}
+        rows = to_rows(batch)
+        ids, labels = rows["input_ids"], rows["labels"]
+        if len(ids) != len(labels) or any(len(x) != len(y) for x, y in zip(ids, labels)):
+            raise Stop("to_rows made rows whose input_ids and labels differ in length")
+        keep = [i for i, row in enumerate(ids) if row]
+        rows = {k: [rows[k][i] for i in keep] for k in ("input_ids", "labels")}
+        return rows | {"found": [""] * len(keep)}
+
+    procs = min(num_proc or 1, len(split))  # (more processes than rows: refused)
+    return split.map(  # (num_proc=1 would still start a pool)
+        tokenize,
+        batched=True,
+        remove_columns=split.column_names,
+        num_proc=procs if procs > 1 else None,
+    )
+
+
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     """`pack_dataset`'s figures of each split ({} if unknown): "rows", "targets" (labels != -100 past
     the first position: what the loss counts), "digest" (of every column), "special_text" (found
@@ -375,6 +407,7 @@ def pack_dataset(
     to_rows=None,
     length_flag: str = "--block_size",
     num_proc: int | None = None,
+    tokenized: dict | None = None,
 ) -> datasets.DatasetDict:
     """`raw`'s train and validation rows as int64 examples of `block_size` tokens: `input_ids`,
     `labels` (unshifted) and, as `packing` says:
@@ -389,6 +422,7 @@ def pack_dataset(
     of its blocks a target. The cache key hashes `to_rows` with the values it closes over: close
     over what it needs, not `args` (every flag would key the cache). `num_proc` processes tokenize
     contiguous parts of each split (`datasets`' map): the same blocks and cache key for any count.
+    `tokenized`: splits already made by `tokenize_rows` (of `raw`'s rows, in order).
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
@@ -398,23 +432,9 @@ def pack_dataset(
             "--packing documents or none"
         )
     key = _cache_key(raw, tokenizer, block_size, packing, to_rows)
+    tokenized = tokenized or {}
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-
-    def tokenize(batch):
-        if to_rows is None:
-            ids, found = document_ids(tokenizer, batch["text"])
-            if packing != "none":  # an empty row would add a second separator
-                ids = [row for row, text in zip(ids, batch["text"]) if text]
-            found = [json.dumps(found)] + [""] * (len(ids) - 1) if ids else []
-            return {"input_ids": ids, "found": found}
-        rows = to_rows(batch)
-        ids, labels = rows["input_ids"], rows["labels"]
-        if len(ids) != len(labels) or any(len(x) != len(y) for x, y in zip(ids, labels)):
-            raise Stop("to_rows made rows whose input_ids and labels differ in length")
-        keep = [i for i, row in enumerate(ids) if row]
-        rows = {k: [rows[k][i] for i in keep] for k in ("input_ids", "labels")}
-        return rows | {"found": [""] * len(keep)}
 
     def pad_rows(batch):
         rows = [ids[:block_size] for ids in batch["input_ids"]]
@@ -427,13 +447,12 @@ def pack_dataset(
         }
 
     def build(tmp: Path):
-        procs = {s: min(num_proc or 1, len(raw[s])) for s in raw}  # (more than rows: refused)
         tokens = datasets.DatasetDict(
             {
-                s: raw[s].map(
-                    tokenize, batched=True, remove_columns=raw[s].column_names, num_proc=n
-                )
-                for s, n in procs.items()
+                s: tokenized[s]
+                if s in tokenized
+                else tokenize_rows(raw[s], tokenizer, packing, to_rows, num_proc)
+                for s in raw
             }
         )
         stats = {}

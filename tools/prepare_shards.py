@@ -23,10 +23,12 @@ lists rows, tokens, bytes and SHA-256 per file, the tokenizer, the block size an
 import hashlib
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -107,8 +109,27 @@ def read_blocks(packed, ids: np.ndarray, dtype, documents: bool) -> dict[str, np
     return columns
 
 
-def prepare(args: Args) -> dict:
+def text_and_tokenizer(args: Args):
+    """(the data flags' train and validation splits, a `text` column each; the tokenizer)."""
+    field = args.dataset_text_field
+    raw = data.load_text_dataset(
+        args.dataset_name,
+        args.dataset_config_name,
+        args.train_file,
+        args.validation_file,
+        args.validation_split_percentage,
+        columns=((field,),),
+    )
+    if field != "text":
+        raw = raw.select_columns(field).rename_column(field, "text")
+    return raw, data.get_tokenizer(
+        args.tokenizer_name_or_path, raw, args.vocab_size, args.cache_dir
+    )
+
+
+def prepare(args: Args, tokenized: dict | None = None) -> dict:
     """Write the shards, validation.parquet, tokenizer/ and then manifest.json; returns it.
+    `tokenized`: splits of token rows made already (`data.pack_dataset`'s).
 
     Raises:
         Stop: no --output_dir, an existing manifest without --overwrite_output_dir, or fewer
@@ -123,22 +144,15 @@ def prepare(args: Args) -> dict:
     (out / "manifest.json").unlink(missing_ok=True)  # first: no manifest over half-written shards
     for old in [*out.glob("shard_*.parquet"), *out.glob(".*.parquet.tmp")]:
         old.unlink()  # no stale shard of an earlier, larger or interrupted set may survive
-    field = args.dataset_text_field
-    raw = data.load_text_dataset(
-        args.dataset_name,
-        args.dataset_config_name,
-        args.train_file,
-        args.validation_file,
-        args.validation_split_percentage,
-        columns=((field,),),
-    )
-    if field != "text":
-        raw = raw.select_columns(field).rename_column(field, "text")
-    tokenizer = data.get_tokenizer(
-        args.tokenizer_name_or_path, raw, args.vocab_size, args.cache_dir
-    )
+    raw, tokenizer = text_and_tokenizer(args)
     packed = data.pack_dataset(
-        raw, tokenizer, args.block_size, args.cache_dir, args.packing, num_proc=args.num_proc
+        raw,
+        tokenizer,
+        args.block_size,
+        args.cache_dir,
+        args.packing,
+        num_proc=args.num_proc,
+        tokenized=tokenized,
     ).with_format("numpy")
     documents = args.packing == "documents"
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32  # half the bytes below 65,536
@@ -200,6 +214,31 @@ def prepare(args: Args) -> dict:
         f"validation blocks in {out}"
     )
     return manifest
+
+
+def tokenize_part(args: Args, _data=None, rank: int = 0, world_size: int = 1) -> None:
+    """A datatrove task (slurm/prepare_shards.py): the `rank`-th of `world_size` contiguous parts of
+    the training rows, tokenized into `<output_dir>/.parts/<rank>` (renamed there when whole)."""
+    final = Path(args.output_dir) / ".parts" / f"{rank:05d}"
+    if final.exists():  # a rerun of a task that had finished
+        return
+    raw, tokenizer = text_and_tokenizer(args)
+    part = raw["train"].shard(world_size, rank, contiguous=True)
+    rows = data.tokenize_rows(part, tokenizer, args.packing, num_proc=args.num_proc)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    rows.save_to_disk(str(tmp))
+    tmp.rename(final)
+
+
+def merge_parts(args: Args, parts: int, _data=None, _rank: int = 0, _world_size: int = 1) -> None:
+    """The datatrove task after `tokenize_part`'s: the parts in order are the training rows one
+    process would tokenize; `prepare` packs them into the shards and manifest, then they go."""
+    folder = Path(args.output_dir) / ".parts"
+    rows = [datasets.load_from_disk(str(folder / f"{r:05d}")) for r in range(parts)]
+    prepare(args, tokenized={"train": datasets.concatenate_datasets(rows)})
+    for r in range(parts):
+        shutil.rmtree(folder / f"{r:05d}")
 
 
 def main() -> int:
