@@ -5,6 +5,7 @@ manifest, and running it again ends with a complete one that every shard's check
 import hashlib
 import json
 import runpy
+import sys
 
 import datasets
 import numpy as np
@@ -123,3 +124,21 @@ def test_sharded_data_refuses_documents_blocks(by_procs):
     own_shards = runpy.run_path(str(REPO / "recipes/sharded_data.py"), run_name="x")["own_shards"]
     with pytest.raises(Stop, match="--packing documents blocks; prepare stream ones"):
         own_shards(str(by_procs[1][0]), 1, 0, verify=False)
+
+
+def test_datatrove_tasks_write_the_shards_of_one_process(by_procs, corpus, tmp_path, monkeypatch):
+    """slurm/prepare_shards.py --local: 2 datatrove tasks tokenize a part of the rows each, a third
+    packs them: the shards of one process, byte for byte; the parts are gone, the tasks recorded."""
+    out = tmp_path / "out"
+    argv = ["--local", "--tasks", 2, "--output_dir", out, "--train_file", corpus, *TINY]
+    argv += ["--dataset_text_field", "body", "--packing", "documents", "--num_proc", 1]
+    argv += ["--cache_dir", tmp_path / "cache"]
+    monkeypatch.setattr(sys, "argv", ["slurm/prepare_shards.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "slurm/prepare_shards.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    made, one = json.loads((out / "manifest.json").read_text()), by_procs[1][1]
+    assert [s["sha256"] for s in made["shards"]] == [s["sha256"] for s in one["shards"]]
+    assert made["validation"]["sha256"] == one["validation"]["sha256"]
+    assert sorted(p.name for p in (out / ".parts").iterdir()) == ["tokenizer"]
+    assert len(list((out / ".datatrove" / "tokenize" / "completions").iterdir())) == 2
