@@ -32,12 +32,17 @@ class Cluster:
     tasks: int = flag(2, "SLURM tasks that tokenize, a part of the rows each", low=1)
     partition: str = flag(None, "SLURM partition")
     time: str = flag("24:00:00", "SLURM time limit of each task")
-    mem_per_cpu_gb: int = flag(2, low=1)
+    mem_per_cpu: str = flag("2G", "SLURM --mem-per-cpu of each task")
     local: bool = flag(False, "run the tasks on this machine (datatrove's LocalPipelineExecutor)")
 
 
 def main() -> int:
     from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
+
+    class Slurm(SlurmPipelineExecutor):
+        def launch_merge_stats(self):
+            """No job that merges datatrove's own statistics (unused here): it asks for 1 GB per
+            CPU whatever --mem_per_cpu says, which a cluster that declares no memory refuses."""
 
     (args, cluster), _ = parse_flags((Args, Cluster), sys.argv[1:], description=__doc__)
     if not args.output_dir or not (cluster.local or cluster.partition):
@@ -63,18 +68,21 @@ def main() -> int:
         "time": cluster.time,
         "partition": cluster.partition,
         "cpus_per_task": args.num_proc,
-        "mem_per_cpu_gb": cluster.mem_per_cpu_gb,
-        "env_command": f"cd {REPO} && export PYTHONPATH={REPO}",
+        "sbatch_args": {"mem-per-cpu": cluster.mem_per_cpu},
+        "qos": None,  # (datatrove's default asks for a QOS "normal" a site may not have)
+        # this Python's environment on every node: its venv's bin first, the repository importable
+        "env_command": f"cd {REPO} && export PATH={Path(sys.executable).parent}:$PATH "
+        f"PYTHONPATH={REPO}",
         "slurm_logs_folder": str(logs / "slurm"),
     }
-    first = SlurmPipelineExecutor(
+    first = Slurm(
         tokenize,
         cluster.tasks,
         job_name="prepare-tokenize",
         logging_dir=str(logs / "tokenize"),
         **settings,
     )
-    SlurmPipelineExecutor(
+    Slurm(
         merge,
         1,
         job_name="prepare-merge",

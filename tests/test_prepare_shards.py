@@ -5,7 +5,10 @@ manifest, and running it again ends with a complete one that every shard's check
 import hashlib
 import json
 import runpy
+import shutil
+import subprocess
 import sys
+import time
 
 import datasets
 import numpy as np
@@ -142,3 +145,25 @@ def test_datatrove_tasks_write_the_shards_of_one_process(by_procs, corpus, tmp_p
     assert made["validation"]["sha256"] == one["validation"]["sha256"]
     assert sorted(p.name for p in (out / ".parts").iterdir()) == ["tokenizer"]
     assert len(list((out / ".datatrove" / "tokenize" / "completions").iterdir())) == 2
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: bash slurm/local_cluster.sh")
+def test_two_slurm_machines_write_the_shards_of_one_process(by_procs, corpus, tmp_path):
+    """slurm/prepare_shards.py on the local 2-node SLURM: a 2-task job array tokenizes (a node each),
+    then one job writes the shards: those of one process, byte for byte."""
+    out = tmp_path / "out"
+    argv = ["--tasks", 2, "--partition", "debug", "--mem_per_cpu", "1M", "--output_dir", out]
+    argv += ["--train_file", corpus, *TINY, "--dataset_text_field", "body", "--packing"]
+    argv += ["documents", "--num_proc", 1, "--cache_dir", tmp_path / "cache"]
+    cmd = [sys.executable, "slurm/prepare_shards.py", *map(str, argv)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    deadline, logs = time.monotonic() + 300, ""  # both jobs, start-up included (about 40 s here)
+    while logs.count("Processing done for rank=") < 3 and time.monotonic() < deadline:
+        time.sleep(2)  # 2 tokenizing tasks, then 1 writing
+        logs = "".join(p.read_text() for p in out.glob(".datatrove/slurm/*.out"))
+    assert (out / "manifest.json").exists(), logs[-3000:]
+    made, one = json.loads((out / "manifest.json").read_text()), by_procs[1][1]
+    assert [s["sha256"] for s in made["shards"]] == [s["sha256"] for s in one["shards"]]
+    assert made["validation"]["sha256"] == one["validation"]["sha256"]
+    assert not list(out.glob(".parts/0*"))  # the parts, once packed, are gone
