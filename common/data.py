@@ -356,13 +356,9 @@ def _pack_blocks(
     return blocks, stats
 
 
-def tokenize_rows(
-    split: datasets.Dataset, tokenizer, packing: str, to_rows=None, num_proc: int | None = None
-) -> datasets.Dataset:
-    """`pack_dataset`'s token rows of `split`: `input_ids`[, `labels`] and `found` (the special-token
-    strings a batch's text holds, as JSON), on `num_proc` processes. A row's tokens depend on that
-    row alone: contiguous parts of a split, tokenized apart and concatenated in order, are the same
-    rows (slurm/prepare_shards.py tokenizes a part per machine)."""
+def tokenize_rows(split, tokenizer, packing: str, to_rows=None, num_proc=None) -> datasets.Dataset:
+    """`pack_dataset`'s token rows of `split` on `num_proc` processes. A row's tokens are its own:
+    contiguous parts of a split, tokenized apart and concatenated in order, are the same rows."""
 
     def tokenize(batch):
         if to_rows is None:
@@ -380,12 +376,8 @@ def tokenize_rows(
         return rows | {"found": [""] * len(keep)}
 
     procs = min(num_proc or 1, len(split))  # (more processes than rows: refused)
-    return split.map(  # (num_proc=1 would still start a pool)
-        tokenize,
-        batched=True,
-        remove_columns=split.column_names,
-        num_proc=procs if procs > 1 else None,
-    )
+    procs = procs if procs > 1 else None  # (num_proc=1 would still start a pool)
+    return split.map(tokenize, batched=True, remove_columns=split.column_names, num_proc=procs)
 
 
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
@@ -420,9 +412,8 @@ def pack_dataset(
     [[...]], "labels": [[...]]}`, a `datasets` batch of raw rows in, any number of rows out, labels
     -100 where a token is no target. "stream" refuses them: llama.py's loss counts every position
     of its blocks a target. The cache key hashes `to_rows` with the values it closes over: close
-    over what it needs, not `args` (every flag would key the cache). `num_proc` processes tokenize
-    contiguous parts of each split (`datasets`' map): the same blocks and cache key for any count.
-    `tokenized`: splits already made by `tokenize_rows` (of `raw`'s rows, in order).
+    over what it needs, not `args` (every flag would key the cache). `num_proc`: processes that
+    tokenize (the same blocks for any count); `tokenized`: splits `tokenize_rows` made already.
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
@@ -432,7 +423,6 @@ def pack_dataset(
             "--packing documents or none"
         )
     key = _cache_key(raw, tokenizer, block_size, packing, to_rows)
-    tokenized = tokenized or {}
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
@@ -447,30 +437,21 @@ def pack_dataset(
         }
 
     def build(tmp: Path):
-        tokens = datasets.DatasetDict(
-            {
-                s: tokenized[s]
-                if s in tokenized
-                else tokenize_rows(raw[s], tokenizer, packing, to_rows, num_proc)
-                for s in raw
-            }
-        )
+        tokens = datasets.DatasetDict(tokenized or {})
+        for s in set(raw) - set(tokens):
+            tokens[s] = tokenize_rows(raw[s], tokenizer, packing, to_rows, num_proc)
         stats = {}
         for split in ("train", "validation"):
-            found = Counter()  # read in batches: the corpus' rows never all in memory
-            for part in tokens[split].select_columns("found").iter(batch_size=10_000):
-                found += sum((Counter(json.loads(c)) for c in part["found"] if c), Counter())
+            parts = tokens[split].select_columns("found").iter(batch_size=10_000)  # not all at once
+            found = sum((Counter(json.loads(c)) for p in parts for c in p["found"] if c), Counter())
             lengths = pc.list_value_length(tokens[split].data.column("input_ids")).to_numpy()
             stats[split] = {"rows": len(lengths), "special_text": found}
             if packing == "none":
                 cut = np.maximum(lengths - block_size, 0)
                 stats[split] |= {"cut_rows": int((cut > 0).sum()), "cut_tokens": int(cut.sum())}
             elif lengths.sum() < block_size:
-                fix = (
-                    "or add text"
-                    if split == "train"
-                    else "raise --validation_split_percentage, or pass --validation_file"
-                )
+                held_out = "raise --validation_split_percentage, or pass --validation_file"
+                fix = "or add text" if split == "train" else held_out
                 raise Stop(
                     f"{split} split has {lengths.sum()} tokens, fewer than one block ({length_flag} "
                     f"{block_size}): lower {length_flag}, {fix}"
