@@ -1,6 +1,6 @@
 """How fast, and in how much memory, is a user's corpus made into training blocks? Three routes.
 
-    python benchmarks/prepare_routes.py                 # ~20 minutes on 2 CPU cores, 3 GB of disk
+    python benchmarks/prepare_routes.py                 # ~45 minutes on 2 loaded cores, GBs of disk
     python benchmarks/prepare_routes.py --sizes 20 --output runs/prepare_routes.md
 
 The corpora: JSONL files of --sizes MB (default 100 and 400), a row per paragraph of the bundled
