@@ -345,6 +345,30 @@ def _pack_blocks(
     return blocks, stats
 
 
+def tokenize_rows(split, tokenizer, packing: str, to_rows=None, num_proc=None) -> datasets.Dataset:
+    """`pack_dataset`'s token rows of `split` on `num_proc` processes. A row's tokens are its own:
+    contiguous parts of a split, tokenized apart and concatenated in order, are the same rows."""
+
+    def tokenize(batch):
+        if to_rows is None:
+            ids, found = document_ids(tokenizer, batch["text"])
+            if packing != "none":  # an empty row would add a second separator
+                ids = [row for row, text in zip(ids, batch["text"]) if text]
+            found = [json.dumps(found)] + [""] * (len(ids) - 1) if ids else []
+            return {"input_ids": ids, "found": found}
+        rows = to_rows(batch)
+        ids, labels = rows["input_ids"], rows["labels"]
+        if len(ids) != len(labels) or any(len(x) != len(y) for x, y in zip(ids, labels)):
+            raise Stop("to_rows made rows whose input_ids and labels differ in length")
+        keep = [i for i, row in enumerate(ids) if row]
+        rows = {k: [rows[k][i] for i in keep] for k in ("input_ids", "labels")}
+        return rows | {"found": [""] * len(keep)}
+
+    procs = min(num_proc or 1, len(split))  # (more processes than rows: refused)
+    procs = procs if procs > 1 else None  # (num_proc=1 would still start a pool)
+    return split.map(tokenize, batched=True, remove_columns=split.column_names, num_proc=procs)
+
+
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
     """`pack_dataset`'s figures of each split ({} if unknown): "rows", "targets" (labels != -100 past
     the first position: what the loss counts), "digest" (of every column), "special_text" (found
@@ -373,6 +397,8 @@ def pack_dataset(
     packing: str = "stream",
     to_rows=None,
     length_flag: str = "--block_size",
+    num_proc: int | None = None,
+    tokenized: dict | None = None,
 ) -> datasets.DatasetDict:
     """`raw`'s train and validation rows as int64 examples of `block_size` tokens: `input_ids`,
     `labels` (unshifted) and, as `packing` says:
@@ -385,7 +411,8 @@ def pack_dataset(
     [[...]], "labels": [[...]]}`, a `datasets` batch of raw rows in, any number of rows out, labels
     -100 where a token is no target. "stream" refuses them: llama.py's loss counts every position
     of its blocks a target. The cache key hashes `to_rows` with the values it closes over: close
-    over what it needs, not `args` (every flag would key the cache).
+    over what it needs, not `args` (every flag would key the cache). `num_proc`: processes that
+    tokenize (the same blocks for any count); `tokenized`: splits `tokenize_rows` made already.
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")
@@ -398,21 +425,6 @@ def pack_dataset(
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
-    def tokenize(batch):
-        if to_rows is None:
-            ids, found = document_ids(tokenizer, batch["text"])
-            if packing != "none":  # an empty row would add a second separator
-                ids = [row for row, text in zip(ids, batch["text"]) if text]
-            found = [json.dumps(found)] + [""] * (len(ids) - 1) if ids else []
-            return {"input_ids": ids, "found": found}
-        rows = to_rows(batch)
-        ids, labels = rows["input_ids"], rows["labels"]
-        if len(ids) != len(labels) or any(len(x) != len(y) for x, y in zip(ids, labels)):
-            raise Stop("to_rows made rows whose input_ids and labels differ in length")
-        keep = [i for i, row in enumerate(ids) if row]
-        rows = {k: [rows[k][i] for i in keep] for k in ("input_ids", "labels")}
-        return rows | {"found": [""] * len(keep)}
-
     def pad_rows(batch):
         rows = [ids[:block_size] for ids in batch["input_ids"]]
         labels = [y[:block_size] for y in batch["labels"]] if "labels" in batch else rows
@@ -424,21 +436,21 @@ def pack_dataset(
         }
 
     def build(tmp: Path):
-        tokens = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
+        tokens = datasets.DatasetDict(tokenized or {})
+        for s in set(raw) - set(tokens):
+            tokens[s] = tokenize_rows(raw[s], tokenizer, packing, to_rows, num_proc)
         stats = {}
         for split in ("train", "validation"):
-            found = sum((Counter(json.loads(c)) for c in tokens[split]["found"] if c), Counter())
+            parts = tokens[split].select_columns("found").iter(batch_size=10_000)  # not all at once
+            found = sum((Counter(json.loads(c)) for p in parts for c in p["found"] if c), Counter())
             lengths = pc.list_value_length(tokens[split].data.column("input_ids")).to_numpy()
             stats[split] = {"rows": len(lengths), "special_text": found}
             if packing == "none":
                 cut = np.maximum(lengths - block_size, 0)
                 stats[split] |= {"cut_rows": int((cut > 0).sum()), "cut_tokens": int(cut.sum())}
             elif lengths.sum() < block_size:
-                fix = (
-                    "or add text"
-                    if split == "train"
-                    else "raise --validation_split_percentage, or pass --validation_file"
-                )
+                held_out = "raise --validation_split_percentage, or pass --validation_file"
+                fix = "or add text" if split == "train" else held_out
                 raise Stop(
                     f"{split} split has {lengths.sum()} tokens, fewer than one block ({length_flag} "
                     f"{block_size}): lower {length_flag}, {fix}"

@@ -67,6 +67,7 @@ class Args:
     validation_split_percentage: int = flag(5, "% held out if no validation set", low=1, high=99)
     block_size: int = flag(256, "tokens per sequence", low=2)
     packing: str = choice(data.PACKING, data.PACKING_ALIASES, "see docs/llama.md#packing")
+    preprocessing_num_workers: int = flag(None, "processes that tokenize; the same blocks", low=1)
     max_eval_samples: int = flag(None, "cap on validation blocks per eval; default: all", low=1)
     cache_dir: str = data.DEFAULT_CACHE_DIR
     per_device_eval_batch_size: int = flag(None, "default: --per_device_train_batch_size", low=1)
@@ -185,7 +186,12 @@ def main() -> int:
         )
         ids = causal_lm.set_token_ids(config, tokenizer, from_scratch)  # ["eos_token_id: 2 -> 0"]
         lm_data = data.pack_dataset(
-            raw, tokenizer, args.block_size, args.cache_dir, args.packing
+            raw,
+            tokenizer,
+            args.block_size,
+            args.cache_dir,
+            args.packing,
+            num_proc=args.preprocessing_num_workers,
         ).with_format("torch")
     full_blocks = args.packing == "stream"  # every position a target: the loss need not count
     data_digest = data.same_data(accelerator, lm_data)  # every node's copy; resume fingerprint

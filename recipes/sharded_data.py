@@ -86,6 +86,8 @@ def own_shards(
             f"{manifest_path} lists {n} shards for a world size of {world_size}: shard i belongs "
             f"to rank i % world_size (prepare a multiple of {world_size} with --num_shards)"
         )
+    if manifest.get("packing", "stream") != "stream":  # its loss counts every position a target
+        raise Stop(f"{manifest_path}: --packing {manifest['packing']} blocks; prepare stream ones")
     mine = []
     for i, shard in enumerate([*manifest["shards"], manifest["validation"]]):
         path, own = root / shard["name"], i % world_size == rank or i == n

@@ -22,7 +22,12 @@ from conftest import FAST, REPO, launch, read_metrics
 RECIPE = (REPO / "recipes" / "llama.py").read_text()
 STAGE = ("    # ADAPT: data", "    # >>> shared: loaders")  # the data stage lies between them
 PACK = """        lm_data = data.pack_dataset(
-            raw, tokenizer, args.block_size, args.cache_dir, args.packing
+            raw,
+            tokenizer,
+            args.block_size,
+            args.cache_dir,
+            args.packing,
+            num_proc=args.preprocessing_num_workers,
         ).with_format("torch")
 """
 # The user's own rows: each work, tokenized by the user, with a rule for what trains. EVERY is the

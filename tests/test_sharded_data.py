@@ -100,8 +100,13 @@ def train(config, data_dir, out, *args, cache_dir, check=True):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, cache_dir):
+    """The bundled corpus as a user's JSONL (a row per work: the bundled rows, so its blocks), through
+    the prepare command line."""
     out = tmp_path_factory.mktemp("shards") / "tiny"
-    return out, prepare(out, *TINY, cache_dir=cache_dir, cli=True)  # the prepare command line
+    corpus = out.with_name("corpus.jsonl")
+    bundled = data.load_shakespeare()
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in bundled.to_list()))
+    return out, prepare(out, *TINY, "--train_file", corpus, cache_dir=cache_dir, cli=True)
 
 
 def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
@@ -111,9 +116,10 @@ def test_prepare_writes_the_corpus_and_a_true_manifest(tiny, cache_dir):
         and manifest["block_size"] == 64
         and manifest["total_blocks"] == 256
     )
-    raw = data.load_text_dataset()
+    raw = data.load_text_dataset()  # the bundled corpus: the JSONL's blocks are its blocks
     tokenizer = data.get_tokenizer(None, raw, 4096, cache_dir)
     first = data.pack_dataset(raw, tokenizer, 64, cache_dir)["train"][0]["input_ids"]
+    assert manifest["source"].endswith("corpus.jsonl x 1") and manifest["packing"] == "stream"
     all_ids = []
     for i, shard in enumerate(manifest["shards"]):
         path = out / shard["name"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import torch
-from common.precision import cpu_native_dtypes
+from common.precision import _cpu_native_dtypes
 from conftest import REPO
 from test_slurm import log_text, wait_ended
 
@@ -73,7 +73,7 @@ def test_quick_level_passes_with_its_table(quick_with_a_broken_config):
         ("broken_zero2", 2, "FAIL"),
     ], proc.stdout[-3000:]
     single, ddp = rows[:2]
-    declared = "bf16" if "bf16" in cpu_native_dtypes() else "no"
+    declared = "bf16" if "bf16" in _cpu_native_dtypes() else "no"
     assert single["precision"] == ddp["precision"] == declared, rows
     assert single["loss_gap"] == single["grad_norm_gap"] == 0  # the reference itself
     # parity with one process in the same precision: tests/test_parity.py's bounds
