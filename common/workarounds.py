@@ -2,9 +2,11 @@
 
 Each docstring names the library, the symptom without the patch, and its canary: `test_<name>` in
 tests/test_workarounds.py fails once upstream changes; then review the patch. Each returns
-`["its_name"]` or `[]`, for run_info.json. Two live beside the code they serve:
+`["its_name"]` or `[]`, for run_info.json. Those beside the code they serve:
 - common/checkpoint.py, `zero_universal`: DeepSpeed's `engine._config.load_universal_checkpoint`.
 - common/causal_lm.py, `tensor_parallel`: transformers' `model._tp_size`.
+- common/causal_lm.py, `replicate_parallel_for_accelerate`: transformers' tensor-parallel styles.
+- common/causal_lm.py, `gather_metrics_once_per_tp_group`: `accelerator.gather_for_metrics`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from types import MethodType
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, get_mixed_precision_context_manager, other
-from accelerate.utils import recursively_apply
 
 from common.errors import Stop
 
@@ -285,50 +286,6 @@ def safetensors_mode_from_umask(path: str) -> list[str]:
     return ["safetensors_mode_from_umask"] if files else []
 
 
-def replicate_parallel_for_accelerate(accelerator) -> list[str]:
-    """Tensor parallel: the `ReplicateParallel` Accelerate 1.15's `prepare` imports, which
-    transformers 5.24 lacks (its `local_params` style here). Canary: still imported, still missing."""
-    import transformers.integrations.tensor_parallel as hf_tp
-
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or not config.tp_enabled or hasattr(hf_tp, "ReplicateParallel"):
-        return []
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
-    class ReplicateParallel:
-        def prepare_module_tp(self, module, mesh):
-            if not getattr(module, "_replicated_params_local", False):  # once per module
-                ALL_PARALLEL_STYLES["local_params"].install_forward(module, mesh)
-                module._replicated_params_local = True
-
-    hf_tp.ReplicateParallel = ReplicateParallel
-    return ["replicate_parallel_for_accelerate"]
-
-
-def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
-    """Tensor parallel: `gather_for_metrics` keeps one copy of each tp group's rows (Accelerate 1.15
-    gathers every rank: the eval loss was 1.2e-3 off). Canary: it still gathers every rank's."""
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or not config.tp_enabled:
-        return []
-    tp, plain = config.non_data_parallel_size, accelerator.gather_for_metrics
-
-    def one_copy(t: torch.Tensor) -> torch.Tensor:  # [ranks x n, ...] -> [dp ranks x n, ...]
-        n = t.shape[0] // accelerator.num_processes
-        return t.reshape(-1, tp, n, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])
-
-    def gather_for_metrics(input_data, use_gather_object=False):
-        gather = type(accelerator).gather
-        accelerator.gather = lambda data: recursively_apply(one_copy, gather(accelerator, data))
-        try:
-            return plain(input_data, use_gather_object=use_gather_object)
-        finally:
-            del accelerator.gather  # the class's own again
-
-    accelerator.gather_for_metrics = gather_for_metrics
-    return ["gather_metrics_once_per_tp_group"]
-
-
 def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
     """Off DeepSpeed, `unwrap_model` imports no deepspeed (Accelerate 1.15 did: ~1 s per rank at
     each export). Canary: unwrapping a plain module still imports it."""
@@ -360,13 +317,10 @@ def inductor_cache_per_cpu_capability() -> list[str]:
 
 def patch_accelerator(accelerator) -> list[str]:
     """Right after `Accelerator(...)`: `install_cpu_grad_scaler`, `keep_fp32_reduction`,
-    `replicate_parallel_for_accelerate`, `gather_metrics_once_per_tp_group`,
     `no_deepspeed_import_on_unwrap`."""
     return (
         install_cpu_grad_scaler(accelerator)
         + keep_fp32_reduction(accelerator)
-        + replicate_parallel_for_accelerate(accelerator)
-        + gather_metrics_once_per_tp_group(accelerator)
         + no_deepspeed_import_on_unwrap(accelerator)
     )
 
