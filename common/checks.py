@@ -815,15 +815,6 @@ def mixed_precision_flags(args) -> None:
         )
 
 
-def classifier_flags(args) -> None:
-    """recipes/ddp_classifier.py's model flags that BERT would refuse later."""
-    if args.hidden_size % args.num_attention_heads:
-        raise Stop(
-            f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
-            f"{args.num_attention_heads}"
-        )
-
-
 def sharded_data_flags(args) -> None:
     """recipes/sharded_data.py counts steps only (its `--num_train_epochs` refusal: `parse_args`)."""
     if args.max_steps < 1:
