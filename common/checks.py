@@ -785,36 +785,6 @@ def same_on_every_rank(accelerator, what: str, value: str) -> None:
     )
 
 
-def mixed_precision_flags(args) -> None:
-    """recipes/mixed_precision.py's flags that cannot mean what they say (and --compare's needs)."""
-    if args.precision not in precision.MODES:
-        raise Stop(f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
-    if args.model_config not in models.PRESETS:
-        raise Stop(
-            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
-        )
-    for name in ("init_scale", "min_loss_scale"):
-        if not getattr(args, name) > 0:
-            raise Stop(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.init_scale < args.min_loss_scale:
-        raise Stop(
-            f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}"
-        )
-    if not args.compare:
-        return
-    if "LOCAL_RANK" in os.environ:
-        raise Stop(
-            "run --compare with plain `python`, not `accelerate launch`: it launches each precision itself"
-        )
-    if not os.path.isfile(args.config_file):
-        raise Stop(f"--config_file {args.config_file}: no such file")
-    if args.resume_from_checkpoint not in (None, "latest", "auto"):
-        raise Stop(
-            "--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
-            "latest or auto"
-        )
-
-
 def sharded_data_flags(args) -> None:
     """recipes/sharded_data.py counts steps only (its `--num_train_epochs` refusal: `parse_args`)."""
     if args.max_steps < 1:
