@@ -57,8 +57,7 @@ def allow_mixed_precision_with_deepspeed_json() -> list[str]:
 
 
 def ddp_ranks_on_cpu() -> list[str]:
-    """DDP on CPU torchrun ranks: Accelerate 1.15 makes them independent runs unless told `cpu`.
-    Canary: still not distributed without `ACCELERATE_USE_CPU`."""
+    """DDP on CPU ranks: Accelerate 1.15 makes them independent runs. Canary: still so."""
     os.environ["ACCELERATE_USE_CPU"] = "true"
     return ["ddp_ranks_on_cpu"]
 
@@ -275,8 +274,7 @@ def trim_malloc_heap() -> list[str]:
 
 
 def safetensors_mode_from_umask(path: str) -> list[str]:
-    """`.safetensors` files (or those under a folder) get 0666 less the umask: safetensors 0.8
-    writes 0600. On the rank that wrote them. Canary: still 0600."""
+    """Files under `path`: 0666 less the umask (safetensors 0.8: 0600). Canary: 0600."""
     umask = os.umask(0o077)  # (reading it means setting it, for that moment)
     os.umask(umask)
     path = Path(path)
@@ -301,8 +299,7 @@ def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
 
 
 def inductor_cache_per_cpu_capability() -> list[str]:
-    """Under `ATEN_CPU_CAPABILITY`, inductor's cache in a folder of its own: torch 2.13's ignores it
-    (avx2 read native kernels). Canary: the cache still ignores it."""
+    """Inductor's cache per `ATEN_CPU_CAPABILITY` (torch 2.13 ignores it). Canary: so."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if not capability:
         return []
