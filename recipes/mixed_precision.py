@@ -91,7 +91,8 @@ def compare(args) -> int:
     with the same config and the flags given (--overwrite_output_dir too), then one table."""
     if "LOCAL_RANK" in os.environ:
         raise errors.Stop(
-            "run --compare with plain `python`, not `accelerate launch`: it launches each precision itself"
+            "run --compare with plain `python`, not `accelerate launch`: it launches each "
+            "precision itself"
         )
     if not os.path.isfile(args.config_file):
         raise errors.Stop(f"--config_file {args.config_file}: no such file")
