@@ -29,8 +29,7 @@ def flag(default=None, help: str = "", *, low: float | None = None, high: float 
 
 
 def choice(choices: tuple[str, ...], aliases: dict[str, str] = {}, help: str = ""):
-    """A dataclass field for a flag that takes one of `choices` (the first by default), any case;
-    `aliases` maps other words to a choice, e.g. {"true": "stream"}."""
+    """A dataclass field for one of `choices` (the first by default), any case, or an alias."""
     meta = {"help": help, "choices": choices, "value_aliases": aliases}
     return field(default=choices[0], metadata=meta)
 
@@ -257,9 +256,8 @@ def parse_args(
 
 
 def _resolve_trackers(text: str) -> str:
-    """--report_to resolved: the comma list of trackers to start, or "none"; 'all' is every
-    installed tracker Accelerate supports. Stop for an unknown name, or one whose package is not
-    installed (Accelerate would skip it silently)."""
+    """--report_to as the trackers to start ("none"; 'all': those installed); Stop for an unknown
+    name or one not installed (Accelerate would skip it silently)."""
     import accelerate.utils
     from accelerate.utils import LoggerType
 

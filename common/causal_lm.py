@@ -244,6 +244,60 @@ def tensor_parallel(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def replicate_parallel_for_accelerate(accelerator) -> list[str]:
+    """Tensor parallel: the `ReplicateParallel` Accelerate 1.15's `prepare` imports, which
+    transformers 5.24 lacks (its `local_params` style here). Canary: still imported, still missing."""
+    import transformers.integrations.tensor_parallel as hf_tp
+
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled or hasattr(hf_tp, "ReplicateParallel"):
+        return []
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    class ReplicateParallel:
+        def prepare_module_tp(self, module, mesh):
+            if not getattr(module, "_replicated_params_local", False):  # once per module
+                ALL_PARALLEL_STYLES["local_params"].install_forward(module, mesh)
+                module._replicated_params_local = True
+
+    hf_tp.ReplicateParallel = ReplicateParallel
+    return ["replicate_parallel_for_accelerate"]
+
+
+def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
+    """Tensor parallel: `gather_for_metrics` keeps one copy of each tp group's rows (Accelerate 1.15
+    gathers every rank: the eval loss was 1.2e-3 off). Canary: it still gathers every rank's."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled:
+        return []
+    tp, plain = config.non_data_parallel_size, accelerator.gather_for_metrics
+
+    def one_copy(t: torch.Tensor) -> torch.Tensor:  # [ranks x n, ...] -> [dp ranks x n, ...]
+        n = t.shape[0] // accelerator.num_processes
+        return t.reshape(-1, tp, n, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])
+
+    def gather_for_metrics(input_data, use_gather_object=False):
+        from accelerate.utils import recursively_apply
+
+        gather = type(accelerator).gather
+        accelerator.gather = lambda data: recursively_apply(one_copy, gather(accelerator, data))
+        try:
+            return plain(input_data, use_gather_object=use_gather_object)
+        finally:
+            del accelerator.gather  # the class's own again
+
+    accelerator.gather_for_metrics = gather_for_metrics
+    return ["gather_metrics_once_per_tp_group"]
+
+
+def patch_tensor_parallel(accelerator) -> list[str]:
+    """Right after `patch_accelerator`, tp.yaml: `replicate_parallel_for_accelerate`,
+    `gather_metrics_once_per_tp_group`."""
+    return replicate_parallel_for_accelerate(accelerator) + gather_metrics_once_per_tp_group(
+        accelerator
+    )
+
+
 def weights_digest(name_or_path: str | None, sample_bytes: int = 4096) -> str | None:
     """16 hex digits of a sha256 over a pretrained model's weight files: names and sizes, a
     safetensors file's header (names, shapes, dtypes, offsets) and the first `sample_bytes` of

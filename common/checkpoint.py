@@ -1,10 +1,7 @@
-"""Atomic, verified checkpoints around `accelerator.save_state` / `load_state`, the check that a
-resume continues its run exactly, and the export.
+"""Atomic, verified checkpoints around `save_state` / `load_state`, the resume check, the export.
 
-`checkpoint-{step}/` holds `save_state`'s files and `COMPLETE.json`, written last once all are
-fsynced: step, save order, run state, each file's size and sha256, and its own sha256. "Newest"
-follows the save order, never a clock or the step.
-"""
+`checkpoint-{step}/COMPLETE.json`, written last: step, save order ("newest": never a clock or the
+step), run state, each file's size and sha256, and its own sha256."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ def _fsync(*paths: Path) -> None:
 
 
 def _digests(accelerator, directory: Path, sizes: dict[str, int]) -> dict[str, str]:
-    """{name: sha256} of the files `sizes` names, each fsynced and hashed by one rank (a collective;
-    without `accelerator` this process reads all)."""
+    """{name: sha256} of the files `sizes` names, each hashed by one rank (a collective)."""
     world, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
     loads, mine = [0] * world, {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
@@ -130,8 +126,7 @@ def save_checkpoint(
 
 @contextmanager
 def _atomic_export(accelerator, output_dir: str):
-    """Yields `{output_dir}/final.tmp` to export into (every rank); after the block rank 0 fsyncs it
-    and renames it over `final/`, which is always one whole export."""
+    """Yields `{output_dir}/final.tmp`; after the block rank 0 fsyncs it and renames it `final/`."""
     out = Path(output_dir)
     tmp, final, old = out / "final.tmp", out / "final", out / "final.old"
     if accelerator.is_main_process:
@@ -159,8 +154,7 @@ def _marker_sha256(marker: dict) -> str:
 
 
 def verify_checkpoint(path: Path, accelerator=None) -> dict:
-    """The marker of the checkpoint at `path`, checked against its own sha256 and every file against
-    it (size, sha256); Stop naming what does not match. With `accelerator`, a collective."""
+    """The marker at `path`, checked against its sha256 and each file's; Stop naming a mismatch."""
     marker = Path(path) / MARKER
     if not marker.is_file():
         raise Stop(
@@ -213,8 +207,7 @@ def _lineage(path: Path) -> tuple[int, int]:
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """The checkpoint folders in `output_dir` with a marker, oldest save first (a checkpoint-3 saved
-    after resuming from checkpoint-2 is newer than an abandoned checkpoint-8)."""
+    """The checkpoint folders of `output_dir` with a marker, oldest save first (not by step)."""
     found = Path(output_dir).glob("checkpoint-*")
     return sorted(
         (p for p in found if _CKPT.match(p.name) and (p / MARKER).is_file()), key=_lineage
@@ -284,8 +277,7 @@ def _clean_name(name: str) -> str:
 
 @contextmanager
 def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None = None):
-    """Yields `save_state`'s (`load_state`'s) keyword arguments that leave frozen parameters out
-    when `partial`. FSDP: `fsdp_trainable_state_only`; DDP: a save hook drops them."""
+    """`save_state`'s (`load_state`'s) kwargs that leave frozen parameters out if `partial`."""
     if not partial:
         yield {}
     elif accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -319,8 +311,7 @@ def _state_kwargs(accelerator, partial: bool, load: bool, applied: list | None =
 
 
 def trainable_sums(accelerator) -> dict[str, list]:
-    """{name: [elements, sum, sum of squares]} (fp64) of each trainable parameter, whole (a
-    collective): a load that left one as it was is caught."""
+    """{name: [elements, sum, sum of squares]} (fp64) of each trainable parameter; a collective."""
     import torch
 
     sums, deepspeed = {}, accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -451,8 +442,7 @@ SETTING_SOURCES = {
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
-    """The settings of `current` a checkpoint recorded otherwise, as "name saved -> now" (a dict:
-    one per key that differs); keys it did not record are skipped."""
+    """{key: "saved -> now"} for each setting of `current` the checkpoint recorded otherwise."""
     changes, named = [], set()
     for k, v in current.items():
         if k not in saved or saved[k] == v:
@@ -476,8 +466,7 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
 
 
 def precision_state(accelerator) -> dict:
-    """The precision a resume must keep: `mixed_precision` and, under DeepSpeed, the JSON's
-    gradient-reduction dtypes ("default": the model's)."""
+    """The precision a resume keeps: `mixed_precision`, DeepSpeed's gradient-reduction dtypes."""
     state = {"mixed_precision": accelerator.mixed_precision}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -490,8 +479,7 @@ def precision_state(accelerator) -> dict:
 
 
 def strategy_name(accelerator) -> str:
-    """The strategy a checkpoint records: "FSDP2", "DEEPSPEED_ZERO3", "NO", "FSDP2 (dp_replicate 2 x
-    dp_shard 2)"."""
+    """The strategy a checkpoint records: "FSDP2", "DEEPSPEED_ZERO3", "NO" (+ a mesh)."""
     name = accelerator.distributed_type.value
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return f"{name}_ZERO{accelerator.state.deepspeed_plugin.zero_stage}"
@@ -567,16 +555,14 @@ def check_resume(
 
 
 def leave_signals_to_the_rank(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM, SIGINT and SIGHUP (torchrun signals each rank's process
-    group, Ctrl-C the terminal's): the rank saves at the next step, then stops its workers."""
+    """DataLoader workers ignore SIGTERM, SIGINT, SIGHUP: the rank saves, then stops them."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
 
 def stop_on_signal(accelerator, timeout_s: float):
-    """Record SIGTERM, SIGINT and SIGHUP instead of dying; returns `preempted()`: the signal's name
-    on every rank once any rank got one, else None. Call it on every rank at each step boundary (a
-    4-byte gloo all-reduce, no device sync)."""
+    """Record SIGTERM, SIGINT and SIGHUP instead of dying; returns `preempted()`, called on every
+    rank at each step boundary: the signal's name once any rank got one, else None (4 bytes)."""
     import torch
     import torch.distributed as dist
 
@@ -649,16 +635,11 @@ def export_model(accelerator, model, tokenizer, output_dir: str) -> str:
 def run_state(
     accelerator, args, model, learning_rate: float, max_steps: int, **data_position
 ) -> tuple[dict, list[str]]:
-    """(what a run records in its checkpoints, the keys a resume must match), for every recipe
-    that trains.
-
-    Must match: `data_position` (global batch, seed, blocks: the data order; a recipe adds what
-    else fixes its run, e.g. a frozen base's digest), and what a resume restores whatever the
-    flags say: the optimizer's LR (after any scaling), decay, betas, schedule and warmup (in steps), --max_grad_norm,
-    the precision and the model config. With dropout, also the split of the global batch over
-    micro batches and ranks (the masks depend on it). Recorded besides: world size, strategy
-    and `max_steps` (`check_resume`).
-    """
+    """(what a run records in its checkpoints, the keys a resume must match). Must match:
+    `data_position` (the data order, and e.g. a frozen base's digest) and what a resume restores
+    whatever the flags say: LR (scaled), decay, betas, schedule, warmup steps, --max_grad_norm,
+    precision, model config; with dropout, the batch split (the masks depend on it). Recorded
+    besides: world size, strategy and `max_steps` (`check_resume`)."""
     import torch
 
     dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(

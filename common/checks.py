@@ -51,9 +51,8 @@ def _true(value) -> bool:
 
 
 def _launch_config_from_env(env=os.environ) -> dict:
-    """This rank's accelerate config in the YAML's keys, rebuilt from what `accelerate launch` sets,
-    plus "mixed_precision_forced" (on the launch line) and "dropped_launch_flags" (DeepSpeed flags
-    of a launch that is not DeepSpeed, which Accelerate drops)."""
+    """This rank's accelerate config in the YAML's keys, from what `accelerate launch` sets; plus
+    "mixed_precision_forced" (the launch line's) and "dropped_launch_flags" (DeepSpeed's, off it)."""
     world = int(env.get("WORLD_SIZE", 1))
     config = {
         "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"),
@@ -409,8 +408,7 @@ def _fsdp_problems(fsdp: dict, where: str, hardware: dict | None, model_classes:
 
 
 def _mesh_problems(config: dict, where: str, ranks: int, per_machine: int, tensor_parallel: bool):
-    """A `parallelism_config` that Accelerate would refuse with a traceback, that the recipe cannot
-    train, or whose shard groups span machines."""
+    """A `parallelism_config` Accelerate refuses, the recipe cannot train, or split by machines."""
     mesh = config["parallelism_config"]
     sizes = {dim: int(mesh.get(f"parallelism_config_{dim}_size") or 1) for dim in MESH_DIMS}
     fsdp = config.get("fsdp_config") or {}
@@ -470,9 +468,8 @@ def _mesh_problems(config: dict, where: str, ranks: int, per_machine: int, tenso
 
 
 def _dynamo_problems(config: dict, where: str, compiles: bool):
-    """torch.compile that fails (regional compilation under FSDP1) or would not happen (Accelerate
-    1.15 passes no dynamo settings to DeepSpeed's ranks; ACCELERATE_DYNAMO_BACKEND in the
-    environment does reach them)."""
+    """torch.compile that fails (regional under FSDP1) or would not happen (Accelerate 1.15 passes
+    DeepSpeed's ranks no dynamo settings; an ACCELERATE_DYNAMO_BACKEND in the environment does)."""
     dynamo = config.get("dynamo_config") or {}
     backend = str(dynamo.get("dynamo_backend") or "NO").upper()
     asked = f"dynamo backend {backend.lower()} (--dynamo_backend or dynamo_config in {where})"
@@ -600,10 +597,8 @@ def config_problems(
     tensor_parallel: bool = False,
 ) -> list[Problem]:
     """Every problem its inputs show, errors first; a check runs when its inputs are given.
-    `config`: the YAML's keys; `ds, ds_where`: `deepspeed_settings`; `flags`: those of
-    `Startup.FLAGS` (a `mixed_precision` there wins); `hardware`: `detect_hardware()`;
-    `model_classes`: the model's module class names; `n_params`, `device_memory`: bytes per rank;
-    `compiles`, `tensor_parallel`: what the recipe supports."""
+    `config`: the YAML's keys; `ds, ds_where`: `deepspeed_settings`; `flags`: `Startup.FLAGS`'
+    (their `mixed_precision` wins); `n_params`, `device_memory`: bytes per rank."""
     flags = flags or {}
     ranks = int(config.get("num_processes", 1))
     per_machine = ranks // max(1, int(config.get("num_machines", 1)))
@@ -628,10 +623,9 @@ def config_problems(
 
 
 class Startup:
-    """A run's start-up checks, one call per stage: each adds what it learnt to the facts and runs
-    `config_problems` again; errors raise one `Stop`, each warning prints once. They check and
-    choose the precision (`precision`: `precision.for_launch`'s, or `precision_used`, the recipe's
-    own choice); nothing else. `facts`: `check`'s, known at launch."""
+    """A run's start-up checks, one call per stage, each adding facts and running `config_problems`
+    again: errors raise one `Stop`, each warning prints once. `precision`: `for_launch`'s, or the
+    recipe's `precision_used`."""
 
     FLAGS = (
         "per_device_train_batch_size",
@@ -701,8 +695,7 @@ class Startup:
 
 
 def _fsdp_block_units(model) -> dict:
-    """{"block_class", "blocks": n, "units": k}: k of the prepared model's n decoder blocks are FSDP
-    units of their own (FSDP2: an `FSDPModule`; FSDP1: in a wrapper)."""
+    """{"block_class", "blocks": n, "units": k}: k of n decoder blocks are FSDP units."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     blocks = models.decoder_blocks(model)
@@ -739,8 +732,7 @@ def model_class_names(model_cls, config) -> set[str]:
 
 
 def _model_facts(config: dict, ds: dict | None, model_cls, model_config) -> dict:
-    """`config_problems`' model inputs its checks need: `model_classes` for a wrap class; under
-    ZeRO-3, `n_params` (on the meta device) and `device_memory`."""
+    """`config_problems`' model inputs: `model_classes`; ZeRO-3: `n_params`, `device_memory`."""
     facts = {}
     if (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap"):
         facts["model_classes"] = model_class_names(model_cls, model_config)
@@ -783,45 +775,6 @@ def same_on_every_rank(accelerator, what: str, value: str) -> None:
         f"the {what} differs between ranks: rank(s) {', '.join(map(str, differ))} read another one than rank 0 "
         f"({values[differ[0]]} vs {values[0]}); every node must see the same files (a shared or identical path)"
     )
-
-
-def mixed_precision_flags(args) -> None:
-    """recipes/mixed_precision.py's flags that cannot mean what they say (and --compare's needs)."""
-    if args.precision not in precision.MODES:
-        raise Stop(f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}")
-    if args.model_config not in models.PRESETS:
-        raise Stop(
-            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
-        )
-    for name in ("init_scale", "min_loss_scale"):
-        if not getattr(args, name) > 0:
-            raise Stop(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.init_scale < args.min_loss_scale:
-        raise Stop(
-            f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}"
-        )
-    if not args.compare:
-        return
-    if "LOCAL_RANK" in os.environ:
-        raise Stop(
-            "run --compare with plain `python`, not `accelerate launch`: it launches each precision itself"
-        )
-    if not os.path.isfile(args.config_file):
-        raise Stop(f"--config_file {args.config_file}: no such file")
-    if args.resume_from_checkpoint not in (None, "latest", "auto"):
-        raise Stop(
-            "--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
-            "latest or auto"
-        )
-
-
-def classifier_flags(args) -> None:
-    """recipes/ddp_classifier.py's model flags that BERT would refuse later."""
-    if args.hidden_size % args.num_attention_heads:
-        raise Stop(
-            f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
-            f"{args.num_attention_heads}"
-        )
 
 
 def sharded_data_flags(args) -> None:

@@ -1,10 +1,9 @@
 """Corpus, tokenizer and fixed-size training blocks for the causal-LM recipes.
 
-The default input is the bundled Shakespeare corpus and a byte-level BPE trained on it;
-`--dataset_name` / `--train_file` load anything `datasets` can, as transformers' `run_clm`. A
-recipe's data stage may make its own rows of (input_ids, labels): `pack_dataset`'s `to_rows`.
-What is expensive is cached under `cache_dir`, keyed by a hash of its inputs, and written through
-an atomic rename: build it inside `launch.node_first` (each node's first rank builds).
+The bundled Shakespeare corpus and a BPE trained on it, or what `datasets` loads (as `run_clm`),
+or a data stage's own (input_ids, labels) rows (`pack_dataset`'s `to_rows`). What is expensive
+is cached under `cache_dir` by a hash of its inputs, through an atomic rename: build it inside
+`launch.node_first` (each node's first rank builds).
 """
 
 from __future__ import annotations
@@ -163,8 +162,7 @@ def sample_text(split: datasets.Dataset, rows: int | None = 100, start: int = 0)
 
 
 def _digest(*splits: datasets.Dataset) -> str:
-    """SHA-256 of the rows' text: the same on every rank and run (`datasets`' fingerprints of
-    in-memory data are random)."""
+    """SHA-256 of the rows' text (`datasets`' fingerprints of in-memory data are random)."""
     h = hashlib.sha256()
     for split in splits:
         for start in range(0, len(split), 10_000):

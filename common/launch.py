@@ -29,8 +29,7 @@ def _env_true(name: str) -> bool:
 def _host_nvidia_gpus(
     proc_dir: str = "/proc/driver/nvidia/gpus", timeout_s: float = 10.0
 ) -> tuple[int, str]:
-    """(NVIDIA GPUs on this host, even those torch cannot see; where seen), from the driver's
-    `proc_dir`, else `nvidia-smi -L`; (0, "") if none."""
+    """(NVIDIA GPUs on this host, seen by torch or not; where seen), or (0, "")."""
     try:
         if n := len(os.listdir(proc_dir)):
             return n, proc_dir
@@ -49,8 +48,7 @@ def _host_nvidia_gpus(
 
 
 def process_group(timeout_s: float) -> tuple[InitProcessGroupKwargs, list[str]]:
-    """(`Accelerator`'s process-group kwargs, gloo on CPU ranks; the workarounds applied), after the
-    launch's checks. `timeout_s`: a rank stuck longer in a collective raises."""
+    """(process-group kwargs, gloo on CPU ranks; the workarounds applied), after checks."""
     if timeout_s <= 0:
         raise Stop(f"--ddp_timeout must be a positive number of seconds, got {timeout_s}")
     # Read the opt-in before ddp_ranks_on_cpu sets ACCELERATE_USE_CPU.

@@ -163,14 +163,10 @@ RUN_NAME = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "clearml":
 
 
 class RunLog:
-    """metrics.jsonl, the trackers (--report_to), run_info.json and the run's last line.
-
-    metrics.jsonl holds a JSON object per logged step, then `{"summary": true, ...}`. A resumed
-    run keeps the step lines up to `resumed_step` and drops the rest, as TensorBoard does
-    (`purge_step`), so the file reads as one run. The main process writes; `log` sends the finite
-    numbers to the trackers. `run_info` (what the run really is) goes to run_info.json with the
-    trackers started; `saved`, the resumed checkpoint's marker, holds the token counts so far.
-    """
+    """metrics.jsonl (a line per logged step, then `{"summary": true, ...}`), the trackers
+    (--report_to), run_info.json (with the trackers started) and the run's last line. A resume
+    keeps the lines up to `resumed_step` (TensorBoard's `purge_step`); `saved`, its checkpoint's
+    marker, holds the token counts so far. The main process writes."""
 
     def __init__(self, accelerator, args, project, resumed_step=None, run_info=None, saved=None):
         self.accelerator, saved = accelerator, saved or {}
@@ -299,8 +295,7 @@ def start_line(run_info: dict) -> str:
 
 
 def run_info(accelerator, model, args, **facts) -> dict:
-    """run_info.json: the strategy as Accelerate runs it, `facts`, each rank's parameter elements (a
-    collective), torch.compile, the flags."""
+    """run_info.json: the strategy, `facts`, ranks' parameter elements (a collective), the flags."""
     held = [getattr(p, "ds_tensor", p) for p in model.parameters()]  # ZeRO-3: the partition
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in held)  # FSDP2
     local = torch.tensor([local], device=accelerator.device)
@@ -328,9 +323,8 @@ def run_info(accelerator, model, args, **facts) -> dict:
 
 
 class SampleIds:
-    """--record_sample_ids: each rank's trained sample ids per epoch, in
-    OUTPUT_DIR/sample_ids/rank{r}.json. `take` pops "sample_id" from each batch and keeps the ids
-    on the device; `write` copies them to the host once."""
+    """--record_sample_ids: each rank's trained sample ids per epoch in sample_ids/rank{r}.json;
+    `take` keeps them on the device, `write` copies them to the host once."""
 
     def __init__(self, on: bool, first_epoch: int = 0):
         self.on, self.epochs = on, [[] for _ in range(first_epoch)]

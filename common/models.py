@@ -96,8 +96,7 @@ def config_state(config) -> dict:
 
 
 def for_inference(obj):
-    """A copy of a model or generation config with the KV cache on (training turns it off); anything
-    else as it is."""
+    """A copy of a model or generation config with the KV cache on; anything else as is."""
     if not hasattr(obj, "use_cache"):
         return obj
     obj = copy.deepcopy(obj)
@@ -106,8 +105,7 @@ def for_inference(obj):
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The `ModuleList` of `config.num_hidden_layers` decoder blocks of a bare or FSDP-wrapped
-    model, or None."""
+    """The `ModuleList` of decoder blocks of a bare or FSDP-wrapped model, or None."""
     config = getattr(model, "config", None) or getattr(
         getattr(model, "module", None), "config", None
     )

@@ -1,9 +1,7 @@
 """Which mixed precision for which hardware (docs/configs.md#precision), and each step's health.
 
-bf16 where the device computes it natively (CUDA 8.0+, CPUs with AVX512-BF16 or AMX, Arm BF16);
-fp16 where it has fast fp16 and no bf16 (CUDA 7.x); else fp32. A CPU emulates bf16 about 14x
-slower: a config's bf16 trains in fp32 there unless the launch line forces it.
-"""
+bf16 where computed natively (CUDA 8.0+, AVX512-BF16 or AMX, Arm BF16), fp16 on CUDA 7.x, else
+fp32: a config's bf16 on a CPU that emulates it (~14x slower) only if the launch line forces it."""
 
 from __future__ import annotations
 
@@ -109,8 +107,7 @@ def choose_precision(requested, device_type, capability, n_params, forced=True) 
 
 
 def for_launch(launch_config: dict, hardware: dict) -> dict:
-    """{"requested", "used", "reason"}: the launch config's mixed_precision where the hardware
-    computes it; rank 0 prints the reason where they differ or it is emulated."""
+    """{"requested", "used", "reason"}: the config's mixed_precision if the hardware computes it."""
     requested = launch_config.get("mixed_precision") or "no"
     if hardware["device_type"] != "cpu":
         return {"requested": requested, "used": requested, "reason": f"{requested} as requested"}
@@ -158,9 +155,8 @@ def precision_name(mixed_precision: str) -> str:
 
 
 class NonFiniteGuard:
-    """Stops a run whose loss or gradient norm went inf/NaN (fp16 loss scaling skips such steps)
-    before its weights are saved. `record` keeps the first bad step on the device; `problem` reads
-    it where the recipe reads values anyway. `model`: prepared (DeepSpeed: the engine)."""
+    """Stops a run whose loss or grad norm went inf/NaN (fp16's skipped steps aside) before a save:
+    `record` keeps the first bad step on the device, `problem` reads it with the recipe's values."""
 
     def __init__(self, accelerator, model=None):
         self.accelerator = accelerator

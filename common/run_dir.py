@@ -1,9 +1,7 @@
 """One live run per `--output_dir` (`claim`), and which attempt of its job this is.
 
-The lock is a POSIX record lock (`fcntl.lockf`, which forked workers do not inherit) on
-`{output_dir}/.lock`: the kernel drops it however the process ends. On NFS a crashed node's lock
-lasts until its lease expires (NFSv4: about 90 s).
-"""
+`{output_dir}/.lock` is a POSIX record lock (`fcntl.lockf`: forked workers do not inherit it),
+dropped by the kernel however the process ends; on NFS at lease expiry (NFSv4: about 90 s)."""
 
 from __future__ import annotations
 

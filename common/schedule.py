@@ -27,8 +27,7 @@ def warmup_count(warmup_steps: float, warmup_ratio: float, max_steps: int) -> in
 
 
 def lr_scheduler(optimizer, args, max_steps: int):
-    """`transformers.get_scheduler` with --lr_scheduler_type, its warmup and
-    --lr_scheduler_kwargs, as `Trainer.create_scheduler` builds it."""
+    """`transformers.get_scheduler` from the flags, as `Trainer.create_scheduler` builds it."""
     warmup = warmup_count(args.warmup_steps, args.warmup_ratio, max_steps)
     try:
         kwargs = json.loads(args.lr_scheduler_kwargs or "{}")

@@ -2,9 +2,11 @@
 
 Each docstring names the library, the symptom without the patch, and its canary: `test_<name>` in
 tests/test_workarounds.py fails once upstream changes; then review the patch. Each returns
-`["its_name"]` or `[]`, for run_info.json. Two live beside the code they serve:
+`["its_name"]` or `[]`, for run_info.json. Those beside the code they serve:
 - common/checkpoint.py, `zero_universal`: DeepSpeed's `engine._config.load_universal_checkpoint`.
 - common/causal_lm.py, `tensor_parallel`: transformers' `model._tp_size`.
+- common/causal_lm.py, `replicate_parallel_for_accelerate`: transformers' tensor-parallel styles.
+- common/causal_lm.py, `gather_metrics_once_per_tp_group`: `accelerator.gather_for_metrics`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from types import MethodType
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, get_mixed_precision_context_manager, other
-from accelerate.utils import recursively_apply
 
 from common.errors import Stop
 
@@ -56,8 +57,7 @@ def allow_mixed_precision_with_deepspeed_json() -> list[str]:
 
 
 def ddp_ranks_on_cpu() -> list[str]:
-    """DDP on CPU torchrun ranks: Accelerate 1.15 makes them independent runs unless told `cpu`.
-    Canary: still not distributed without `ACCELERATE_USE_CPU`."""
+    """DDP on CPU ranks: Accelerate 1.15 makes them independent runs. Canary: still so."""
     os.environ["ACCELERATE_USE_CPU"] = "true"
     return ["ddp_ranks_on_cpu"]
 
@@ -274,8 +274,7 @@ def trim_malloc_heap() -> list[str]:
 
 
 def safetensors_mode_from_umask(path: str) -> list[str]:
-    """`.safetensors` files (or those under a folder) get 0666 less the umask: safetensors 0.8
-    writes 0600. On the rank that wrote them. Canary: still 0600."""
+    """Files under `path`: 0666 less the umask (safetensors 0.8: 0600). Canary: 0600."""
     umask = os.umask(0o077)  # (reading it means setting it, for that moment)
     os.umask(umask)
     path = Path(path)
@@ -283,50 +282,6 @@ def safetensors_mode_from_umask(path: str) -> list[str]:
     for f in files:
         f.chmod(0o666 & ~umask)
     return ["safetensors_mode_from_umask"] if files else []
-
-
-def replicate_parallel_for_accelerate(accelerator) -> list[str]:
-    """Tensor parallel: the `ReplicateParallel` Accelerate 1.15's `prepare` imports, which
-    transformers 5.24 lacks (its `local_params` style here). Canary: still imported, still missing."""
-    import transformers.integrations.tensor_parallel as hf_tp
-
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or not config.tp_enabled or hasattr(hf_tp, "ReplicateParallel"):
-        return []
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
-    class ReplicateParallel:
-        def prepare_module_tp(self, module, mesh):
-            if not getattr(module, "_replicated_params_local", False):  # once per module
-                ALL_PARALLEL_STYLES["local_params"].install_forward(module, mesh)
-                module._replicated_params_local = True
-
-    hf_tp.ReplicateParallel = ReplicateParallel
-    return ["replicate_parallel_for_accelerate"]
-
-
-def gather_metrics_once_per_tp_group(accelerator) -> list[str]:
-    """Tensor parallel: `gather_for_metrics` keeps one copy of each tp group's rows (Accelerate 1.15
-    gathers every rank: the eval loss was 1.2e-3 off). Canary: it still gathers every rank's."""
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or not config.tp_enabled:
-        return []
-    tp, plain = config.non_data_parallel_size, accelerator.gather_for_metrics
-
-    def one_copy(t: torch.Tensor) -> torch.Tensor:  # [ranks x n, ...] -> [dp ranks x n, ...]
-        n = t.shape[0] // accelerator.num_processes
-        return t.reshape(-1, tp, n, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])
-
-    def gather_for_metrics(input_data, use_gather_object=False):
-        gather = type(accelerator).gather
-        accelerator.gather = lambda data: recursively_apply(one_copy, gather(accelerator, data))
-        try:
-            return plain(input_data, use_gather_object=use_gather_object)
-        finally:
-            del accelerator.gather  # the class's own again
-
-    accelerator.gather_for_metrics = gather_for_metrics
-    return ["gather_metrics_once_per_tp_group"]
 
 
 def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
@@ -344,8 +299,7 @@ def no_deepspeed_import_on_unwrap(accelerator) -> list[str]:
 
 
 def inductor_cache_per_cpu_capability() -> list[str]:
-    """Under `ATEN_CPU_CAPABILITY`, inductor's cache in a folder of its own: torch 2.13's ignores it
-    (avx2 read native kernels). Canary: the cache still ignores it."""
+    """Inductor's cache per `ATEN_CPU_CAPABILITY` (torch 2.13 ignores it). Canary: so."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if not capability:
         return []
@@ -360,13 +314,10 @@ def inductor_cache_per_cpu_capability() -> list[str]:
 
 def patch_accelerator(accelerator) -> list[str]:
     """Right after `Accelerator(...)`: `install_cpu_grad_scaler`, `keep_fp32_reduction`,
-    `replicate_parallel_for_accelerate`, `gather_metrics_once_per_tp_group`,
     `no_deepspeed_import_on_unwrap`."""
     return (
         install_cpu_grad_scaler(accelerator)
         + keep_fp32_reduction(accelerator)
-        + replicate_parallel_for_accelerate(accelerator)
-        + gather_metrics_once_per_tp_group(accelerator)
         + no_deepspeed_import_on_unwrap(accelerator)
     )
 

@@ -178,7 +178,11 @@ def main() -> int:
     # one `error:` line for a bad flag or a non-empty --output_dir, before anything is written
     args = common_args.parse_args(Args, description=__doc__, **DEFAULTS)
     common_args.make_output_dir(args.output_dir)  # a file in the way or an impossible path: now
-    checks.classifier_flags(args)  # a hidden size the attention heads cannot split
+    if args.hidden_size % args.num_attention_heads:  # BERT would refuse it later
+        raise Stop(
+            f"--hidden_size {args.hidden_size} is not a multiple of --num_attention_heads "
+            f"{args.num_attention_heads}"
+        )
     accumulation = args.gradient_accumulation_steps
 
     # ---------------------------------------------------------------------------------------------

@@ -159,6 +159,7 @@ def main() -> int:
     world_size = launch.data_parallel_size(accelerator)  # tensor parallel: ranks / tp size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     # <<< shared
+    applied += causal_lm.patch_tensor_parallel(accelerator)  # tp.yaml: prepare, eval gather
 
     # ADAPT: data. Tokenized and packed by each node's first rank; the others read its cache.
     with launch.node_first(accelerator):

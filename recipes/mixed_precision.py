@@ -89,6 +89,18 @@ def local_bytes(tensors) -> int:
 def compare(args) -> int:
     """--compare: one launch (a whole job: process group, Accelerator, autocast) per precision
     with the same config and the flags given (--overwrite_output_dir too), then one table."""
+    if "LOCAL_RANK" in os.environ:
+        raise errors.Stop(
+            "run --compare with plain `python`, not `accelerate launch`: it launches each "
+            "precision itself"
+        )
+    if not os.path.isfile(args.config_file):
+        raise errors.Stop(f"--config_file {args.config_file}: no such file")
+    if args.resume_from_checkpoint not in (None, "latest", "auto"):
+        raise errors.Stop(
+            "--compare resumes each precision from its own folder: pass --resume_from_checkpoint "
+            "latest or auto"
+        )
     own = {"compare", "config_file", "precision", "output_dir"}
     passed = [s for k in sorted(args.given - own) for s in (f"--{k}", str(getattr(args, k)))]
     rows, mib = [], ("activation_bytes", "weight_copy_bytes", "parameter_bytes", "gradient_bytes")
@@ -164,7 +176,21 @@ def main() -> int:
         logging_steps=5,
     )
     make_output_dir(args.output_dir)  # a file in the way or an impossible path: one line, now
-    checks.mixed_precision_flags(args)  # --precision, the scales; with --compare, its launch
+    if args.precision not in precision.MODES:
+        raise errors.Stop(
+            f"--precision {args.precision!r}: choose one of {', '.join(precision.MODES)}"
+        )
+    if args.model_config not in models.PRESETS:
+        raise errors.Stop(
+            f"unknown --model_config {args.model_config!r}; choose one of {sorted(models.PRESETS)}"
+        )
+    for name in ("init_scale", "min_loss_scale"):
+        if not getattr(args, name) > 0:
+            raise errors.Stop(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.init_scale < args.min_loss_scale:
+        raise errors.Stop(
+            f"--init_scale {args.init_scale:g} is below --min_loss_scale {args.min_loss_scale:g}"
+        )
     if args.compare:
         return compare(args)
 

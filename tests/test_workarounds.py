@@ -296,7 +296,7 @@ def test_replicate_parallel_for_accelerate():
     assert (
         "from transformers.integrations.tensor_parallel import ReplicateParallel" in source
         and not hasattr(hf_tp, "ReplicateParallel")
-    ), upstream("replicate_parallel_for_accelerate")
+    ), upstream("causal_lm.replicate_parallel_for_accelerate")
 
 
 def test_gather_metrics_once_per_tp_group():
@@ -306,7 +306,7 @@ def test_gather_metrics_once_per_tp_group():
     assert (
         "data = self.gather(input_data)" in source
         and "tensor[: self.gradient_state.remainder]" in source
-    ), upstream("gather_metrics_once_per_tp_group")
+    ), upstream("causal_lm.gather_metrics_once_per_tp_group")
 
 
 def test_no_deepspeed_import_on_unwrap():
