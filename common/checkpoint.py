@@ -428,7 +428,7 @@ def zero_universal(accelerator, path: Path, engine):
 # The flags behind the settings a resume compares that are no flags themselves.
 _DATA = (
     "--train_file, --validation_file, --dataset_name, --dataset_config_name, "
-    "--validation_split_percentage, the tokenizer (--tokenizer_name_or_path, "
+    "--dataset_text_field, --validation_split_percentage, the tokenizer (--tokenizer_name_or_path, "
     "--model_name_or_path, --vocab_size), --block_size, --packing"
 )
 SETTING_SOURCES = {
