@@ -1,7 +1,6 @@
-"""Atomic, verified checkpoints around `save_state` / `load_state`, the resume check, the export.
-
-`checkpoint-{step}/COMPLETE.json`, written last: step, save order ("newest": never a clock or the
-step), run state, each file's size and sha256, and its own sha256."""
+"""Atomic, verified checkpoints around `save_state` / `load_state`, the resume check, the export:
+`checkpoint-{step}/COMPLETE.json`, written last, holds the step, save order, run state, each
+file's size and sha256, and its own sha256."""
 
 from __future__ import annotations
 
@@ -438,6 +437,7 @@ SETTING_SOURCES = {
     "--validation_split_percentage, --max_train_samples",
     "global_batch": "--per_device_train_batch_size x --gradient_accumulation_steps x world size",
     "frozen_base": "the frozen base model's weights: --model_name_or_path",
+    "warmup_steps": "--warmup_steps, or --warmup_ratio x --max_steps",
 }
 
 

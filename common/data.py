@@ -1,9 +1,8 @@
 """Corpus, tokenizer and fixed-size training blocks for the causal-LM recipes.
 
-The bundled Shakespeare corpus and a BPE trained on it, or what `datasets` loads (as `run_clm`),
-or a data stage's own (input_ids, labels) rows (`pack_dataset`'s `to_rows`). What is expensive
-is cached under `cache_dir` by a hash of its inputs, through an atomic rename: build it inside
-`launch.node_first` (each node's first rank builds).
+The bundled corpus, what `datasets` loads (as `run_clm`), or a data stage's own rows
+(`pack_dataset`'s `to_rows`), cached under `cache_dir` by a hash of the inputs: build inside
+`launch.node_first` (each node's first rank builds, then renames atomically).
 """
 
 from __future__ import annotations
@@ -69,12 +68,10 @@ def load_text_dataset(
     bundled: tuple[str, str] | None = None,
     text_field: str = "text",
 ) -> datasets.DatasetDict:
-    """Splits `train` and `validation`, as `run_clm.py`, from (first match wins) a `datasets`
-    name; `train_file` and `validation_file` (.txt: one document per file; .json/.jsonl/.parquet:
-    one per row); the `bundled` (train, validation) files; the bundled corpus. Without a validation
-    split, the first `validation_split_percentage`% of the rows are held out (a lone .txt: the
-    start of its text, `split_text`). Each split must hold one of the `columns` sets; its
-    `text_field` column (--dataset_text_field) becomes `text`, which the data stage reads."""
+    """Splits `train` and `validation`, as `run_clm.py`, from a `datasets` name, else the files
+    (.txt: a document each; .json/.jsonl/.parquet: a row each), else `bundled`, else the corpus;
+    without a validation split, the first `validation_split_percentage`% held out. Each split must
+    hold one of the `columns` sets; its `text_field` column becomes `text`."""
     if dataset_name:
         raw = datasets.load_dataset(dataset_name, dataset_config_name)
     elif train_file or bundled:
@@ -127,7 +124,18 @@ def load_text_dataset(
             raw[split] = raw[split].select_columns(text_field).rename_column(text_field, "text")
         if not any(set(names) <= set(raw[split].column_names) for names in columns):
             wanted = " or ".join("+".join(f"'{n}'" for n in names) for names in columns)
-            raise Stop(f"{split} split has no {wanted} column (columns: {raw[split].column_names})")
+            raise Stop(
+                f"{split} split has no {wanted} column (columns: {raw[split].column_names}; "
+                "--dataset_text_field names the text's)"
+            )
+        kind = getattr(raw[split].features.get("text"), "dtype", "string")  # (a list: "list")
+        nulls = "text" in raw[split].column_names and raw[split].data.column("text").null_count
+        if kind not in ("string", "large_string") or nulls:  # (nulls: of the file's rows)
+            raise Stop(
+                f"{split} split: column '{text_field}' (--dataset_text_field) holds {kind}"
+                + (f", {nulls} null" if nulls else "")
+                + ": text in every row is needed"
+            )
     return raw
 
 
@@ -220,9 +228,8 @@ def get_tokenizer(
 
 
 def _source_files(fn, seen: set) -> set[str]:
-    """The files of the user's code that `fn` reaches through its globals and closure (functions
-    and modules outside the Python installation, recursively): `datasets` hashes a function
-    imported from another module by its name alone, so an edit there must change the key."""
+    """The user's files (outside the Python installation) `fn` reaches, recursively: `datasets`
+    hashes a function of another module by its name alone, and an edit there must change the key."""
     import inspect
     import sysconfig
     import types
@@ -248,9 +255,7 @@ def _source_files(fn, seen: set) -> set[str]:
 
 def _cache_key(raw, tokenizer, block_size: int, packing: str, to_rows) -> str:
     """16 hex digits over what makes the blocks: the rows, `block_size`, `packing`, the tokenizer
-    and `to_rows` (`datasets`' hash: code and closed-over values; not the tokenizer's directory,
-    which each node may have its own; plus the user's files it calls into). "v5" changes with the
-    packing code: no older cache is read."""
+    (not its directory: each node may have its own), `to_rows` and the files it calls into."""
     from datasets.fingerprint import Hasher
 
     where = tokenizer.name_or_path, tokenizer.init_kwargs
@@ -273,10 +278,9 @@ def _cache_key(raw, tokenizer, block_size: int, packing: str, to_rows) -> str:
 
 
 def document_ids(tokenizer, texts: list[str]) -> tuple[list[list[int]], dict[str, int]]:
-    """(ids of each text, {special-token string: count found}). A text's ids: the tokens the
-    tokenizer's template puts before it (Llama 3's `<|begin_of_text|>`, not an eos), its tokens,
-    one eos (the one separator). Special-token strings stay text: an eos mid-document would train
-    as a document's end."""
+    """(ids of each text, {special-token string: count found}). A text's ids: the template's
+    prefix (Llama 3's `<|begin_of_text|>`), its tokens, one eos (the one separator). Special-token
+    strings stay text: an eos mid-document would train as a document's end."""
     specials = {
         *tokenizer.all_special_tokens,
         *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special),
@@ -344,8 +348,7 @@ def _pack_blocks(
 
 
 def tokenize_rows(split, tokenizer, packing: str, to_rows=None, num_proc=None) -> datasets.Dataset:
-    """`pack_dataset`'s token rows of `split` on `num_proc` processes. A row's tokens are its own:
-    contiguous parts of a split, tokenized apart and concatenated in order, are the same rows."""
+    """`pack_dataset`'s token rows of `split` on `num_proc` processes (the same for any count)."""
 
     def tokenize(batch):
         if to_rows is None:
@@ -368,10 +371,9 @@ def tokenize_rows(split, tokenizer, packing: str, to_rows=None, num_proc=None) -
 
 
 def pack_stats(lm_data: datasets.DatasetDict) -> dict:
-    """`pack_dataset`'s figures of each split ({} if unknown): "rows", "targets" (labels != -100 past
-    the first position: what the loss counts), "digest" (of every column), "special_text" (found
-    in the text, `document_ids`); packed: "tokens", "blocks", "dropped_tokens"[, "split_documents"];
-    none: "cut_rows", "cut_tokens"."""
+    """`pack_dataset`'s figures of each split ({} if unknown): "rows", "targets" (what the loss
+    counts), "digest", "special_text"; packed: "tokens", "blocks", "dropped_tokens"[,
+    "split_documents"]; none: "cut_rows", "cut_tokens"."""
     files = lm_data["train"].cache_files
     stats = Path(files[0]["filename"]).parent.parent / "stats.json" if files else None
     return json.loads(stats.read_text()) if stats and stats.is_file() else {}
@@ -401,16 +403,14 @@ def pack_dataset(
     """`raw`'s train and validation rows as int64 examples of `block_size` tokens: `input_ids`,
     `labels` (unshifted) and, as `packing` says:
     - "stream" (pretraining, run_clm's grouping): a split's rows as one stream cut into blocks;
-    - "documents": the same blocks and `position_ids` restarting at each row, from which
-      transformers builds a block-diagonal mask: each row trains as if alone;
+    - "documents": the same blocks, `position_ids` restarting at each row (a block-diagonal mask);
     - "none": a row each, cut (a warning counts what is lost) and right-padded: `attention_mask`.
 
     A row is a `text` (`document_ids`), or the data stage's own: `to_rows(batch) -> {"input_ids":
     [[...]], "labels": [[...]]}`, a `datasets` batch of raw rows in, any number of rows out, labels
-    -100 where a token is no target. "stream" refuses them: llama.py's loss counts every position
-    of its blocks a target. The cache key hashes `to_rows` with the values it closes over: close
-    over what it needs, not `args` (every flag would key the cache). `num_proc`: processes that
-    tokenize (the same blocks for any count); `tokenized`: splits `tokenize_rows` made already.
+    -100 where a token is no target ("stream" refuses them: its loss takes every position a
+    target). `to_rows` keys the cache with the values it closes over: not `args`. `num_proc`:
+    processes that tokenize; `tokenized`: splits `tokenize_rows` made already.
     """
     if packing not in PACKING:
         raise Stop(f"--packing {packing}: choose one of {', '.join(PACKING)}")

@@ -686,3 +686,24 @@ def test_an_error_line_is_one_write(tmp_path, monkeypatch):
         json.loads((tmp_path / "error.json").read_text())["message"]
         == "ZeroDivisionError: division by zero"
     )
+
+
+def test_a_text_column_that_is_not_text_in_every_row_is_one_line(tmp_path):
+    """--dataset_text_field naming numbers, or a column with a null row, stops in one line (it
+    ended in an AttributeError in the data digest); a missing column names the flag."""
+    rows = [{"id": i, "body": f"row {i} of the text", "title": "t"} for i in range(40)]
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows))
+    rows[7]["body"] = None
+    holed = tmp_path / "holed.jsonl"
+    holed.write_text("\n".join(json.dumps(r) for r in rows))
+    for path, field, says in (
+        (good, "id", "column 'id' (--dataset_text_field) holds int64: text in every row"),
+        (holed, "body", "column 'body' (--dataset_text_field) holds string, 1 null: text in"),
+        (good, "text", "has no 'text' column (columns: ['id', 'body', 'title']; "),
+    ):
+        with pytest.raises(Stop) as err:
+            data.load_text_dataset(train_file=str(path), text_field=field)
+        assert says in str(err.value) and "--dataset_text_field" in str(err.value), err.value
+    raw = data.load_text_dataset(train_file=str(good), text_field="body")
+    assert raw["train"].column_names == ["text"] and len(raw["validation"]) == 2

@@ -1018,7 +1018,8 @@ def test_resume_refuses_another_data_order(refused):
         error
     )  # (once)
     assert (
-        "(the data); learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5; mixed_precision no -> bf16; max_steps "
+        "(the data); learning_rate 0.003 -> 0.001; warmup_steps 4 -> 5 (--warmup_steps, or "
+        "--warmup_ratio x --max_steps); mixed_precision no -> bf16; max_steps "
         f"{STEPS} -> 20 (the LR decays over --max_steps after 5 warmup steps, and the checkpoint's {SAVE} steps "
         "went past them); a DEEPSPEED_ZERO3 state" in error
     ), error

@@ -260,7 +260,8 @@ def test_a_changed_schedule_is_refused_on_resume():
     )
     # a share of a longer run is a longer warmup
     assert refusal("--lr_scheduler_type", "cosine", "--warmup_ratio", 0.1, max_steps=40).startswith(
-        "cannot resume from ckpt: warmup_steps 2 -> 4; max_steps 20 -> 40 (the LR decays over "
+        "cannot resume from ckpt: warmup_steps 2 -> 4 (--warmup_steps, or --warmup_ratio x "
+        "--max_steps); max_steps 20 -> 40 (the LR decays over "
         "--max_steps after 4 warmup steps"
     )
     now, must_match = state("--lr_scheduler_type", "cosine", "--warmup_steps", 2)
