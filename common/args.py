@@ -143,7 +143,7 @@ class TrainingFlags:
     lr_scheduler_kwargs: str = flag(None, """JSON, e.g. '{"min_lr_rate": 0.1}'""")
     warmup_steps: float = flag(0, "steps; below 1, a share of the run (transformers 5)", low=0)
     warmup_ratio: float = flag(0.0, "a share of the run, if --warmup_steps is 0", low=0, high=1)
-    max_steps: int = flag(-1, "optimizer steps; -1: --num_train_epochs decides", low=-1)
+    max_steps: int = flag(-1, "optimizer steps, not 0; -1: --num_train_epochs decides", low=-1)
     num_train_epochs: float = 1.0
     logging_steps: int = flag(10, low=1)
     save_steps: int = flag(0, "checkpoint every N optimizer steps; 0 = never", low=0)

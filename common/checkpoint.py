@@ -696,7 +696,7 @@ def resume_or_start(
         accelerator.print(
             f"{path} was saved by a {saved['max_steps']}-step run, this one has {max_steps}: its "
             f"{saved['step']} steps are all in the {lr_decays_after}-step warmup, which "
-            f"--max_steps does not change, so it continues exactly as a {max_steps}-step run"
+            f"--max_steps does not change, so it continues exactly as a run of {max_steps} steps"
         )
     return path, saved
 
