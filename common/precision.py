@@ -47,7 +47,7 @@ def cpu_hardware_dtypes() -> set[str]:
     return {name for name, has in (("bf16", bf16), ("fp16", fp16)) if has}
 
 
-def _device_name(device_type: str, capability: tuple[int, int] | None) -> str:
+def device_name(device_type: str, capability: tuple[int, int] | None) -> str:
     """The device in a log line: "compute capability 8.0", or "this CPU (AVX512, AVX512-BF16, AMX)"."""
     if device_type == "cuda" and capability:
         return f"compute capability {capability[0]}.{capability[1]}"
@@ -65,7 +65,7 @@ def choose_precision(requested, device_type, capability, n_params, forced=True) 
     `MODES`; `forced`: a CPU that only emulates it keeps it rather than falling back to fp32."""
     if requested not in MODES:
         raise Stop(f"--precision {requested!r}: choose one of {', '.join(MODES)}")
-    cc = _device_name(device_type, capability)
+    cc = device_name(device_type, capability)
     if device_type == "cuda":
         native = {d for d, v in (("bf16", (8, 0)), ("fp16", (7, 0))) if (capability or ()) >= v}
     else:

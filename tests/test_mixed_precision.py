@@ -157,7 +157,7 @@ def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
         reason = precision.choose_precision("bf16", "cpu", None, SMALL, forced=False)[1]
         assert why in reason, reason
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
-    assert "bf16" in precision._cpu_native_dtypes() and "ONEDNN" not in precision._device_name(
+    assert "bf16" in precision._cpu_native_dtypes() and "ONEDNN" not in precision.device_name(
         "cpu", None
     )
 
